@@ -1,0 +1,165 @@
+"""SDP4BitConfig: the one configuration object every layer reads.
+
+The argparse flags (``--sdp4bit-*``) map 1:1 onto these fields and the presets
+(``sdp4bit``, ``zeropp``, ``qwd-only``, ``tlq-hs-only``, ``baseline``) are named
+instances. Validation lives in ``__post_init__`` so a bad value fails where it is
+made, with a message that says what to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Optional
+
+WEIGHT_MODES = ("diff", "direct", "off")
+GRAD_MODES = ("tlq-hs", "tlq", "ulq", "off")
+ROUNDINGS = ("stochastic", "nearest")
+SUPPORTED_BITS = (2, 4, 8)
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclass
+class SDP4BitConfig:
+    """How weights and gradients are compressed on the wire."""
+
+    weight_mode: str = "diff"
+    """Weight all-gather: ``diff`` = qWD (quantized weight differences, the paper's
+    method), ``direct`` = qW (quantize the weights, ZeRO++ qwZ baseline), ``off`` =
+    the exact all-gather."""
+
+    weight_bits: int = 4
+    """Bits per weight-difference code (2, 4 or 8)."""
+
+    weight_group_size: int = 2048
+    """Elements per fp32 scale for the weight quantizer (paper: 2048)."""
+
+    grad_mode: str = "tlq-hs"
+    """Gradient reduce-scatter: ``tlq-hs`` = two-level with Hadamard smoothing (the
+    paper's method), ``tlq`` = two-level without Hadamard, ``ulq`` = two all-to-alls
+    both at ``grad_bits_inter`` bits without Hadamard (ZeRO++ qgZ), ``off`` = the
+    exact reduce-scatter."""
+
+    grad_bits_intra: int = 8
+    """Bits on the first (intra-node) all-to-all hop."""
+
+    grad_bits_inter: int = 4
+    """Bits on the second (inter-node) all-to-all hop; also both hops for ``ulq``."""
+
+    grad_group_size_intra: int = 128
+    """Elements per scale on the intra-node hop (multiple of ``hadamard_block``)."""
+
+    grad_group_size_inter: int = 128
+    """Elements per scale on the inter-node hop (multiple of ``hadamard_block``)."""
+
+    hadamard_block: int = 32
+    """Walsh-Hadamard block size for ``tlq-hs`` (power of two, 2..256)."""
+
+    ranks_per_node: Optional[int] = None
+    """Ranks that share a fast link. None = the ``LOCAL_WORLD_SIZE`` torchrun sets.
+    Set it to emulate several nodes on one machine (e.g. 2 on 4 CPU ranks)."""
+
+    pipeline_chunks: int = 1
+    """Split each gradient bucket into this many chunks so the intra-node hop of
+    chunk i+1 overlaps the inter-node hop of chunk i."""
+
+    rounding: str = "stochastic"
+    """``stochastic`` (unbiased, the paper's choice) or ``nearest``."""
+
+    seed: int = 1234
+    """Base seed of the stochastic-rounding generators (offset per rank)."""
+
+    grad_start_iter: int = 0
+    """Iteration from which gradients are quantized (exact before it)."""
+
+    def __post_init__(self) -> None:
+        self._check_choice("weight_mode", WEIGHT_MODES)
+        self._check_choice("grad_mode", GRAD_MODES)
+        self._check_choice("rounding", ROUNDINGS)
+        for name in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
+            if getattr(self, name) not in SUPPORTED_BITS:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported; "
+                    f"use one of {SUPPORTED_BITS}"
+                )
+        for name in ("weight_group_size", "grad_group_size_intra", "grad_group_size_inter"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if not _is_power_of_two(self.hadamard_block) or not 2 <= self.hadamard_block <= 256:
+            raise ValueError(
+                f"hadamard_block={self.hadamard_block!r} must be a power of two in 2..256"
+            )
+        if self.grad_mode == "tlq-hs":
+            for name in ("grad_group_size_intra", "grad_group_size_inter"):
+                if getattr(self, name) % self.hadamard_block:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)} is not a multiple of "
+                        f"hadamard_block={self.hadamard_block}; pick a group size that "
+                        "is (e.g. 128 with block 32)"
+                    )
+        if self.ranks_per_node is not None and self.ranks_per_node <= 0:
+            raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be positive or None")
+        if self.pipeline_chunks < 1:
+            raise ValueError(f"pipeline_chunks={self.pipeline_chunks!r} must be >= 1")
+        if self.grad_start_iter < 0:
+            raise ValueError(f"grad_start_iter={self.grad_start_iter!r} must be >= 0")
+
+    def _check_choice(self, name: str, choices: tuple) -> None:
+        if getattr(self, name) not in choices:
+            raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {choices}")
+
+    # --- derived views ------------------------------------------------------------
+    @property
+    def quantize_weights(self) -> bool:
+        return self.weight_mode != "off"
+
+    @property
+    def quantize_grads(self) -> bool:
+        return self.grad_mode != "off"
+
+    @property
+    def use_hadamard(self) -> bool:
+        return self.grad_mode == "tlq-hs"
+
+    @property
+    def effective_grad_bits_intra(self) -> int:
+        """ULq uses the low bit width on both hops; the others use ``grad_bits_intra``."""
+        return self.grad_bits_inter if self.grad_mode == "ulq" else self.grad_bits_intra
+
+    @property
+    def enabled(self) -> bool:
+        return self.quantize_weights or self.quantize_grads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> int:
+        """A stable 63-bit hash of every field, to check all ranks agree."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1
+
+    def replace(self, **changes) -> "SDP4BitConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS = {
+    # The paper's method: qWD 4-bit g2048 + TLq-HS 8/4 g128 with Hadamard 32.
+    "sdp4bit": SDP4BitConfig(),
+    # ZeRO++ = qW (direct weight quantization) + ULq (4/4, no Hadamard).
+    "zeropp": SDP4BitConfig(weight_mode="direct", grad_mode="ulq"),
+    "qwd-only": SDP4BitConfig(grad_mode="off"),
+    "tlq-hs-only": SDP4BitConfig(weight_mode="off"),
+    "baseline": SDP4BitConfig(weight_mode="off", grad_mode="off"),
+}
+
+
+def preset(name: str, **overrides) -> SDP4BitConfig:
+    """A named configuration, optionally with some fields changed."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)

@@ -1,0 +1,65 @@
+"""Quantization math for SDP4Bit: tensors in, tensors out (no torch.distributed).
+
+One API, two backends chosen by the tensor's device: the torch reference
+(``reference.py``, every device, the specification) and Triton kernels
+(``triton_ops.py``, CUDA tensors when Triton is importable). Set
+``SDP4BIT_QUANT_BACKEND=torch`` to force the reference everywhere.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from megatron_sdp4bit.quant import reference
+from megatron_sdp4bit.quant.hadamard import hadamard_transform
+from megatron_sdp4bit.quant.packing import pack_codes, unpack_codes
+from megatron_sdp4bit.quant.types import QuantizedTensor, codes_per_byte, qmax
+
+__all__ = [
+    "QuantizedTensor", "codes_per_byte", "qmax", "pack_codes", "unpack_codes",
+    "hadamard_transform", "quantize", "dequantize", "quantize_weight_diff",
+    "dequantize_add_", "hadamard_quantize", "dequantize_sum_requantize",
+    "dequantize_sum", "backend_for",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ops():
+    try:
+        from megatron_sdp4bit.quant import triton_ops
+    except ImportError:  # triton not installed: the reference serves every device
+        return None
+    return triton_ops
+
+
+def backend_for(t: torch.Tensor):
+    """The module implementing the ops for tensor ``t``'s device."""
+    if t.is_cuda and os.environ.get("SDP4BIT_QUANT_BACKEND", "auto") != "torch":
+        ops = _triton_ops()
+        if ops is not None:
+            return ops
+    return reference
+
+
+def _tensor_of(q_or_t):
+    return q_or_t.codes if isinstance(q_or_t, QuantizedTensor) else q_or_t
+
+
+def _dispatch(name: str):
+    def op(first, *args, **kwargs):
+        return getattr(backend_for(_tensor_of(first)), name)(first, *args, **kwargs)
+
+    op.__name__ = name
+    op.__doc__ = getattr(reference, name).__doc__
+    return op
+
+
+quantize = _dispatch("quantize")
+dequantize = _dispatch("dequantize")
+quantize_weight_diff = _dispatch("quantize_weight_diff")
+dequantize_add_ = _dispatch("dequantize_add_")
+hadamard_quantize = _dispatch("hadamard_quantize")
+dequantize_sum_requantize = _dispatch("dequantize_sum_requantize")
+dequantize_sum = _dispatch("dequantize_sum")

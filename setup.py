@@ -1,0 +1,44 @@
+"""Packaging for megatron_sdp4bit.
+
+torch is deliberately *not* an install requirement: an unpinned ``torch`` makes
+pip pull a multi-GB CUDA build on machines that have none, and on a user's GPU
+box it would replace the torch they already have. ``make test`` / ``make train``
+install ``torch==2.13.0`` only when torch is not importable.
+"""
+import sys
+
+from setuptools import find_packages, setup
+
+# megatron-core releases after 0.16 need Python 3.12; 0.16.1 is what 3.11 gets.
+if sys.version_info < (3, 12):
+    megatron_core = "megatron-core==0.16.1"
+else:
+    megatron_core = "megatron-core>=0.16.1,<0.17"
+
+setup(
+    name="megatron_sdp4bit",
+    version="0.1.0",
+    description="SDP4Bit: 4-bit weight and gradient communication for sharded "
+    "data-parallel GPT pre-training on megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_sdp4bit", "megatron_sdp4bit.*"]),
+    install_requires=[
+        megatron_core,
+        "numpy",
+        "pyyaml",
+        "tokenizers",
+    ],
+    extras_require={
+        "triton": ["triton"],
+        "test": ["pytest", "hypothesis", "scipy", "triton"],
+        "plots": ["matplotlib"],
+    },
+    entry_points={
+        "console_scripts": [
+            "sdp4bit-pretrain=megatron_sdp4bit.pretrain:main",
+            "sdp4bit-preprocess=megatron_sdp4bit.data.preprocess:main",
+        ]
+    },
+)
