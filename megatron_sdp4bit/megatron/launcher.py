@@ -1,0 +1,50 @@
+"""Run a Megatron-LM training script with SDP4Bit, without editing it.
+
+    torchrun --nproc-per-node 8 -m megatron_sdp4bit.launch \
+        /path/to/Megatron-LM/pretrain_gpt.py <Megatron-LM args> --sdp4bit
+
+The launcher puts the script's folder first on ``sys.path`` (as ``python
+script.py`` would, so the script's own Megatron-LM tree is the ``megatron``
+imported), wraps Megatron-LM's ``parse_args`` so it accepts and acts on the
+``--sdp4bit*`` flags, and runs the script as ``__main__``.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+USAGE = (
+    "usage: python -m megatron_sdp4bit.launch PATH/TO/pretrain_gpt.py [Megatron-LM args] "
+    "[--sdp4bit | --sdp4bit-* ...]"
+)
+
+
+def _patch_megatron_lm_parser() -> None:
+    try:
+        import megatron.training.arguments as arguments
+        import megatron.training.initialize as initialize
+    except ImportError as exc:
+        raise SystemExit(
+            f"megatron_sdp4bit.launch: cannot import Megatron-LM's megatron.training ({exc}). "
+            "Pass the path of a script inside a Megatron-LM checkout (core_v0.16.1), and "
+            "install that checkout's requirements."
+        ) from exc
+    from megatron_sdp4bit.megatron.megatron_lm import wrap_parse_args
+
+    # initialize.py bound parse_args by name at import, so both names are wrapped.
+    arguments.parse_args = wrap_parse_args(arguments.parse_args)
+    initialize.parse_args = wrap_parse_args(initialize.parse_args)
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        raise SystemExit(USAGE)
+    script = os.path.abspath(argv[0])
+    if not os.path.isfile(script):
+        raise SystemExit(f"megatron_sdp4bit.launch: no such script: {argv[0]}\n{USAGE}")
+    sys.argv = [script] + argv[1:]
+    sys.path.insert(0, os.path.dirname(script))
+    _patch_megatron_lm_parser()
+    runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,70 @@
+"""Glue for Megatron-LM's training scripts (``pretrain_gpt.py`` and friends).
+
+Two routes, one set of helpers:
+- the launcher (``python -m megatron_sdp4bit.launch pretrain_gpt.py ...``) wraps
+  Megatron-LM's ``parse_args`` with ``wrap_parse_args`` and needs no edit of the
+  user's tree;
+- the patch in ``patches/`` edits ``pretrain_gpt.py`` to pass
+  ``extra_args_provider=extend_args_provider(...)`` and to build the model through
+  ``install_before_model(model_provider)``.
+
+Either way the SDP4Bit flags are parsed by Megatron-LM's own parser (they show
+in ``args`` and in checkpoints' saved args) and the patch layer is installed
+before the model is wrapped in DistributedDataParallel.
+"""
+from __future__ import annotations
+
+import functools
+
+from megatron_sdp4bit.megatron.args import add_sdp4bit_args, config_from_args
+
+
+def extend_args_provider(extra_args_provider=None):
+    """An ``extra_args_provider`` for Megatron-LM that also adds the SDP4Bit flags."""
+
+    def provider(parser):
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return add_sdp4bit_args(parser)
+
+    return provider
+
+
+def install_from_args(args):
+    """Install the patch layer if the parsed args ask for SDP4Bit; return the config."""
+    config = config_from_args(args)
+    if config is not None and config.enabled:
+        from megatron_sdp4bit.megatron.patch import install
+
+        install(config)
+    return config
+
+
+def wrap_parse_args(parse_args):
+    """Wrap Megatron-LM's ``parse_args`` so it knows and acts on the SDP4Bit flags."""
+    if getattr(parse_args, "_sdp4bit_wrapped", False):
+        return parse_args
+
+    @functools.wraps(parse_args)
+    def wrapped(extra_args_provider=None, ignore_unknown_args=False):
+        args = parse_args(extend_args_provider(extra_args_provider), ignore_unknown_args)
+        install_from_args(args)
+        return args
+
+    wrapped._sdp4bit_wrapped = True
+    return wrapped
+
+
+def install_before_model(model_provider):
+    """Wrap a Megatron-LM model provider so the layer is installed before the model
+    is built (torch.distributed is initialized by then, so the cross-rank config
+    check runs immediately)."""
+
+    @functools.wraps(model_provider)
+    def provider(*args, **kwargs):
+        from megatron.training import get_args
+
+        install_from_args(get_args())
+        return model_provider(*args, **kwargs)
+
+    return provider

@@ -1,0 +1,93 @@
+"""SDP4BitConfig validation, presets and the argparse flags' round trip."""
+import argparse
+import dataclasses
+
+import pytest
+
+from megatron_sdp4bit.config import PRESETS, SDP4BitConfig, preset
+from megatron_sdp4bit.megatron.args import add_sdp4bit_args, config_from_args, config_to_argv
+
+
+def parse(argv):
+    return add_sdp4bit_args(argparse.ArgumentParser()).parse_args(argv)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(weight_bits=3), "weight_bits"),
+        (dict(grad_mode="qsgd"), "grad_mode"),
+        (dict(weight_group_size=0), "weight_group_size"),
+        (dict(hadamard_block=24), "power of two"),
+        (dict(grad_group_size_intra=100), "multiple of hadamard_block"),
+        (dict(pipeline_chunks=0), "pipeline_chunks"),
+        (dict(rounding="up"), "rounding"),
+    ],
+)
+def test_bad_values_say_what_to_change(changes, message):
+    with pytest.raises(ValueError, match=message):
+        SDP4BitConfig(**changes)
+
+
+def test_presets():
+    assert preset("sdp4bit") == SDP4BitConfig()
+    zeropp = preset("zeropp")
+    assert zeropp.weight_mode == "direct" and zeropp.grad_mode == "ulq"
+    assert zeropp.effective_grad_bits_intra == 4 and not zeropp.use_hadamard
+    assert not preset("baseline").enabled
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("fast")
+
+
+def test_fingerprint_changes_with_every_field():
+    base = SDP4BitConfig()
+    seen = {base.fingerprint()}
+    for changes in [dict(weight_bits=8), dict(grad_mode="tlq"), dict(seed=7),
+                    dict(ranks_per_node=2), dict(pipeline_chunks=4)]:
+        seen.add(base.replace(**changes).fingerprint())
+    assert len(seen) == 6
+
+
+def test_no_flags_means_no_config():
+    assert config_from_args(parse([])) is None
+
+
+def test_sdp4bit_flag_is_the_paper_preset():
+    assert config_from_args(parse(["--sdp4bit"])) == PRESETS["sdp4bit"]
+
+
+def test_field_flags_override_preset():
+    cfg = config_from_args(parse(["--sdp4bit", "--sdp4bit-grad-mode", "tlq",
+                                  "--sdp4bit-ranks-per-node", "2"]))
+    assert cfg.grad_mode == "tlq" and cfg.ranks_per_node == 2 and cfg.weight_mode == "diff"
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_field_round_trips(name):
+    cfg = PRESETS[name].replace(ranks_per_node=2, pipeline_chunks=3, seed=99,
+                                grad_start_iter=5, rounding="nearest")
+    assert config_from_args(parse(config_to_argv(cfg))) == cfg
+
+
+def test_every_field_has_a_flag():
+    parser = add_sdp4bit_args(argparse.ArgumentParser())
+    options = {s for a in parser._actions for s in a.option_strings}
+    for field in dataclasses.fields(SDP4BitConfig):
+        assert "--sdp4bit-" + field.name.replace("_", "-") in options
+
+
+def test_reference_fork_aliases():
+    argv = ["--quantized-weights", "--weight-quantization-bits", "4", "--wq-group-size", "2048",
+            "--quantized-gradients", "--gradient-quantization-bits-intra", "8",
+            "--gradient-quantization-bits-inter", "4", "--gq-group-size-intra", "128",
+            "--gq-group-size-inter", "128", "--hadamard-transform",
+            "--gradient-alltoall-pipeline", "2", "--gradients-quantization-start-iteration", "10"]
+    cfg = config_from_args(parse(argv))
+    assert cfg == PRESETS["sdp4bit"].replace(pipeline_chunks=2, grad_start_iter=10)
+    assert config_from_args(parse(["--quantized-gradients"])).grad_mode == "tlq"
+    assert config_from_args(parse(["--quantized-gradients"])).weight_mode == "off"
+
+
+def test_bad_flag_value_is_a_clear_error():
+    with pytest.raises(ValueError, match="multiple of hadamard_block"):
+        config_from_args(parse(["--sdp4bit", "--sdp4bit-grad-group-size-intra", "100"]))
