@@ -52,6 +52,7 @@ class _State:
     iteration: int = 0
     in_optimizer_step: bool = False
     config_checked: bool = False
+    quant_errors: dict = field(default_factory=dict)
 
 
 _STATE: Optional[_State] = None
@@ -112,15 +113,20 @@ def _check_ddp_config(ddp_config) -> None:
 # --- handles -----------------------------------------------------------------------
 
 class _Handles:
-    """Waits on several collective handles, like the coalescing manager's handle."""
+    """Waits on several collective handles, like the coalescing manager's handle,
+    then runs ``on_done`` once."""
 
-    def __init__(self, handles):
+    def __init__(self, handles, on_done=None):
         self.handles = [h for h in handles if h is not None]
+        self.on_done = on_done
 
     def wait(self):
         for handle in self.handles:
             handle.wait()
         self.handles = []
+        if self.on_done is not None:
+            on_done, self.on_done = self.on_done, None
+            on_done()
 
 
 # --- gradient reduce-scatter ----------------------------------------------------------
@@ -146,6 +152,7 @@ def _start_grad_sync(self, force_all_reduce: Optional[bool] = False):
     for bucket in self.buckets:
         if bucket.gradient_scaling_factor != 1.0:
             bucket.grad_data *= bucket.gradient_scaling_factor
+    _sample_grad_errors(self.buckets[0].grad_data)
     op = torch.distributed.ReduceOp.AVG if self.ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     group = self.intra_distributed_optimizer_instance_group
     size = self.intra_distributed_optimizer_instance_size
@@ -187,7 +194,21 @@ def _start_param_sync(self, force_sync: bool = False):
             config=_STATE.config, async_op=async_op,
         ))
         bucket._sdp4bit_fresh = False
-    self.param_gather_handle = _Handles(handles) if async_op else None
+    size = self.intra_distributed_optimizer_instance_size
+    rank = self.intra_distributed_optimizer_instance_rank
+    first = self.buckets[0]
+
+    def record_weight_error():
+        n = min(_ERROR_SAMPLE, first._sdp4bit_main_shard.numel())
+        _STATE.quant_errors["weight"] = _relative_error(
+            _bucket_shard(first, size, rank)[:n], first._sdp4bit_main_shard[:n])
+
+    gather = _Handles(handles, on_done=record_weight_error)
+    if async_op:
+        self.param_gather_handle = gather
+    else:
+        gather.wait()
+        self.param_gather_handle = None
     self.param_gather_dispatched = True
 
 
@@ -265,6 +286,51 @@ def _step_with_ready_grads(self) -> bool:
     return success
 
 
+# --- metrics -------------------------------------------------------------------------
+
+# Quantization errors are measured on a slice of this many elements: cheap, and
+# still thousands of groups.
+_ERROR_SAMPLE = 1 << 16
+
+
+def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    exact = exact.float()
+    norm = exact.norm()
+    return float((approx.float() - exact).norm() / norm) if norm > 0 else 0.0
+
+
+def _sample_grad_errors(grad_data: torch.Tensor) -> None:
+    """Relative error of each hop's quantizer on a slice of this rank's gradients.
+
+    A local estimate (no communication): hop 1 quantizes the (Hadamard-rotated)
+    local gradients, hop 2 the partial sums, whose statistics are alike.
+    """
+    from megatron_sdp4bit import quant
+
+    cfg = _STATE.config
+    block = cfg.hadamard_block if cfg.use_hadamard else None
+    align = cfg.grad_group_size_intra * (block or 1)
+    n = min(_ERROR_SAMPLE, grad_data.numel()) // align * align
+    if n == 0:
+        return
+    x = grad_data.view(-1)[:n].float()
+    for level, bits, group in (("intra", cfg.effective_grad_bits_intra, cfg.grad_group_size_intra),
+                               ("inter", cfg.grad_bits_inter, cfg.grad_group_size_inter)):
+        # A private generator: sampling must not move the training's RNG streams.
+        gen = torch.Generator(device=x.device).manual_seed(cfg.seed)
+        q = quant.hadamard_quantize(x, bits=bits, group_size=group, hadamard_block=block,
+                                    rounding=cfg.rounding, generator=gen)
+        approx = quant.dequantize_sum(q, 1, inverse_hadamard_block=block)
+        _STATE.quant_errors[f"grad_{level}"] = _relative_error(approx, x)
+
+
+def quantization_errors() -> dict:
+    """Latest sampled relative errors: ``weight`` (reconstructed vs exact main shard,
+    after the all-gather) and ``grad_intra`` / ``grad_inter`` (each hop's quantizer
+    on a slice of the local gradients)."""
+    return {} if _STATE is None else dict(_STATE.quant_errors)
+
+
 # --- DDP construction: the collective set-up point -------------------------------------
 
 def _all_data_parallel_rank_lists(group) -> list:
@@ -287,6 +353,38 @@ def _ddp_init(self, *args, **kwargs):
         group = bucket_group.intra_distributed_optimizer_instance_group
         comm.build_topologies(_all_data_parallel_rank_lists(group), _STATE.config.ranks_per_node)
         break  # all bucket groups of a model chunk share one group
+
+
+# --- checkpoint state -------------------------------------------------------------------
+
+def state_dict(optimizer) -> dict:
+    """What a resume needs beyond megatron's own checkpoint: the step count, this
+    rank's quantizer RNG streams and, for fp32 params, the exact main shards (megatron
+    saves the reconstructed weights as its main params there)."""
+    if _STATE is None:
+        return {}
+    main_shards = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for b_index, buffer in enumerate(getattr(opt, "buffers", [])):
+            for k, bucket in enumerate(buffer.buckets):
+                main = getattr(bucket, "_sdp4bit_main_shard", None)
+                if main is not None and bucket.param_data.dtype == torch.float32:
+                    main_shards[(b_index, k)] = main.clone()
+    return {"iteration": _STATE.iteration, "rng": comm.generator_states(),
+            "main_shards": main_shards}
+
+
+def load_state_dict(state: dict, optimizer) -> None:
+    if _STATE is None or not state:
+        return
+    _STATE.iteration = state["iteration"]
+    comm.set_generator_states(state["rng"])
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for b_index, buffer in enumerate(getattr(opt, "buffers", [])):
+            for k, bucket in enumerate(buffer.buckets):
+                saved = state["main_shards"].get((b_index, k))
+                if saved is not None:
+                    bucket._sdp4bit_main_shard = saved.to(bucket.param_data.device)
 
 
 # --- install / uninstall -----------------------------------------------------------

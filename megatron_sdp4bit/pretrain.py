@@ -1,0 +1,308 @@
+"""GPT pre-training on megatron-core, with SDP4Bit communication.
+
+    torchrun --nproc-per-node 4 -m megatron_sdp4bit.pretrain --sdp4bit --bf16 \
+        --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048 ...
+
+Megatron-LM's flag names and meanings (see ``training/arguments.py``). The
+model, DDP, distributed optimizer, schedule and datasets are megatron-core's own
+parts (``training/model.py``, ``data/``); this file only runs the loop:
+forward/backward with megatron's schedule, optimizer step, LR schedule, logging,
+evaluation and checkpoints. Without a GPU it runs on gloo with the CPU backend.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+
+from megatron_sdp4bit.training.arguments import ArgumentError, check_parallel_sizes, parse_args
+
+
+def _log0(*args) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(*args, flush=True)
+
+
+# --- data ------------------------------------------------------------------------------
+
+def build_data(args, dp_rank: int, dp_size: int):
+    """Tokenizer and train/valid datasets (the embedded corpus when no --data-path)."""
+    from megatron_sdp4bit.data import (build_gpt_datasets, build_tokenizer,
+                                       load_default_corpus_tokenizer, prepare_default_corpus)
+
+    if args.data_path:
+        tokenizer = build_tokenizer(args.tokenizer_type or "StdlibBPETokenizer",
+                                    vocab_file=args.vocab_file, merge_file=args.merge_file,
+                                    tokenizer_model=args.tokenizer_model)
+        data_path = args.data_path
+    else:
+        if args.tokenizer_type not in (None, "StdlibBPETokenizer"):
+            raise ArgumentError("--tokenizer-type needs --data-path (the embedded corpus has its own tokenizer)")
+        prefix = prepare_default_corpus(max_mb=args.default_corpus_mb)
+        tokenizer = load_default_corpus_tokenizer(prefix)
+        data_path = [prefix]
+        _log0(f"data: embedded corpus (Python standard library) at {prefix}")
+    evals = args.train_iters // args.eval_interval + 1
+    train, valid, _test = build_gpt_datasets(
+        data_path, tokenizer, args.seq_length,
+        train_samples=args.train_iters * args.global_batch_size,
+        valid_samples=evals * args.eval_iters * args.global_batch_size,
+        test_samples=args.eval_iters * args.global_batch_size,
+        split=args.split, seed=args.seed, path_to_cache=args.data_cache_path,
+    )
+    return tokenizer, train, valid
+
+
+def _micro_batches(dataset, args, dp_rank, dp_size, consumed_samples):
+    from megatron_sdp4bit.data import iterate_micro_batches
+
+    return iterate_micro_batches(dataset, args.micro_batch_size, dp_rank, dp_size, consumed_samples)
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    loss_mask = batch["loss_mask"].float()
+
+    def loss_func(output_tensor):
+        loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+# --- one step, one evaluation ---------------------------------------------------------
+
+def _run_schedule(ddp, args, data_iterator, num_microbatches, forward_only):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=data_iterator, model=[ddp],
+        num_microbatches=num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=forward_only,
+    )
+    return sum(float(d["lm loss"]) for d in losses) / max(len(losses), 1)
+
+
+def train_step(ddp, optimizer, scheduler, args, data_iterator, num_microbatches):
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = _run_schedule(ddp, args, data_iterator, num_microbatches, forward_only=False)
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=args.global_batch_size)
+    return loss, grad_norm, ok
+
+
+def evaluate(ddp, args, valid, dp_rank, dp_size, num_microbatches) -> float:
+    from megatron_sdp4bit.training.distributed import all_reduce_mean
+
+    ddp.eval()
+    it = _micro_batches(valid, args, dp_rank, dp_size, 0)  # the same batches at every eval
+    with torch.no_grad():
+        losses = [_run_schedule(ddp, args, it, num_microbatches, forward_only=True)
+                  for _ in range(args.eval_iters)]
+    ddp.train()
+    return all_reduce_mean(sum(losses) / len(losses))
+
+
+# --- wire accounting ------------------------------------------------------------------
+
+def exact_bytes_per_step(ddp, dp_size: int) -> int:
+    """Bytes one rank sends per step with the exact collectives (reduce-scatter of the
+    gradient buffers and all-gather of the param buffers), counted as direct sends."""
+    total = 0
+    for buffer in ddp.buffers:
+        for bucket in buffer.buckets:
+            share = (dp_size - 1) / dp_size
+            total += share * bucket.grad_data.numel() * bucket.grad_data.element_size()
+            if bucket.param_data is not None:
+                total += share * bucket.param_data.numel() * bucket.param_data.element_size()
+    return int(total)
+
+
+class WireMeter:
+    """Bytes sent vs exact since the last read (from comm's counters when SDP4Bit runs)."""
+
+    def __init__(self, ddp, dp_size: int, quantized: bool):
+        from megatron_sdp4bit import comm
+
+        self.comm = comm
+        self.quantized = quantized
+        self.exact_per_step = exact_bytes_per_step(ddp, dp_size)
+        self.total_sent = 0
+        self.total_exact = 0
+        comm.reset_wire_stats()
+
+    def read(self, steps: int) -> tuple[int, int]:
+        if self.quantized:
+            stats = self.comm.get_wire_stats()
+            self.comm.reset_wire_stats()
+            sent, exact = stats.sent_bytes(), stats.exact_bytes()
+        else:
+            sent = exact = self.exact_per_step * steps
+        self.total_sent += sent
+        self.total_exact += exact
+        return sent, exact
+
+
+# --- main ----------------------------------------------------------------------------
+
+def run(args) -> dict:
+    from megatron_sdp4bit.training import checkpoint
+    from megatron_sdp4bit.training.distributed import (all_reduce_mean, init_distributed,
+                                                       init_model_parallel)
+    from megatron_sdp4bit.training.metrics import MetricsLogger, plot_losses
+    from megatron_sdp4bit.training.model import build_model, build_optimizer
+
+    device = init_distributed()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    check_parallel_sizes(args, world)
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * world)
+    if args.save:
+        checkpoint.check_writable(args.save)
+    _log0(f"device: {device} ({'nccl' if device == 'cuda' else 'gloo + CPU backend'}), "
+          f"{world} ranks, {num_microbatches} micro-batches of {args.micro_batch_size} per rank")
+    init_model_parallel(args.seed)
+    torch.manual_seed(args.seed)
+    config = args.sdp4bit_config
+    if config is not None and config.enabled:
+        from megatron_sdp4bit.megatron import patch
+
+        patch.install(config)
+        _log0(f"sdp4bit: {config.to_dict()}")
+    tokenizer, train_ds, valid_ds = build_data(args, rank, world)
+    ddp, _ = build_model(args, tokenizer.vocab_size, use_cpu=device == "cpu")
+    optimizer, scheduler = build_optimizer(args, ddp)
+    n_params = sum(p.numel() for p in ddp.parameters())
+    _log0(f"model: GPT {args.num_layers} layers x {args.hidden_size}, {n_params / 1e6:.2f} M params, "
+          f"{args.transformer_impl_used} layer spec, vocab {tokenizer.vocab_size}")
+
+    iteration = 0
+    if args.load:
+        state = checkpoint.load_checkpoint(args.load, ddp, optimizer, scheduler)
+        if state is not None:
+            iteration = state["iteration"]
+            if config is not None and config.enabled:
+                from megatron_sdp4bit.megatron import patch
+
+                patch.load_state_dict(state["extra"].get("sdp4bit", {}), optimizer)
+            _log0(f"resumed from {args.load} at iteration {iteration}")
+        else:
+            _log0(f"--load {args.load}: no checkpoint there, starting from scratch")
+
+    run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    logger = MetricsLogger(run_dir, enabled=rank == 0, total_iters=args.train_iters,
+                           progress_bar=not args.no_progress_bar, tensorboard_dir=args.tensorboard_dir)
+    meter = WireMeter(ddp, world, quantized=config is not None and config.enabled)
+    train_iter = _micro_batches(train_ds, args, rank, world, iteration * args.global_batch_size)
+    tokens_per_step = args.global_batch_size * args.seq_length
+    last_loss = last_valid = math.nan
+    window_time, window_steps, tokens_total, time_total = 0.0, 0, 0, 0.0
+
+    def save(it):
+        extra = {}
+        if config is not None and config.enabled:
+            from megatron_sdp4bit.megatron import patch
+
+            extra["sdp4bit"] = patch.state_dict(optimizer)
+        checkpoint.save_checkpoint(args.save, it, ddp, optimizer, scheduler, extra)
+        _log0(f"saved checkpoint at iteration {it} to {args.save}")
+
+    while iteration < args.train_iters:
+        start = time.perf_counter()
+        loss, grad_norm, ok = train_step(ddp, optimizer, scheduler, args, train_iter, num_microbatches)
+        elapsed = time.perf_counter() - start
+        iteration += 1
+        window_time += elapsed
+        window_steps += 1
+        time_total += elapsed
+        tokens_total += tokens_per_step
+        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+            last_loss = all_reduce_mean(loss)
+            sent, exact = meter.read(window_steps)
+            errors = {}
+            if config is not None and config.enabled:
+                from megatron_sdp4bit.megatron import patch
+
+                errors = patch.quantization_errors()
+            logger.log("train", {
+                "iteration": iteration, "loss": last_loss,
+                "lr": optimizer.param_groups[0]["lr"],
+                "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+                "step_time_s": window_time / window_steps,
+                "tokens_per_s": tokens_per_step * window_steps / window_time,
+                "bytes_sent": sent, "bytes_exact": exact,
+                "wire_ratio": sent / exact if exact else 1.0,
+                "weight_quant_rel_error": errors.get("weight", 0.0),
+                "grad_quant_rel_error": errors.get("grad_inter", 0.0),
+                "skipped": not ok,
+            })
+            window_time, window_steps = 0.0, 0
+        if iteration % args.eval_interval == 0 or iteration == args.train_iters:
+            last_valid = evaluate(ddp, args, valid_ds, rank, world, num_microbatches)
+            logger.log("valid", {"iteration": iteration, "loss": last_valid})
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            save(iteration)
+    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+        save(iteration)
+
+    summary = {
+        "iterations": iteration, "final_train_loss": last_loss, "final_valid_loss": last_valid,
+        "tokens_per_s": tokens_total / time_total if time_total else math.nan,
+        "bytes_sent": meter.total_sent, "bytes_exact": meter.total_exact,
+        "metrics": logger.path, "run_dir": run_dir,
+    }
+    logger.close()
+    if rank == 0 and os.path.isfile(logger.path):
+        summary["plot"] = plot_losses(logger.path, os.path.join(run_dir, "loss.png"),
+                                      title=f"GPT {args.num_layers}x{args.hidden_size}"
+                                      + (" with SDP4Bit" if meter.quantized else " (exact collectives)"))
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    ratio = summary["bytes_sent"] / summary["bytes_exact"] if summary["bytes_exact"] else 1.0
+    lines = [
+        "", "=== summary ===",
+        f"iterations          {summary['iterations']}",
+        f"final train loss    {summary['final_train_loss']:.4f}",
+        f"final valid loss    {summary['final_valid_loss']:.4f}",
+        f"tokens/s            {summary['tokens_per_s']:.0f}",
+        f"bytes sent per rank {summary['bytes_sent'] / 2**20:.2f} MiB vs {summary['bytes_exact'] / 2**20:.2f} MiB "
+        f"with exact BF16 all-gather + FP32 reduce-scatter ({ratio:.3f}x, {1 / ratio:.2f}x less)",
+        f"metrics             {summary['metrics']}",
+    ]
+    if summary.get("plot"):
+        lines.append(f"loss curve          {summary['plot']}")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: Optional[list] = None) -> int:
+    try:
+        args = parse_args(argv)
+    except ArgumentError as exc:
+        print(f"sdp4bit-pretrain: error: {exc}", file=sys.stderr)
+        return 2
+    from megatron_sdp4bit.training import checkpoint
+    from megatron_sdp4bit.training.distributed import shutdown
+
+    try:
+        summary = run(args)
+        if torch.distributed.get_rank() == 0:
+            print_summary(summary)
+    except (ArgumentError, FileNotFoundError, ValueError, checkpoint.CheckpointError) as exc:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        print(f"sdp4bit-pretrain: error (rank {rank}): {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Flags of the pre-training driver: Megatron-LM's names and meanings, plus SDP4Bit's.
+
+``parse_args(argv)`` reads ``--config FILE.yaml`` first (keys are flag names with
+dashes or underscores), then the command line, which overrides the file. Unknown
+flags, unknown YAML keys and contradictory values are errors that name the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+from megatron_sdp4bit.megatron.args import add_sdp4bit_args, config_from_args
+
+
+class ArgumentError(ValueError):
+    """A flag is unknown, malformed or contradicts another one."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print and exit(2); we want a clear exception
+        raise ArgumentError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="sdp4bit-pretrain", allow_abbrev=False,
+                description="GPT pre-training on megatron-core with SDP4Bit communication.")
+    p.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
+
+    m = p.add_argument_group("model")
+    m.add_argument("--num-layers", type=int, default=2)
+    m.add_argument("--hidden-size", type=int, default=128)
+    m.add_argument("--num-attention-heads", type=int, default=4)
+    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    m.add_argument("--seq-length", type=int, default=128)
+    m.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    m.add_argument("--hidden-dropout", type=float, default=0.0)
+    m.add_argument("--attention-dropout", type=float, default=0.0)
+    m.add_argument("--init-method-std", type=float, default=0.02)
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    m.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
+                   help="layer spec: Transformer Engine when installed (auto), or megatron's local one")
+
+    t = p.add_argument_group("training")
+    t.add_argument("--micro-batch-size", type=int, default=4)
+    t.add_argument("--global-batch-size", type=int, default=None, help="default micro-batch x DP")
+    t.add_argument("--train-iters", type=int, default=100)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--min-lr", type=float, default=None, help="default lr / 10")
+    t.add_argument("--lr-decay-style", choices=("cosine", "linear", "constant"), default="cosine")
+    t.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    t.add_argument("--lr-warmup-fraction", type=float, default=0.01)
+    t.add_argument("--lr-warmup-iters", type=int, default=0)
+    t.add_argument("--weight-decay", type=float, default=0.1)
+    t.add_argument("--adam-beta1", type=float, default=0.9)
+    t.add_argument("--adam-beta2", type=float, default=0.95)
+    t.add_argument("--adam-eps", type=float, default=1e-8)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--bf16", action="store_true")
+    t.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state (required by --sdp4bit; implied by it)")
+    t.add_argument("--overlap-grad-reduce", action="store_true")
+    t.add_argument("--overlap-param-gather", action="store_true")
+    t.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket")
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    t.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+
+    d = p.add_argument_group("data")
+    d.add_argument("--data-path", nargs="*", default=None,
+                   help="Megatron data prefixes (optionally weighted: W1 P1 W2 P2); "
+                   "default: the embedded corpus (Python's standard library)")
+    d.add_argument("--split", default="969,30,1")
+    d.add_argument("--tokenizer-type", default=None,
+                   help="GPT2BPETokenizer (with --vocab-file/--merge-file), HuggingFaceTokenizer "
+                   "(with --tokenizer-model), or the default corpus tokenizer")
+    d.add_argument("--vocab-file", default=None)
+    d.add_argument("--merge-file", default=None)
+    d.add_argument("--tokenizer-model", default=None)
+    d.add_argument("--data-cache-path", default=None)
+    d.add_argument("--default-corpus-mb", type=float, default=None,
+                   help="cap the embedded corpus at this many MB of text (default: all of it)")
+
+    e = p.add_argument_group("logging, evaluation, checkpoints")
+    e.add_argument("--log-interval", type=int, default=10)
+    e.add_argument("--eval-interval", type=int, default=50)
+    e.add_argument("--eval-iters", type=int, default=5)
+    e.add_argument("--save", default=None, help="checkpoint directory")
+    e.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    e.add_argument("--save-interval", type=int, default=None)
+    e.add_argument("--run-dir", default=None,
+                   help="where metrics.jsonl, the loss plot and TensorBoard events go "
+                   "(default runs/<timestamp>)")
+    e.add_argument("--no-progress-bar", action="store_true")
+    e.add_argument("--tensorboard-dir", default=None, help="default <run-dir>/tensorboard")
+    add_sdp4bit_args(p)
+    return p
+
+
+def _yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ArgumentError(f"--config {path}: no such file")
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
+    known = {opt: action for action in parser._actions for opt in action.option_strings}
+    argv: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = known.get(flag)
+        if action is None or flag == "--config":
+            raise ArgumentError(f"--config {path}: unknown key {key!r} (no flag {flag})")
+        if action.nargs == 0:  # store_true
+            if value is True:
+                argv.append(flag)
+            elif value not in (False, None):
+                raise ArgumentError(f"--config {path}: {key} takes true or false, got {value!r}")
+        elif isinstance(value, list):
+            argv += [flag] + [str(v) for v in value]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
+    def bad(message):
+        raise ArgumentError(message)
+
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        bad(f"--seq-length {args.seq_length} is longer than --max-position-embeddings "
+            f"{args.max_position_embeddings}; raise the latter or shorten the sequence")
+    if args.hidden_size % args.num_attention_heads:
+        bad(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
+    if args.min_lr > args.lr:
+        bad(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    for name in ("train_iters", "micro_batch_size", "log_interval", "eval_interval", "seq_length"):
+        if getattr(args, name) <= 0:
+            bad(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.save_interval is not None and args.save_interval <= 0:
+        bad(f"--save-interval must be positive, got {args.save_interval}")
+    if args.save_interval is not None and not args.save:
+        bad("--save-interval needs --save DIR")
+    if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
+        bad("this driver runs data parallelism only: use --tensor-model-parallel-size 1 "
+            "--pipeline-model-parallel-size 1 (use Megatron-LM's pretrain_gpt.py through "
+            "megatron_sdp4bit.launch for TP/PP)")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        bad("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
+    args.sdp4bit_config = config_from_args(args)
+    if args.sdp4bit_config is not None and args.sdp4bit_config.enabled:
+        args.use_distributed_optimizer = True
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        bad("--overlap-param-gather needs --use-distributed-optimizer")
+    return args
+
+
+def check_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
+    """Batch sizes against the data-parallel size (known once torch.distributed is up)."""
+    per_step = args.micro_batch_size * world_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {world_size} = {per_step}"
+        )
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre, _ = parser.parse_known_args(argv)
+    file_argv = _yaml_to_argv(pre.config, parser) if pre.config else []
+    args = parser.parse_args(file_argv + argv)
+    return _fill_defaults_and_validate(args)

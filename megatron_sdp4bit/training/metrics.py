@@ -1,0 +1,109 @@
+"""Where the driver's numbers go: console, metrics.jsonl, TensorBoard, loss plot.
+
+Only the logging rank writes. Every record is one JSON object per line in
+``<run-dir>/metrics.jsonl`` (``kind`` is ``train`` or ``valid``), so a run can be
+read back with ``read_metrics``; TensorBoard events are written when tensorboard
+is installed; ``plot_losses`` draws the loss curve with matplotlib.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+TRAIN_FIELDS = (
+    "iteration", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
+    "bytes_sent", "bytes_exact", "wire_ratio", "weight_quant_rel_error",
+    "grad_quant_rel_error",
+)
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str, enabled: bool, total_iters: int,
+                 progress_bar: bool = True, tensorboard_dir: Optional[str] = None):
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self.total_iters = total_iters
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._progress = progress_bar and enabled and sys.stdout.isatty()
+        self._file = None
+        self._tb = None
+        self._started = time.time()
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is optional
+            SummaryWriter = None
+        if SummaryWriter is not None:
+            self._tb = SummaryWriter(tensorboard_dir or os.path.join(run_dir, "tensorboard"))
+
+    def log(self, kind: str, record: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, **record}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "iteration" and math.isfinite(value):
+                    self._tb.add_scalar(f"{kind}/{key}", value, record["iteration"])
+        self._print(kind, record)
+
+    def _print(self, kind: str, r: dict) -> None:
+        if kind == "train":
+            line = (f"iter {r['iteration']:>6}/{self.total_iters} | loss {r['loss']:.4f} | "
+                    f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | "
+                    f"{r['step_time_s'] * 1000:.0f} ms/step | {r['tokens_per_s']:.0f} tok/s | "
+                    f"wire {r['wire_ratio']:.3f}x of exact")
+        else:
+            line = f"iter {r['iteration']:>6}/{self.total_iters} | validation loss {r['loss']:.4f}"
+        if self._progress:
+            done = r["iteration"] / max(self.total_iters, 1)
+            bar = "#" * int(done * 20) + "-" * (20 - int(done * 20))
+            line = f"[{bar}] {line}"
+        print(line, flush=True)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_losses(metrics_path: str, png_path: str, title: str = "") -> Optional[str]:
+    """Train and validation loss against iteration; returns the PNG path (None without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = read_metrics(metrics_path)
+    train = [(r["iteration"], r["loss"]) for r in records if r["kind"] == "train"]
+    valid = [(r["iteration"], r["loss"]) for r in records if r["kind"] == "valid"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train")
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return png_path

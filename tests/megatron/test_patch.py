@@ -1,0 +1,201 @@
+"""The patch layer on megatron-core's real DDP + distributed optimizer, 4 gloo ranks.
+
+4 ranks emulate 2 nodes x 2 ranks (ranks_per_node=2), so TLq-HS runs both hops.
+Each world trains several configurations one after another (spawning costs more
+than training these tiny models), and every test reads the shared results.
+
+Tolerance for "SDP4Bit tracks the baseline": the tiny GPT's loss after 20 steps
+must be within 5% of the exact run's (4-bit weight differences and 8/4-bit
+gradients add noise of a few per cent of a step's update, far below that) and
+below 85% of the initial loss (the model learns).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_sdp4bit.config import SDP4BitConfig, preset
+from megatron_sdp4bit.megatron.testing import TinyGPTSpec, spawn_ranks
+
+WORLD = 4
+STEPS = 20
+RANKS_PER_NODE = 2
+LOSS_TOLERANCE = 0.05
+
+
+def _train(spec: TinyGPTSpec, config, steps: int):
+    from megatron_sdp4bit import comm
+    from megatron_sdp4bit.megatron import patch
+    from megatron_sdp4bit.megatron.testing import TinyGPTTrainer
+
+    patch.uninstall()
+    comm.reset_generators()
+    if config is not None:
+        patch.install(config)
+    trainer = TinyGPTTrainer(spec)
+    records = trainer.train_steps(steps)
+    patch.uninstall()
+    return {
+        "losses": [r.loss for r in records],
+        "hashes": [r.weights_sha256 for r in records],
+        "buckets": trainer.num_buckets,
+    }
+
+
+def _world(rank, world_size, cases):
+    return [_train(spec, config, steps) for spec, config, steps in cases]
+
+
+SDP = preset("sdp4bit", ranks_per_node=RANKS_PER_NODE)
+BASE_SPEC = TinyGPTSpec(dtype="bf16", lr=3e-3)
+MATRIX = {
+    "bf16": TinyGPTSpec(dtype="bf16"),
+    "fp32": TinyGPTSpec(dtype="fp32"),
+    "bf16-overlap-grad": TinyGPTSpec(dtype="bf16", overlap_grad_reduce=True, bucket_size=4000),
+    "bf16-overlap-both": TinyGPTSpec(dtype="bf16", overlap_grad_reduce=True,
+                                     overlap_param_gather=True, bucket_size=4000),
+    "fp32-overlap-both": TinyGPTSpec(dtype="fp32", overlap_grad_reduce=True,
+                                     overlap_param_gather=True, bucket_size=4000,
+                                     grad_reduce_in_fp32=True),
+}
+
+
+@pytest.fixture(scope="module")
+def exactness_runs():
+    """Stock megatron vs the layer installed with quantization off / gradients from step 3."""
+    cases = [
+        (BASE_SPEC, None, 6),
+        (BASE_SPEC, preset("baseline", ranks_per_node=RANKS_PER_NODE), 6),
+        (BASE_SPEC, preset("tlq-hs-only", ranks_per_node=RANKS_PER_NODE, grad_start_iter=3), 6),
+    ]
+    return spawn_ranks(_world, WORLD, cases, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def matrix_runs():
+    cases = []
+    for spec in MATRIX.values():
+        cases += [(spec, None, STEPS), (spec, SDP, STEPS)]
+    return spawn_ranks(_world, WORLD, cases, timeout_s=900)
+
+
+def _by_name(per_rank):
+    names = list(MATRIX)
+    out = {}
+    for i, name in enumerate(names):
+        out[name] = ([r[2 * i] for r in per_rank], [r[2 * i + 1] for r in per_rank])
+    return out
+
+
+def test_quantization_off_is_bit_identical_to_stock(exactness_runs):
+    stock = exactness_runs[0][0]
+    patched = exactness_runs[0][1]
+    assert patched["losses"] == stock["losses"]
+    assert patched["hashes"] == stock["hashes"]
+
+
+def test_grad_start_iter_keeps_exact_steps_until_k(exactness_runs):
+    stock = exactness_runs[0][0]
+    delayed = exactness_runs[0][2]
+    assert delayed["hashes"][:3] == stock["hashes"][:3]
+    assert delayed["hashes"][3] != stock["hashes"][3]
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_ranks_hold_bit_identical_weights_after_every_step(matrix_runs, name):
+    _stock, sdp = _by_name(matrix_runs)[name]
+    for step in range(STEPS):
+        assert len({rank["hashes"][step] for rank in sdp}) == 1, f"{name}: ranks differ at step {step}"
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_sdp4bit_loss_tracks_the_baseline_and_decreases(matrix_runs, name):
+    stock, sdp = _by_name(matrix_runs)[name]
+    base_loss = sum(r["losses"][-1] for r in stock) / WORLD
+    sdp_loss = sum(r["losses"][-1] for r in sdp) / WORLD
+    first = sum(r["losses"][0] for r in sdp) / WORLD
+    assert sdp_loss < 0.85 * first, f"{name}: no learning ({first:.3f} -> {sdp_loss:.3f})"
+    assert abs(sdp_loss - base_loss) <= LOSS_TOLERANCE * base_loss, (
+        f"{name}: SDP4Bit {sdp_loss:.4f} vs exact {base_loss:.4f}")
+    # The quantized run must really differ from the exact one (the layer is in the path).
+    assert sdp[0]["hashes"] != stock[0]["hashes"]
+
+
+def test_several_buckets_were_exercised(matrix_runs):
+    stock, _sdp = _by_name(matrix_runs)["bf16-overlap-grad"]
+    assert stock[0]["buckets"] > 1
+
+
+# --- install / uninstall and bad configurations ---------------------------------------
+
+def test_install_twice_and_uninstall_restore_megatron():
+    from megatron_sdp4bit.megatron import compat, patch
+
+    classes = compat.patch_targets()
+    before = [dict(vars(cls)) for cls in classes]
+    patch.install(SDP)
+    patch.install(SDP.replace(seed=5))  # second install replaces the config only
+    assert patch.current_config().seed == 5
+    bucket_group_cls = classes[0]
+    assert bucket_group_cls.start_grad_sync is not before[0]["start_grad_sync"]
+    patch.uninstall()
+    patch.uninstall()  # safe when not installed
+    after = [dict(vars(cls)) for cls in classes]
+    for b, a in zip(before, after):
+        for key in ("start_grad_sync", "start_param_sync", "_copy_main_params_to_model_params",
+                    "step_with_ready_grads", "__init__"):
+            if key in b:
+                assert a[key] is b[key]
+
+
+def test_install_rejects_non_config():
+    from megatron_sdp4bit.megatron import patch
+
+    with pytest.raises(TypeError, match="SDP4BitConfig"):
+        patch.install({"weight_mode": "diff"})
+
+
+def _mismatch(rank, world_size):
+    from megatron_sdp4bit.megatron import patch
+
+    try:
+        patch.install(SDP.replace(seed=rank))
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        patch.uninstall()
+    return None
+
+
+def test_mismatched_configs_raise_on_every_rank():
+    messages = spawn_ranks(_mismatch, 2, timeout_s=120)
+    assert all(m is not None and "differs across ranks" in m for m in messages)
+
+
+def _no_distributed_optimizer(rank, world_size):
+    from megatron_sdp4bit.megatron import patch
+    from megatron_sdp4bit.megatron.testing import TinyGPTTrainer
+
+    patch.install(SDP)
+    try:
+        TinyGPTTrainer(TinyGPTSpec(use_distributed_optimizer=False))
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        patch.uninstall()
+    return None
+
+
+def test_plain_ddp_is_refused_with_a_clear_error():
+    messages = spawn_ranks(_no_distributed_optimizer, 2, timeout_s=120)
+    assert all(m is not None and "--use-distributed-optimizer" in m for m in messages)
+
+
+def test_untested_megatron_version_is_refused(monkeypatch):
+    from megatron_sdp4bit.megatron import compat
+
+    monkeypatch.setattr(compat, "megatron_version", lambda: "0.99.0")
+    monkeypatch.delenv(compat.FORCE_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="tested with megatron-core"):
+        compat.check_version()
+    assert compat.check_version(force=True) == "0.99.0"
