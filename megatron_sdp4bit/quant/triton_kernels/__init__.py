@@ -1,0 +1,12 @@
+"""Triton kernels behind ``megatron_sdp4bit.quant.triton_ops`` (CUDA tensors).
+
+- ``tile_math``: @triton.jit helpers shared by the kernels (fp32 loads/stores
+  with exact bf16 rounding, the Hadamard butterfly, code unpacking).
+- ``quantize_kernel``: one kernel for every op that produces a QuantizedTensor.
+- ``dequantize_kernel``: one kernel for every op that consumes one.
+- ``launch``: tile sizes, grids and the host-side views the kernels read.
+
+Whether the kernels are compiled for the GPU or run by Triton's CPU interpreter
+is fixed when these modules are imported (``TRITON_INTERPRET=1`` at that moment
+means the interpreter); ``tile_math.INTERPRETED`` records which.
+"""

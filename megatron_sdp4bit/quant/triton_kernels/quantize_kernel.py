@@ -1,0 +1,163 @@
+"""The one kernel that produces quantized tensors: load, (Hadamard,) absmax, round, pack.
+
+A program owns GROUPS_PER_PROGRAM whole groups. When a group fits in registers
+(BLOCK >= GROUP, the usual case) the values are read once and everything
+happens in registers; a larger group is read twice, BLOCK columns at a time:
+once for its absmax, once to quantize (recomputing the same values).
+
+The values to quantize come from one of two sources (``SOURCE``):
+- ``SOURCE_TENSOR``: ``(x - y) * multiplier`` in fp32 (``y`` optional): plain
+  quantize, the weight difference main - model, and the 1/DP pre-scaling;
+- ``SOURCE_CHUNKS``: the fp32 sum of the dequantized chunks of a received
+  all-to-all buffer (the fused dequantize-sum-requantize).
+Then an optional Hadamard transform in registers (``HADAMARD`` = block, 0 = none).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megatron_sdp4bit.quant.triton_kernels.tile_math import (
+    dequantized_chunk_sum,
+    hadamard_flat,
+    load_f32,
+)
+
+SOURCE_TENSOR = 0
+SOURCE_CHUNKS = 1
+
+
+@triton.jit
+def _source_values(elem, mask,
+                   x_ptr, y_ptr, multiplier,
+                   src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
+                   SOURCE: tl.constexpr, X_BF16: tl.constexpr, HAS_Y: tl.constexpr,
+                   Y_BF16: tl.constexpr, SRC_BITS: tl.constexpr, SRC_GROUP: tl.constexpr):
+    """fp32 values to quantize at flat indices ``elem`` (0 where masked: the zero padding)."""
+    if SOURCE == 0:  # SOURCE_TENSOR
+        values = load_f32(x_ptr, elem, mask, X_BF16)
+        if HAS_Y:
+            values = values - load_f32(y_ptr, elem, mask, Y_BF16)
+        values = values * multiplier  # a 1.0 multiplier changes nothing, NaN included
+    else:
+        values = dequantized_chunk_sum(src_codes_ptr, src_scales_ptr, elem, mask,
+                                       num_chunks, chunk_numel, SRC_BITS, SRC_GROUP)
+    return values
+
+
+@triton.jit
+def _transformed(values, ROWS: tl.constexpr, BLOCK: tl.constexpr, HADAMARD: tl.constexpr):
+    """The [ROWS, BLOCK] tile, Hadamard-transformed per HADAMARD-block when asked.
+
+    BLOCK and the group size are multiples of HADAMARD, so no transform block
+    straddles two groups or mixes real values with the masked columns.
+    """
+    if HADAMARD > 0:
+        flat = hadamard_flat(tl.reshape(values, [ROWS * BLOCK]), ROWS * BLOCK, HADAMARD)
+        values = tl.reshape(flat, [ROWS, BLOCK])
+    return values
+
+
+@triton.jit
+def _store_codes(values, inv, usable, elem, rows, row_ok, first_col, codes_ptr, seed_ptr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Round ``values * inv`` to codes, clamp, pack and store columns first_col.. of each row."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    scaled = values * inv[:, None]
+    if STOCHASTIC:
+        # u ~ U[0,1) from Philox keyed by (seed, element index): reproducible, and the
+        # same whether the group is processed in one pass or two.
+        scaled = scaled + tl.rand(tl.load(seed_ptr), elem)
+    else:
+        scaled = scaled + 0.5
+    codes = tl.floor(scaled)
+    # NaN here only comes from 0 * Inf (a subnormal scale whose inverse overflows):
+    # code 0, what the reference's float->int8 cast yields on x86 and ARM.
+    codes = tl.where(codes == codes, codes, 0.0)
+    codes = tl.minimum(tl.maximum(codes, -QMAX - 1.0), QMAX * 1.0)
+    codes = tl.where(usable[:, None], codes, 0.0).to(tl.int32)
+
+    cols = first_col + tl.arange(0, BLOCK)
+    if BITS == 8:
+        tl.store(codes_ptr + elem, codes.to(tl.int8), mask=row_ok[:, None] & (cols[None, :] < GROUP))
+    else:
+        PER_BYTE: tl.constexpr = 8 // BITS
+        fields = tl.reshape(codes & ((1 << BITS) - 1), [ROWS, BLOCK // PER_BYTE, PER_BYTE])
+        shifts = tl.arange(0, PER_BYTE) * BITS
+        packed = tl.sum(fields << shifts[None, None, :], axis=2)  # disjoint bit fields: sum == or
+        byte_cols = first_col // PER_BYTE + tl.arange(0, BLOCK // PER_BYTE)
+        byte_idx = rows[:, None] * (GROUP // PER_BYTE) + byte_cols[None, :]
+        byte_ok = row_ok[:, None] & (byte_cols[None, :] < GROUP // PER_BYTE)
+        tl.store(codes_ptr + byte_idx, packed.to(tl.uint8), mask=byte_ok)
+
+
+@triton.jit
+def _scale_of(absmax, has_nan, BITS: tl.constexpr):
+    """Per-row scale, its inverse (0 when unusable) and whether it is usable."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    # Reductions on the GPU may drop NaN: restore it so a NaN group gets a NaN scale.
+    absmax = tl.where(has_nan, float("nan"), absmax)
+    scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))  # IEEE division
+    usable = (scale > 0) & (scale < float("inf"))  # false for NaN too
+    safe = tl.where(usable, scale, 1.0)
+    inv = tl.where(usable, tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), safe), 0.0)
+    return scale, inv, usable
+
+
+@triton.jit
+def quantize_kernel(
+    x_ptr, y_ptr, multiplier,
+    src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
+    codes_ptr, scales_ptr, seed_ptr,
+    numel, num_groups,
+    SOURCE: tl.constexpr, X_BF16: tl.constexpr, HAS_Y: tl.constexpr, Y_BF16: tl.constexpr,
+    SRC_BITS: tl.constexpr, SRC_GROUP: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
+    BLOCK: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr,
+):
+    """Quantize groups [pid * GROUPS_PER_PROGRAM, ...) of the source (see module doc).
+
+    ``numel`` is the source's true length (beyond it: zero padding), ``codes``
+    and ``scales`` are laid out as in QuantizedTensor.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    row_ok = rows < num_groups
+    cols = tl.arange(0, BLOCK)
+
+    if BLOCK >= GROUP:  # one pass: the whole group stays in registers
+        elem = rows[:, None] * GROUP + cols[None, :]
+        load_ok = row_ok[:, None] & (cols[None, :] < GROUP) & (elem < numel)
+        values = _source_values(elem, load_ok, x_ptr, y_ptr, multiplier,
+                                src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
+                                SOURCE, X_BF16, HAS_Y, Y_BF16, SRC_BITS, SRC_GROUP)
+        values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
+        absmax = tl.max(tl.abs(values), axis=1)
+        nan_seen = tl.max((values != values).to(tl.int32), axis=1)
+        scale, inv, usable = _scale_of(absmax, nan_seen > 0, BITS)
+        _store_codes(values, inv, usable, elem, rows, row_ok, 0, codes_ptr, seed_ptr,
+                     BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
+    else:  # two passes over BLOCK-column slices: absmax first, then the codes
+        absmax = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32)
+        nan_seen = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.int32)
+        for first in range(0, GROUP, BLOCK):
+            elem = rows[:, None] * GROUP + (first + cols)[None, :]
+            load_ok = row_ok[:, None] & ((first + cols)[None, :] < GROUP) & (elem < numel)
+            values = _source_values(elem, load_ok, x_ptr, y_ptr, multiplier,
+                                    src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
+                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SRC_BITS, SRC_GROUP)
+            values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
+            absmax = tl.maximum(absmax, tl.max(tl.abs(values), axis=1))
+            nan_seen = tl.maximum(nan_seen, tl.max((values != values).to(tl.int32), axis=1))
+        scale, inv, usable = _scale_of(absmax, nan_seen > 0, BITS)
+        for first in range(0, GROUP, BLOCK):
+            elem = rows[:, None] * GROUP + (first + cols)[None, :]
+            load_ok = row_ok[:, None] & ((first + cols)[None, :] < GROUP) & (elem < numel)
+            values = _source_values(elem, load_ok, x_ptr, y_ptr, multiplier,
+                                    src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
+                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SRC_BITS, SRC_GROUP)
+            values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
+            _store_codes(values, inv, usable, elem, rows, row_ok, first, codes_ptr, seed_ptr,
+                         BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
+    tl.store(scales_ptr + rows, scale, mask=row_ok)

@@ -1,0 +1,140 @@
+"""@triton.jit building blocks shared by the quantize and dequantize kernels.
+
+Every helper computes exactly what the torch reference computes, operation for
+operation in fp32, so results are bit-identical (the kernels are launched with
+``enable_fp_fusion=False``: a fused multiply-add would round once where the
+reference rounds twice).
+
+bf16 is read and written through int16 views with explicit bit arithmetic:
+the conversion is then round-to-nearest-even on the GPU *and* in Triton's CPU
+interpreter, whose own fp32->bf16 cast truncates.
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+# The kernels were built for the CPU interpreter, not compiled for a GPU. Fixed at
+# decoration time, which is now: triton.jit reads TRITON_INTERPRET when it decorates.
+INTERPRETED: bool = _interpreting()
+
+
+@triton.jit
+def bf16_bits_to_f32(bits):
+    """int16 bit patterns of bf16 values -> the exact fp32 values."""
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_bf16_bits(x):
+    """fp32 -> int16 bit patterns of bf16, round to nearest even (as torch does).
+
+    Adding 0x7FFF plus the lowest kept bit and truncating rounds ties to even;
+    a carry out of the mantissa correctly bumps the exponent (up to Inf). NaN
+    becomes the canonical quiet NaN 0x7FC0 instead of a rounded payload.
+    """
+    u = x.to(tl.uint32, bitcast=True)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    bits = tl.where(x != x, 0x7FC0, rounded)
+    return bits.to(tl.int16)
+
+
+@triton.jit
+def load_f32(ptr, offsets, mask, IS_BF16: tl.constexpr):
+    """Elements at ``offsets`` as fp32 (0 where masked). bf16 comes as an int16 view."""
+    if IS_BF16:
+        value = bf16_bits_to_f32(tl.load(ptr + offsets, mask=mask, other=0))
+    else:
+        value = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return value
+
+
+@triton.jit
+def store_f32(ptr, offsets, value, mask, IS_BF16: tl.constexpr):
+    """Store fp32 ``value`` rounded to the pointer's dtype (bf16 via an int16 view)."""
+    if IS_BF16:
+        tl.store(ptr + offsets, f32_to_bf16_bits(value), mask=mask)
+    else:
+        tl.store(ptr + offsets, value, mask=mask)  # tl.store casts, round to nearest
+
+
+@triton.jit
+def _butterfly_stage(y, N: tl.constexpr, H: tl.constexpr):
+    """One stage of the reference butterfly on a flat [N] tile.
+
+    Element i and i + H of every 2H-sized sub-block become (a + b, a - b), the
+    same two fp32 operations, on the same operands, as hadamard.py.
+    """
+    pairs = tl.permute(tl.reshape(y, [N // (2 * H), 2, H]), (0, 2, 1))  # [.., H, 2]
+    a, b = tl.split(pairs)
+    mixed = tl.join(a + b, a - b)  # [.., H, 2]
+    return tl.reshape(tl.permute(mixed, (0, 2, 1)), [N])
+
+
+@triton.jit
+def hadamard_flat(y, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Unnormalised Walsh-Hadamard transform of each consecutive BLOCK of a flat [N] tile.
+
+    Stages run in the reference's order (pair distance 1, 2, 4, ...), so the fp32
+    result is bit-identical. BLOCK is a power of two between 2 and 256.
+    """
+    if BLOCK >= 2:
+        y = _butterfly_stage(y, N, 1)
+    if BLOCK >= 4:
+        y = _butterfly_stage(y, N, 2)
+    if BLOCK >= 8:
+        y = _butterfly_stage(y, N, 4)
+    if BLOCK >= 16:
+        y = _butterfly_stage(y, N, 8)
+    if BLOCK >= 32:
+        y = _butterfly_stage(y, N, 16)
+    if BLOCK >= 64:
+        y = _butterfly_stage(y, N, 32)
+    if BLOCK >= 128:
+        y = _butterfly_stage(y, N, 64)
+    if BLOCK >= 256:
+        y = _butterfly_stage(y, N, 128)
+    return y
+
+
+@triton.jit
+def dequantize_elements(codes_ptr, scales_ptr, elem, mask, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 ``code * scale`` of the elements with flat indices ``elem`` (0 where masked).
+
+    Codes are unpacked per element from their byte (the layout of packing.py:
+    code i of a byte at bit offset i * BITS, two's complement); neighbouring
+    elements read the same byte, which the cache serves.
+    """
+    if BITS == 8:
+        code = tl.load(codes_ptr + elem, mask=mask, other=0).to(tl.float32)
+    else:
+        PER_BYTE: tl.constexpr = 8 // BITS
+        FIELD: tl.constexpr = (1 << BITS) - 1
+        SIGN: tl.constexpr = 1 << (BITS - 1)
+        byte = tl.load(codes_ptr + elem // PER_BYTE, mask=mask, other=0).to(tl.int32)
+        field = (byte >> ((elem % PER_BYTE) * BITS).to(tl.int32)) & FIELD
+        code = ((field ^ SIGN) - SIGN).to(tl.float32)
+    scale = tl.load(scales_ptr + elem // GROUP, mask=mask, other=0.0)
+    return code * scale
+
+
+@triton.jit
+def dequantized_chunk_sum(codes_ptr, scales_ptr, elem, mask, num_chunks, chunk_numel,
+                          BITS: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 sum over chunks 0..num_chunks-1 (in that order) of element ``elem`` of each chunk."""
+    total = dequantize_elements(codes_ptr, scales_ptr, elem, mask, BITS, GROUP)
+    offsets = elem  # int64; advancing it avoids an int32 chunk * chunk_numel product
+    for _ in range(1, num_chunks):
+        offsets += chunk_numel
+        total += dequantize_elements(codes_ptr, scales_ptr, offsets, mask, BITS, GROUP)
+    return total

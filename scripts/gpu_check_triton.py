@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""Check the Triton quantization kernels on a CUDA machine; print a pass/fail summary.
+
+Steps (each reported PASS/FAIL; the exit status is 0 only if all pass):
+  1. compile: every kernel variant compiles for this GPU's architecture with no
+     FMA contraction, flush-to-zero or approximate division in the PTX;
+  2. tests: tests/quant/test_triton.py on CUDA tensors with compiled kernels
+     (SDP4BIT_TRITON_TEST_DEVICE=cuda): bit-identical to the CPU reference with
+     nearest rounding, stochastic rounding floor-or-ceil / unbiased / reproducible;
+  3. large: the gradient path (Hadamard quantize -> dequantize-sum-requantize ->
+     dequantize-sum) and the weight path on ~33M elements (many programs, the
+     default tile sizes), bit-identical to the CPU reference;
+  4. dispatch: megatron_sdp4bit.quant sends CUDA tensors to the Triton backend;
+  5. speed (information, never fails): median time of each op, Triton vs the
+     torch reference on the same GPU.
+
+Needs a CUDA build of torch and Triton. Run from the repository root:
+    python scripts/gpu_check_triton.py            # a few minutes, mostly Triton compiling
+    python scripts/gpu_check_triton.py --no-bench
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
+
+import torch  # noqa: E402
+
+
+def step_compile(arch: int) -> str:
+    from megatron_sdp4bit.quant.triton_kernels import compile_check
+    problems = compile_check.check_all(arch, verbose=False)
+    return "; ".join(problems)
+
+
+def step_tests() -> str:
+    env = dict(os.environ, SDP4BIT_TRITON_TEST_DEVICE="cuda",
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+         "tests/quant/test_triton.py"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=480,
+    )
+    lines = result.stdout.strip().splitlines()
+    print("   ", lines[-1] if lines else "(no pytest output)")
+    if result.returncode != 0:
+        print(result.stdout[-8000:], result.stderr[-2000:], sep="\n")
+        return "pytest failed"
+    return ""
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    actual, expected = actual.cpu(), expected.cpu()
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return False
+    nan = torch.isnan(expected) if expected.is_floating_point() else torch.zeros_like(expected, dtype=torch.bool)
+    return torch.equal(actual.isnan() if actual.is_floating_point() else nan, nan) and torch.equal(
+        actual.masked_fill(nan, 0), expected.masked_fill(nan, 0))
+
+
+def step_large(chunk: int = (1 << 23) + 128 * 3) -> str:
+    """chunk: elements per rank, a multiple of 128 that is not a power of two."""
+    from megatron_sdp4bit.quant import reference as R
+    from megatron_sdp4bit.quant import triton_ops as T
+    from megatron_sdp4bit.quant.types import QuantizedTensor
+
+    problems = []
+    ranks = 4
+    gen = torch.Generator().manual_seed(0)
+    grads = (torch.randn(ranks * chunk, generator=gen) * torch.rand(ranks * chunk, generator=gen) ** 4)
+    grads = grads.to(torch.bfloat16)
+    cuda_grads = grads.cuda()
+
+    q8 = T.hadamard_quantize(cuda_grads, 8, 128, 32, "nearest", scale=1 / ranks)
+    r8 = R.hadamard_quantize(grads, 8, 128, 32, "nearest", scale=1 / ranks)
+    if not (_same(q8.codes, r8.codes) and _same(q8.scales, r8.scales)):
+        problems.append("hadamard_quantize")
+    q4 = T.dequantize_sum_requantize(q8, ranks, 4, 128, "nearest")
+    r4 = R.dequantize_sum_requantize(r8, ranks, 4, 128, "nearest")
+    if not (_same(q4.codes, r4.codes) and _same(q4.scales, r4.scales)):
+        problems.append("dequantize_sum_requantize")
+    stacked = QuantizedTensor(q4.codes.repeat(2), q4.scales.repeat(2), 4, 128, 2 * q4.numel, q4.dtype)
+    out = torch.empty(q4.numel, dtype=torch.bfloat16, device=q4.codes.device)
+    T.dequantize_sum(stacked, 2, 32, out=out)
+    ref_stacked = QuantizedTensor(r4.codes.repeat(2), r4.scales.repeat(2), 4, 128, 2 * r4.numel, r4.dtype)
+    if not _same(out, R.dequantize_sum(ref_stacked, 2, 32).to(torch.bfloat16)):
+        problems.append("dequantize_sum")
+
+    main = torch.randn(chunk + 77, generator=gen)
+    model = (main + torch.randn(main.shape, generator=gen) * 1e-3).to(torch.bfloat16)
+    qw = T.quantize_weight_diff(main.cuda(), model.cuda(), 4, 2048, "nearest")
+    rw = R.quantize_weight_diff(main, model, 4, 2048, "nearest")
+    if not (_same(qw.codes, rw.codes) and _same(qw.scales, rw.scales)):
+        problems.append("quantize_weight_diff")
+    updated = T.dequantize_add_(model.cuda(), qw)
+    if not _same(updated, R.dequantize_add_(model.clone(), rw)):
+        problems.append("dequantize_add_")
+    return ", ".join(problems) + (" differ from the reference" if problems else "")
+
+
+def step_dispatch() -> str:
+    from megatron_sdp4bit import quant
+    backend = quant.backend_for(torch.empty(1, device="cuda")).__name__
+    return "" if backend.endswith("triton_ops") else f"CUDA tensors go to {backend}"
+
+
+def _median_ms(fn, repeats: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def step_bench(numel: int) -> None:
+    from megatron_sdp4bit.quant import reference as R
+    from megatron_sdp4bit.quant import triton_ops as T
+
+    x = torch.randn(numel, device="cuda").to(torch.bfloat16)
+    main = torch.randn(numel, device="cuda")
+    q8 = T.hadamard_quantize(x, 8, 128, 32)
+    q4 = T.quantize(main, 4, 2048)
+    ops = {
+        "quantize 4b g2048 (fp32)": lambda M: M.quantize(main, 4, 2048),
+        "quantize_weight_diff 4b": lambda M: M.quantize_weight_diff(main, x, 4, 2048),
+        "dequantize_add_ 4b -> bf16": lambda M: M.dequantize_add_(x, q4),
+        "hadamard_quantize 8b g128 (bf16)": lambda M: M.hadamard_quantize(x, 8, 128, 32),
+        "dequantize_sum_requantize 4x 8b->4b": lambda M: M.dequantize_sum_requantize(q8, 4, 4, 128),
+        "dequantize_sum 4x 8b + H^-1": lambda M: M.dequantize_sum(q8, 4, 32),
+    }
+    print(f"    {numel / 2**20:.0f} Mi elements; median ms over 10 runs")
+    print(f"    {'op':40s} {'triton':>8s} {'torch':>8s} {'speedup':>8s}")
+    for name, op in ops.items():
+        t_triton = _median_ms(lambda: op(T))
+        t_torch = _median_ms(lambda: op(R), repeats=3)
+        print(f"    {name:40s} {t_triton:8.2f} {t_torch:8.2f} {t_torch / t_triton:7.1f}x")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-bench", action="store_true", help="skip the speed table")
+    parser.add_argument("--bench-numel", type=int, default=1 << 26)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (the CPU tests are tests/quant/test_triton.py)")
+        return 2
+    import triton
+    major, minor = torch.cuda.get_device_capability()
+    print(f"{torch.cuda.get_device_name()} (sm_{major}{minor}), torch {torch.__version__}, "
+          f"triton {triton.__version__}")
+
+    results = {}
+    steps = [("compile", lambda: step_compile(major * 10 + minor)), ("tests", step_tests),
+             ("large", step_large), ("dispatch", step_dispatch)]
+    for name, step in steps:
+        start = time.perf_counter()
+        try:
+            problem = step()
+        except Exception as error:  # report and go on to the next step
+            problem = f"{type(error).__name__}: {error}"
+        results[name] = problem
+        print(f"[{'PASS' if not problem else 'FAIL'}] {name} ({time.perf_counter() - start:.0f} s)"
+              + (f": {problem}" if problem else ""), flush=True)
+    if not args.no_bench:
+        try:
+            step_bench(args.bench_numel)
+        except Exception as error:
+            print(f"[INFO] speed table failed: {type(error).__name__}: {error}")
+    failed = [name for name, problem in results.items() if problem]
+    print("SUMMARY:", "PASS" if not failed else "FAIL (" + ", ".join(failed) + ")")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
