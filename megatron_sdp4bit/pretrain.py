@@ -70,7 +70,9 @@ def _forward_step(data_iterator, model):
 
     def loss_func(output_tensor):
         loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-        return loss, {"lm loss": loss.detach()}
+        # clone: megatron's schedule divides the returned loss in place by the number
+        # of micro-batches, which a plain detach() would share.
+        return loss, {"lm loss": loss.detach().clone()}
 
     return output, loss_func
 
@@ -86,6 +88,17 @@ def _run_schedule(ddp, args, data_iterator, num_microbatches, forward_only):
         micro_batch_size=args.micro_batch_size, forward_only=forward_only,
     )
     return sum(float(d["lm loss"]) for d in losses) / max(len(losses), 1)
+
+
+def wire_schedule_hooks(ddp, optimizer) -> None:
+    """What megatron's schedule calls back into, as Megatron-LM's training loop sets it:
+    without ``finalize_model_grads_func`` the gradients would never be reduced."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config = ddp.config
+    config.no_sync_func = ddp.no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
 
 
 def train_step(ddp, optimizer, scheduler, args, data_iterator, num_microbatches):
@@ -152,7 +165,17 @@ class WireMeter:
 
 # --- main ----------------------------------------------------------------------------
 
-def run(args) -> dict:
+def weights_sha256(ddp) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in ddp.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run(args, with_weights_hash: bool = False) -> dict:
     from megatron_sdp4bit.training import checkpoint
     from megatron_sdp4bit.training.distributed import (all_reduce_mean, init_distributed,
                                                        init_model_parallel)
@@ -170,14 +193,19 @@ def run(args) -> dict:
     init_model_parallel(args.seed)
     torch.manual_seed(args.seed)
     config = args.sdp4bit_config
-    if config is not None and config.enabled:
-        from megatron_sdp4bit.megatron import patch
+    from megatron_sdp4bit import comm
+    from megatron_sdp4bit.megatron import patch
 
+    comm.reset_generators()  # a run's quantization noise depends on its seed only
+    if config is not None and config.enabled:
         patch.install(config)
         _log0(f"sdp4bit: {config.to_dict()}")
+    else:
+        patch.uninstall()
     tokenizer, train_ds, valid_ds = build_data(args, rank, world)
     ddp, _ = build_model(args, tokenizer.vocab_size, use_cpu=device == "cpu")
     optimizer, scheduler = build_optimizer(args, ddp)
+    wire_schedule_hooks(ddp, optimizer)
     n_params = sum(p.numel() for p in ddp.parameters())
     _log0(f"model: GPT {args.num_layers} layers x {args.hidden_size}, {n_params / 1e6:.2f} M params, "
           f"{args.transformer_impl_used} layer spec, vocab {tokenizer.vocab_size}")
@@ -188,8 +216,6 @@ def run(args) -> dict:
         if state is not None:
             iteration = state["iteration"]
             if config is not None and config.enabled:
-                from megatron_sdp4bit.megatron import patch
-
                 patch.load_state_dict(state["extra"].get("sdp4bit", {}), optimizer)
             _log0(f"resumed from {args.load} at iteration {iteration}")
         else:
@@ -207,8 +233,6 @@ def run(args) -> dict:
     def save(it):
         extra = {}
         if config is not None and config.enabled:
-            from megatron_sdp4bit.megatron import patch
-
             extra["sdp4bit"] = patch.state_dict(optimizer)
         checkpoint.save_checkpoint(args.save, it, ddp, optimizer, scheduler, extra)
         _log0(f"saved checkpoint at iteration {it} to {args.save}")
@@ -225,11 +249,7 @@ def run(args) -> dict:
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             last_loss = all_reduce_mean(loss)
             sent, exact = meter.read(window_steps)
-            errors = {}
-            if config is not None and config.enabled:
-                from megatron_sdp4bit.megatron import patch
-
-                errors = patch.quantization_errors()
+            errors = patch.quantization_errors()
             logger.log("train", {
                 "iteration": iteration, "loss": last_loss,
                 "lr": optimizer.param_groups[0]["lr"],
@@ -257,6 +277,8 @@ def run(args) -> dict:
         "bytes_sent": meter.total_sent, "bytes_exact": meter.total_exact,
         "metrics": logger.path, "run_dir": run_dir,
     }
+    if with_weights_hash:
+        summary["weights_sha256"] = weights_sha256(ddp)
     logger.close()
     if rank == 0 and os.path.isfile(logger.path):
         summary["plot"] = plot_losses(logger.path, os.path.join(run_dir, "loss.png"),

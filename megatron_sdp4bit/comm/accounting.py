@@ -1,0 +1,145 @@
+"""Wire accounting: what each collective sent, and what the exact one would have.
+
+Every collective in ``megatron_sdp4bit.comm`` records, per call, the bytes that
+left this rank, split by
+
+- collective: ``all_gather`` (weights) or ``reduce_scatter`` (gradients);
+- level: ``intra`` (to peers on this rank's physical node) or ``inter``
+  (to peers on other nodes);
+- kind: ``codes`` and ``scales`` (quantized payload) or ``values``
+  (unquantized payload, from the exact paths);
+
+plus the number of elements those bytes carry (padding included) and the
+bytes the exact torch.distributed collective would have sent for the same
+call (``exact``). Convention: a collective is counted as the direct sends it
+implies, so an all-gather or reduce-scatter of shards of ``s`` elements sends
+``(P - 1) * s`` elements per rank, split intra/inter by where each peer lives.
+Bytes a rank keeps (its own chunk of an all-to-all) are not counted.
+
+Counters are per process; ``get_wire_stats`` returns a snapshot and
+``reset_wire_stats`` zeroes them.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+COLLECTIVES = ("all_gather", "reduce_scatter")
+LEVELS = ("intra", "inter")
+KINDS = ("codes", "scales", "values")
+_FIELDS = KINDS + ("elements", "exact")
+
+
+@dataclass(frozen=True)
+class WireStats:
+    """Snapshot of the byte counters. Every query sums over the arguments left as None."""
+
+    counters: dict = field(default_factory=dict)  # (collective, level, field) -> int
+    calls: dict = field(default_factory=dict)  # collective -> number of calls
+
+    def _sum(self, names, collective, level) -> int:
+        return sum(value for (c, lv, f), value in self.counters.items()
+                   if f in names and collective in (None, c) and level in (None, lv))
+
+    def sent_bytes(self, collective: Optional[str] = None, level: Optional[str] = None,
+                   kind: Optional[str] = None) -> int:
+        """Bytes that left this rank (codes + scales + values unless ``kind`` says)."""
+        return self._sum(KINDS if kind is None else (kind,), collective, level)
+
+    def exact_bytes(self, collective: Optional[str] = None, level: Optional[str] = None) -> int:
+        """Bytes the exact collective would have sent for the same calls."""
+        return self._sum(("exact",), collective, level)
+
+    def elements(self, collective: Optional[str] = None, level: Optional[str] = None) -> int:
+        """Elements carried by ``sent_bytes`` (padding included)."""
+        return self._sum(("elements",), collective, level)
+
+    def bits_per_element(self, collective: Optional[str] = None,
+                         level: Optional[str] = None) -> float:
+        """Wire bits per element sent (4 + 32/G for 4-bit codes with group G)."""
+        elements = self.elements(collective, level)
+        return 8.0 * self.sent_bytes(collective, level) / elements if elements else 0.0
+
+    def saving(self, collective: Optional[str] = None, level: Optional[str] = None) -> float:
+        """exact bytes / sent bytes (how many times less went on the wire)."""
+        sent = self.sent_bytes(collective, level)
+        return self.exact_bytes(collective, level) / sent if sent else float("inf")
+
+    def as_dict(self) -> dict:
+        """Nested plain dict: {collective: {level: {field: int}}, 'calls': {...}}."""
+        out: dict = {c: {lv: {f: 0 for f in _FIELDS} for lv in LEVELS} for c in COLLECTIVES}
+        for (c, lv, f), value in self.counters.items():
+            out[c][lv][f] = value
+        out["calls"] = {c: self.calls.get(c, 0) for c in COLLECTIVES}
+        return out
+
+    def format(self) -> str:
+        """A small text table, one row per collective and level."""
+        rows = ["collective      level  calls      sent B     exact B  bits/elt  saving"]
+        for c in COLLECTIVES:
+            for lv in LEVELS:
+                sent, exact = self.sent_bytes(c, lv), self.exact_bytes(c, lv)
+                if not sent and not exact:
+                    continue
+                rows.append(f"{c:<15} {lv:<5} {self.calls.get(c, 0):>6} {sent:>11} {exact:>11}"
+                            f" {self.bits_per_element(c, lv):>9.3f} {self.saving(c, lv):>6.2f}x")
+        return "\n".join(rows)
+
+
+class _Recorder:
+    """The process-wide counters; a lock keeps concurrent recorders consistent."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: dict = defaultdict(int)
+        self._calls: dict = defaultdict(int)
+
+    def add(self, collective: str, level: str, **amounts: int) -> None:
+        if collective not in COLLECTIVES or level not in LEVELS:
+            raise ValueError(f"unknown collective/level {collective!r}/{level!r}")
+        unknown = set(amounts) - set(_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown wire counters {sorted(unknown)}; use {_FIELDS}")
+        with self._lock:
+            for name, value in amounts.items():
+                if value:
+                    self._counters[(collective, level, name)] += int(value)
+
+    def count_call(self, collective: str) -> None:
+        with self._lock:
+            self._calls[collective] += 1
+
+    def snapshot(self) -> WireStats:
+        with self._lock:
+            return WireStats(dict(self._counters), dict(self._calls))
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counters.clear()
+            self._calls.clear()
+
+
+_RECORDER = _Recorder()
+
+
+def get_wire_stats() -> WireStats:
+    """Running totals of this process's collectives since the last reset."""
+    return _RECORDER.snapshot()
+
+
+def reset_wire_stats() -> None:
+    """Zero the counters (e.g. at the start of a measured window)."""
+    _RECORDER.reset()
+
+
+def record_peer_sends(collective: str, intra_peers: int, inter_peers: int, **per_peer: int) -> None:
+    """Record sending the same per-peer amounts to ``intra_peers`` + ``inter_peers`` peers."""
+    for level, peers in (("intra", intra_peers), ("inter", inter_peers)):
+        if peers:
+            _RECORDER.add(collective, level, **{k: v * peers for k, v in per_peer.items()})
+
+
+def record_call(collective: str) -> None:
+    _RECORDER.count_call(collective)

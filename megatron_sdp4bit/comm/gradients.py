@@ -1,0 +1,221 @@
+"""Quantized gradient reduce-scatter: TLq-HS, TLq, ULq, and the exact passthrough.
+
+Same contract as ``torch.distributed.reduce_scatter_tensor(output, input, op,
+group, async_op)``: ``input`` holds ``P`` equal shards (P = DP size), and group
+rank r receives in ``output`` shard r of the sum (or mean) over ranks.
+
+Quantized path, per pipeline chunk (each chunk covers the same slice of every
+shard):
+
+1. gather the chunk's slices of all P shards in ``Topology.send_order``
+   (the layout that makes the two hops compose to a plain reduce-scatter),
+   zero-padded to the group-size alignment;
+2. quantize ``H(x / P or x)`` (Hadamard in blocks for TLq-HS) at the first
+   hop's bits, all-to-all codes and scales inside the node;
+3. two levels only: dequantize the L received chunks, sum in fp32, requantize
+   at the inter-node bits, all-to-all across nodes;
+4. dequantize the received chunks, sum in fp32, inverse Hadamard, write the
+   valid part into ``output``.
+
+Chunk i+1's first hop is in flight while chunk i's second hop runs. With
+``async_op=True`` steps 1-2 of all chunks run at call time and steps 3-4 in
+the handle's ``wait()``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
+from megatron_sdp4bit.comm.handles import (
+    PendingCollective,
+    all_to_all_equal,
+    finish_or_handle,
+    reduce_scatter_flat,
+)
+from megatron_sdp4bit.comm.layout import Chunk, chunk_plan, lcm
+from megatron_sdp4bit.comm.rng import pick_generator
+from megatron_sdp4bit.comm.topology import Level, Topology, get_topology, peer_split
+from megatron_sdp4bit.config import SDP4BitConfig
+from megatron_sdp4bit.quant import (
+    QuantizedTensor,
+    dequantize_sum,
+    dequantize_sum_requantize,
+    hadamard_quantize,
+)
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_COLLECTIVE = "reduce_scatter"
+
+
+def quantized_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op=dist.ReduceOp.SUM,
+    group=None,
+    config: Optional[SDP4BitConfig] = None,
+    async_op: bool = False,
+    generator: Optional[torch.Generator] = None,
+) -> Optional[PendingCollective]:
+    """Reduce-scatter ``input`` into ``output`` over ``group`` as ``config.grad_mode`` says.
+
+    ``op`` is ``ReduceOp.SUM`` or ``ReduceOp.AVG``. ``output`` may be a view of
+    ``input`` (Megatron passes the local shard of the bucket): the input is
+    fully read before the first byte of output is written. ``generator``
+    overrides this rank's stochastic-rounding stream. Returns None, or with
+    ``async_op`` a handle whose ``wait()`` finishes the collective.
+    """
+    config = config if config is not None else SDP4BitConfig()
+    group = group if group is not None else dist.group.WORLD
+    dp_size = dist.get_world_size(group)
+    _validate(output, input, op, dp_size)
+    shard = output.numel()
+    element_size = input.element_size()
+    same, other = peer_split(group, config.ranks_per_node)
+    record_call(_COLLECTIVE)
+    record_peer_sends(_COLLECTIVE, same, other, exact=shard * element_size)
+    if dp_size == 1 or shard == 0:
+        return finish_or_handle(lambda: output.copy_(input.view(-1)[:shard].view_as(output)),
+                                async_op)
+    if not config.quantize_grads:
+        record_peer_sends(_COLLECTIVE, same, other, values=shard * element_size, elements=shard)
+        return reduce_scatter_flat(output, input, op, group, async_op)
+    topology = get_topology(group, config.ranks_per_node)
+    run = _QuantizedReduceScatter(output, input, op == dist.ReduceOp.AVG, topology, config,
+                                  generator)
+    run.launch()
+    return finish_or_handle(run.finish, async_op)
+
+
+def _validate(output: torch.Tensor, input: torch.Tensor, op, dp_size: int) -> None:
+    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        raise ValueError(f"op={op!r} is not supported; use ReduceOp.SUM or ReduceOp.AVG")
+    for name, t in (("input", input), ("output", output)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name} dtype {t.dtype} is not supported; use float32 or bfloat16")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous; call .contiguous() first")
+    if input.dtype != output.dtype or input.device != output.device:
+        raise ValueError(f"input ({input.dtype}, {input.device}) and output "
+                         f"({output.dtype}, {output.device}) must share dtype and device")
+    if input.numel() != dp_size * output.numel():
+        raise ValueError(
+            f"input has {input.numel()} elements but must have DP size ({dp_size}) x "
+            f"output ({output.numel()}) = {dp_size * output.numel()}"
+        )
+
+
+def _hop_format(level: Level, config: SDP4BitConfig) -> tuple[int, int]:
+    """(bits, group size) on a hop: intra-node hops at the high width, inter-node at the low."""
+    if level.name == "intra":
+        return config.effective_grad_bits_intra, config.grad_group_size_intra
+    return config.grad_bits_inter, config.grad_group_size_inter
+
+
+class _QuantizedReduceScatter:
+    """State of one quantized reduce-scatter across its pipeline chunks."""
+
+    def __init__(self, output, input, average, topology: Topology, config, generator):
+        self.output = output.view(-1)
+        self.topology = topology
+        self.config = config
+        self.levels = topology.levels
+        self.formats = [_hop_format(level, config) for level in self.levels]
+        self.block = config.hadamard_block if config.use_hadamard else None
+        align = lcm(*(group_size for _, group_size in self.formats), self.block or 1)
+        self.shard = output.numel()
+        self.chunks = chunk_plan(self.shard, align, config.pipeline_chunks)
+        self.rows = input.view(topology.dp_size, self.shard)
+        order = topology.send_order
+        self.order = (None if order == tuple(range(len(order)))
+                      else torch.tensor(order, dtype=torch.long, device=input.device))
+        self.scale = 1.0 / topology.dp_size if average else 1.0
+        self.generator = pick_generator(generator, config.rounding, input.device, config.seed,
+                                        topology.global_rank, "grads")
+        self.in_flight: list = []  # per chunk: (QuantizedTensor being received, works)
+
+    # --- steps -------------------------------------------------------------------
+    def launch(self) -> None:
+        """Quantize every chunk and start its first hop (reads all of the input)."""
+        bits, group_size = self.formats[0]
+        for chunk in self.chunks:
+            send = self._chunk_rows(chunk)
+            q = hadamard_quantize(send, bits=bits, group_size=group_size,
+                                  hadamard_block=self.block, rounding=self.config.rounding,
+                                  generator=self.generator, scale=self.scale)
+            self.in_flight.append(self._exchange(q, 0))
+
+    def finish(self) -> None:
+        """Second hop (two levels) and the final dequantize-sum, chunk by chunk, pipelined."""
+        if len(self.levels) == 1:
+            for chunk, state in zip(self.chunks, self.in_flight):
+                self._write(chunk, state)
+            return
+        bits, group_size = self.formats[1]
+        previous = None
+        for chunk, state in zip(self.chunks, self.in_flight):
+            received = self._arrived(state)
+            q = dequantize_sum_requantize(received, num_chunks=self.levels[0].size, bits=bits,
+                                          group_size=group_size, rounding=self.config.rounding,
+                                          generator=self.generator)
+            current = (chunk, self._exchange(q, 1))
+            if previous is not None:  # chunk i finishes while chunk i+1's hop is in flight
+                self._write(*previous)
+            previous = current
+        self._write(*previous)
+
+    # --- helpers -----------------------------------------------------------------
+    def _chunk_rows(self, chunk: Chunk) -> torch.Tensor:
+        """This chunk's slice of every shard, in send order, zero-padded, flat."""
+        piece = self.rows[:, chunk.start: chunk.start + chunk.valid]
+        if self.order is not None:
+            piece = piece.index_select(0, self.order)
+        if chunk.valid == chunk.padded:
+            return piece.reshape(-1)
+        padded = self.rows.new_zeros(self.topology.dp_size, chunk.padded)
+        padded[:, : chunk.valid] = piece
+        return padded.view(-1)
+
+    def _exchange(self, q: QuantizedTensor, hop: int):
+        """Start the all-to-all of ``q``'s codes and scales on hop ``hop``; record the bytes."""
+        level = self.levels[hop]
+        codes, scales = q.codes.contiguous(), q.scales.contiguous()
+        recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
+        works = [all_to_all_equal(recv_codes, codes, level.group),
+                 all_to_all_equal(recv_scales, scales, level.group)]
+        self._record(level, codes, scales, q.numel)
+        received = QuantizedTensor(codes=recv_codes, scales=recv_scales, bits=q.bits,
+                                   group_size=q.group_size, numel=q.numel, dtype=torch.float32)
+        # Keep the send buffers alive until the transfer is done.
+        return received, works, (codes, scales)
+
+    def _record(self, level: Level, codes, scales, numel: int) -> None:
+        if len(self.levels) == 1:  # a flat hop reaches peers on this node and others
+            intra, inter = self.topology.same_node_peers, self.topology.other_node_peers
+        else:
+            intra, inter = (level.size - 1, 0) if level.name == "intra" else (0, level.size - 1)
+        record_peer_sends(_COLLECTIVE, intra, inter,
+                          codes=codes.numel() * codes.element_size() // level.size,
+                          scales=scales.numel() * scales.element_size() // level.size,
+                          elements=numel // level.size)
+
+    @staticmethod
+    def _arrived(state) -> QuantizedTensor:
+        received, works, _ = state
+        for work in works:
+            work.wait()
+        return received
+
+    def _write(self, chunk: Chunk, state) -> None:
+        received = self._arrived(state)
+        peers = self.levels[-1].size
+        dest = self.output[chunk.start: chunk.start + chunk.valid]
+        if chunk.valid == chunk.padded:
+            dequantize_sum(received, num_chunks=peers, inverse_hadamard_block=self.block, out=dest)
+        else:
+            total = dequantize_sum(received, num_chunks=peers, inverse_hadamard_block=self.block)
+            dest.copy_(total[: chunk.valid])

@@ -1,0 +1,151 @@
+"""Pure arithmetic of the collectives: node layout, buffer order, chunking.
+
+Nothing here touches torch.distributed, so every rule can be unit-tested in one
+process (including layouts of world sizes no test machine can spawn).
+
+Vocabulary: a *DP group* is a list of global ranks. A *node* is a set of ranks
+that share a fast link; the node of global rank g is ``g // ranks_per_node``
+(the ``LOCAL_WORLD_SIZE`` torchrun sets). A DP group whose members spread
+evenly over its nodes (``L`` members on each of ``N`` nodes) gets a two-level
+reduce-scatter: an all-to-all among the ``L`` members of a node, then one among
+the ``N`` members that hold the same local index on every node.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """How one DP group's members spread over physical nodes.
+
+    ``nodes`` lists each node's members (sorted global ranks), nodes in
+    increasing node id. ``fallback_reason`` is set when the nodes are not all
+    the same size: the collectives then use one flat level.
+    """
+
+    ranks: tuple[int, ...]
+    physical_ranks_per_node: int
+    nodes: tuple[tuple[int, ...], ...]
+    fallback_reason: Optional[str] = None
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def members_per_node(self) -> int:
+        """DP members on each node (meaningful only without a fallback)."""
+        return len(self.nodes[0])
+
+    @property
+    def is_two_level(self) -> bool:
+        return (self.fallback_reason is None and self.num_nodes > 1
+                and self.members_per_node > 1)
+
+    def node_of(self, global_rank: int) -> int:
+        """Index (into ``nodes``) of the node holding ``global_rank``."""
+        for index, members in enumerate(self.nodes):
+            if global_rank in members:
+                return index
+        raise ValueError(f"rank {global_rank} is not in the DP group {list(self.ranks)}")
+
+    def same_node_peers(self, global_rank: int) -> int:
+        """Other DP members on ``global_rank``'s physical node."""
+        return len(self.nodes[self.node_of(global_rank)]) - 1
+
+    def intra_members(self) -> list[tuple[int, ...]]:
+        """Members of each intra-node group (one per node), for a two-level layout."""
+        return list(self.nodes)
+
+    def inter_members(self) -> list[tuple[int, ...]]:
+        """Members of each inter-node group (one per local index), sorted by node."""
+        return [tuple(node[local] for node in self.nodes)
+                for local in range(self.members_per_node)]
+
+
+def plan_node_layout(ranks: Sequence[int], ranks_per_node: int) -> NodeLayout:
+    """Group a DP group's global ranks by node; flag uneven spreads.
+
+    ``ranks`` may be in any order and need not be contiguous (tensor and
+    pipeline parallelism interleave DP groups): only membership matters here.
+    """
+    if not isinstance(ranks_per_node, int) or ranks_per_node <= 0:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive integer")
+    members = [int(r) for r in ranks]
+    if not members:
+        raise ValueError("the DP group has no ranks")
+    if len(set(members)) != len(members) or min(members) < 0:
+        raise ValueError(f"DP group ranks {members} must be distinct non-negative integers")
+    by_node: dict[int, list[int]] = {}
+    for rank in sorted(members):
+        by_node.setdefault(rank // ranks_per_node, []).append(rank)
+    nodes = tuple(tuple(by_node[node]) for node in sorted(by_node))
+    sizes = [len(node) for node in nodes]
+    reason = None
+    if len(set(sizes)) > 1:
+        reason = (
+            f"DP group {sorted(members)} spreads unevenly over nodes of "
+            f"{ranks_per_node} ranks (DP members per node: {sizes}); a two-level "
+            "collective needs the same number on every node. Make the DP size a "
+            "multiple of ranks_per_node, or set ranks_per_node to match the machines"
+        )
+    return NodeLayout(tuple(members), ranks_per_node, nodes, reason)
+
+
+def two_level_send_order(layout: NodeLayout,
+                         dp_ranks_in_group_order: Sequence[int]) -> tuple[int, ...]:
+    """Which DP shard fills each slot of the first hop's send buffer.
+
+    The buffer holds ``L`` blocks (one per intra-node peer j, in intra-group
+    order = local index); block j holds the shards of the ``N`` members of
+    peer j's inter-node group, in node order. After the intra-node all-to-all,
+    local rank j holds its node's partial sums of exactly those shards, in the
+    order its inter-node all-to-all sends them: node k gets the shard of its
+    own member. The two hops therefore compose to a plain reduce-scatter.
+    Returns DP group ranks (positions in ``dp_ranks_in_group_order``).
+    """
+    position = {g: i for i, g in enumerate(dp_ranks_in_group_order)}
+    return tuple(position[node[local]]
+                 for local in range(layout.members_per_node)
+                 for node in layout.nodes)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One pipeline chunk: shard elements ``[start, start + valid)`` padded to ``padded``."""
+
+    start: int
+    valid: int
+    padded: int
+
+
+def chunk_plan(shard_numel: int, align: int, max_chunks: int) -> list[Chunk]:
+    """Split a shard into at most ``max_chunks`` chunks whose lengths are multiples of ``align``.
+
+    Every chunk but the last is full; the last is zero-padded by fewer than
+    ``align`` elements, so the whole shard carries less than ``align`` of
+    padding. Fewer chunks are used when the shard is too short to fill them.
+    """
+    if shard_numel <= 0:
+        return []
+    if align <= 0 or max_chunks <= 0:
+        raise ValueError(f"align={align} and max_chunks={max_chunks} must be positive")
+    units = -(-shard_numel // align)
+    units_per_chunk = -(-units // min(max_chunks, units))
+    chunks = []
+    for first_unit in range(0, units, units_per_chunk):
+        start = first_unit * align
+        padded = min(units_per_chunk, units - first_unit) * align
+        chunks.append(Chunk(start, min(padded, shard_numel - start), padded))
+    return chunks
+
+
+def lcm(*values: int) -> int:
+    return math.lcm(*values) if values else 1

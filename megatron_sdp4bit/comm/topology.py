@@ -1,0 +1,302 @@
+"""Intra- and inter-node subgroups of a data-parallel group.
+
+``get_topology(group, ranks_per_node)`` describes how the collectives reach
+``group``'s members: one flat level (one node, one member per node, or an
+uneven spread) or two levels (an all-to-all inside each node, then one across
+nodes). Results are cached per (group, ranks_per_node).
+
+Creating process groups is collective over the whole world:
+``torch.distributed.new_group`` must be called by *every* rank, in the same
+order, for every group, members or not. Hence:
+
+- a DP group that spans the whole world builds its subgroups on the first
+  ``get_topology`` call (every rank makes that call);
+- when the world holds several DP groups (tensor or pipeline parallelism),
+  every rank must first call ``build_topologies(all_dp_rank_lists)`` with the
+  rank lists of *all* DP groups, in the same order everywhere. A two-level
+  group asked for without that raises an error instead of hanging.
+
+Both paths first check, with one small all-gather, that all ranks agree on
+``ranks_per_node`` (and on the rank lists), so a disagreement raises the same
+ValueError on every rank rather than mismatched groups.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_sdp4bit.comm.layout import NodeLayout, plan_node_layout, two_level_send_order
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.RLock()
+_SUBGROUPS: dict = {}  # (sorted members tuple) -> ProcessGroup, only groups this rank is in
+_BUILT_LAYOUTS: set = set()  # (sorted DP ranks, ranks_per_node) whose subgroups exist
+_TOPOLOGIES: dict = {}  # (group, ranks_per_node, strict) -> Topology
+_WARNED: set = set()
+_LAYOUTS: dict = {}  # (DP ranks in group order, ranks_per_node) -> NodeLayout
+
+
+@dataclass(frozen=True, eq=False)
+class Level:
+    """One all-to-all hop: its process group, member count, and wire label."""
+
+    name: str  # "intra" or "inter": which bit width and counter it uses
+    group: object
+    size: int
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    """How this rank reaches the other members of its DP group.
+
+    ``num_nodes``, ``ranks_per_node``, ``node_index`` and ``local_rank``
+    describe the hierarchy the collectives *use*: after a fallback it is
+    ``dp_size`` nodes of one rank each. ``intra_group``/``inter_group`` are
+    None when that level has one member; for a single-level topology the
+    remaining level is the DP group itself.
+    """
+
+    group: object
+    ranks: tuple[int, ...]  # global ranks in DP-group order
+    group_rank: int
+    global_rank: int
+    layout: NodeLayout
+    num_nodes: int
+    ranks_per_node: int
+    node_index: int
+    local_rank: int
+    intra_group: Optional[object]
+    inter_group: Optional[object]
+    send_order: tuple[int, ...]  # DP shard in each slot of the first hop's buffer
+    fallback_reason: Optional[str]
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_two_level(self) -> bool:
+        return self.intra_group is not None and self.inter_group is not None
+
+    @property
+    def levels(self) -> tuple[Level, ...]:
+        """The all-to-all hops of a reduce-scatter, in order (empty for one rank)."""
+        hops = []
+        if self.intra_group is not None:
+            hops.append(Level("intra", self.intra_group, self.ranks_per_node))
+        if self.inter_group is not None:
+            hops.append(Level("inter", self.inter_group, self.num_nodes))
+        return tuple(hops)
+
+    @property
+    def same_node_peers(self) -> int:
+        """DP peers on this rank's physical node (for the intra/inter byte split)."""
+        return self.layout.same_node_peers(self.global_rank)
+
+    @property
+    def other_node_peers(self) -> int:
+        return self.dp_size - 1 - self.same_node_peers
+
+
+def default_ranks_per_node() -> int:
+    """``LOCAL_WORLD_SIZE`` (set by torchrun), else the world size (one node)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value:
+        try:
+            parsed = int(value)
+        except ValueError:
+            parsed = 0
+        if parsed <= 0:
+            raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not a positive integer; "
+                             "fix the launcher or pass ranks_per_node explicitly")
+        return parsed
+    return dist.get_world_size()
+
+
+def _resolve_ranks_per_node(ranks_per_node: Optional[int]) -> int:
+    if ranks_per_node is None:
+        return default_ranks_per_node()
+    if not isinstance(ranks_per_node, int) or ranks_per_node <= 0:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive integer or None")
+    return ranks_per_node
+
+
+def _collective_device(group) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _check_agreement(group, what: str, value: int, description: str) -> None:
+    """All-gather ``value`` over ``group``; raise the same ValueError everywhere if ranks differ."""
+    local = torch.tensor([value], dtype=torch.int64, device=_collective_device(group))
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    values = [int(t.item()) for t in gathered]
+    if len(set(values)) > 1:
+        raise ValueError(
+            f"ranks disagree on {what} ({description} on this rank; per-rank values "
+            f"{values}). Every rank must pass the same arguments, e.g. set ranks_per_node "
+            "explicitly instead of relying on LOCAL_WORLD_SIZE on uneven machines"
+        )
+
+
+def _fingerprint(*parts) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
+def _new_subgroup(members: tuple[int, ...]):
+    """Create (collectively, on every rank) or reuse a subgroup; None if not a member."""
+    if members in _SUBGROUPS:
+        return _SUBGROUPS[members]
+    group = dist.new_group(ranks=list(members))
+    if dist.get_rank() in members:
+        _SUBGROUPS[members] = group
+        return group
+    _SUBGROUPS.setdefault(members, None)
+    return None
+
+
+def _create_subgroups(layout: NodeLayout) -> None:
+    """new_group for every intra- and inter-node group of a two-level layout (all ranks call)."""
+    key = (tuple(sorted(layout.ranks)), layout.physical_ranks_per_node)
+    if key in _BUILT_LAYOUTS:
+        return
+    if layout.is_two_level:
+        for members in layout.intra_members() + layout.inter_members():
+            _new_subgroup(members)
+    _BUILT_LAYOUTS.add(key)
+
+
+def build_topologies(all_dp_rank_lists: Sequence[Sequence[int]],
+                     ranks_per_node: Optional[int] = None) -> None:
+    """Create the subgroups of every DP group at once. Collective over the world.
+
+    Every rank calls it with the same lists in the same order (e.g. Megatron's
+    DP groups, one list per group). Afterwards ``get_topology(dp_group)`` works
+    on every rank without further collectives.
+    """
+    with _LOCK:
+        rpn = _resolve_ranks_per_node(ranks_per_node)
+        lists = [tuple(int(r) for r in ranks) for ranks in all_dp_rank_lists]
+        _check_agreement(None, "build_topologies arguments (fingerprints)",
+                         _fingerprint(rpn, lists), f"ranks_per_node={rpn}, DP groups {lists}")
+        for ranks in lists:
+            _create_subgroups(plan_node_layout(ranks, rpn))
+
+
+def get_topology(group=None, ranks_per_node: Optional[int] = None,
+                 strict: bool = False) -> Topology:
+    """The (cached) topology of ``group`` (default: the world) on this rank.
+
+    ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE``. An uneven spread over
+    nodes falls back to one flat level with a logged warning, or raises
+    ValueError when ``strict``. The first call for a group is collective over
+    that group (and over the world when it builds subgroups).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized; call init_process_group first")
+    group = group if group is not None else dist.group.WORLD
+    with _LOCK:
+        rpn = _resolve_ranks_per_node(ranks_per_node)
+        key = (group, rpn, strict)
+        if key not in _TOPOLOGIES:
+            _TOPOLOGIES[key] = _make_topology(group, rpn, strict)
+        return _TOPOLOGIES[key]
+
+
+def _make_topology(group, rpn: int, strict: bool) -> Topology:
+    ranks = tuple(dist.get_process_group_ranks(group))
+    me = dist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"rank {me} is not a member of the DP group {list(ranks)}")
+    _check_agreement(group, "ranks_per_node", rpn, f"ranks_per_node={rpn}")
+    layout = plan_node_layout(ranks, rpn)
+    if layout.fallback_reason is not None:
+        if strict:
+            raise ValueError(layout.fallback_reason)
+        if layout.fallback_reason not in _WARNED:
+            _WARNED.add(layout.fallback_reason)
+            logger.warning("%s; using one flat all-to-all level instead.", layout.fallback_reason)
+    if layout.is_two_level:
+        return _two_level(group, ranks, me, layout)
+    return _single_level(group, ranks, me, layout)
+
+
+def _single_level(group, ranks, me, layout: NodeLayout) -> Topology:
+    p = len(ranks)
+    position = ranks.index(me)
+    one_node = layout.num_nodes == 1 and layout.fallback_reason is None
+    if one_node:  # every member on this node: the flat level is intra-node
+        shape = dict(num_nodes=1, ranks_per_node=p, node_index=0, local_rank=position,
+                     intra_group=group if p > 1 else None, inter_group=None)
+    else:  # one member per node, or a fallback: P "nodes" of one rank
+        node_index = layout.node_of(me) if layout.fallback_reason is None else position
+        shape = dict(num_nodes=p, ranks_per_node=1, node_index=node_index, local_rank=0,
+                     intra_group=None, inter_group=group)
+    return Topology(group=group, ranks=ranks, group_rank=position, global_rank=me,
+                    layout=layout, send_order=tuple(range(p)),
+                    fallback_reason=layout.fallback_reason, **shape)
+
+
+def _two_level(group, ranks, me, layout: NodeLayout) -> Topology:
+    key = (tuple(sorted(ranks)), layout.physical_ranks_per_node)
+    if key not in _BUILT_LAYOUTS:
+        if set(ranks) != set(range(dist.get_world_size())):
+            raise RuntimeError(
+                f"the subgroups of DP group {sorted(ranks)} (ranks_per_node="
+                f"{layout.physical_ranks_per_node}) were not built: call "
+                "megatron_sdp4bit.comm.build_topologies(all_dp_rank_lists, ranks_per_node) "
+                "on every rank before the first quantized collective"
+            )
+        _create_subgroups(layout)
+    node_index = layout.node_of(me)
+    local_rank = layout.nodes[node_index].index(me)
+    intra = _SUBGROUPS[layout.nodes[node_index]]
+    inter = _SUBGROUPS[layout.inter_members()[local_rank]]
+    # The send order assumes group rank == local index (intra) and == node index (inter).
+    if dist.get_rank(intra) != local_rank or dist.get_rank(inter) != node_index:
+        raise RuntimeError("torch.distributed ordered a subgroup unexpectedly; "
+                           "subgroup ranks must follow sorted global ranks")
+    return Topology(group=group, ranks=ranks, group_rank=ranks.index(me), global_rank=me,
+                    layout=layout, num_nodes=layout.num_nodes,
+                    ranks_per_node=layout.members_per_node, node_index=node_index,
+                    local_rank=local_rank, intra_group=intra, inter_group=inter,
+                    send_order=two_level_send_order(layout, ranks), fallback_reason=None)
+
+
+def reset_topology_cache() -> None:
+    """Forget cached topologies (subgroups already created are kept and reused)."""
+    with _LOCK:
+        _TOPOLOGIES.clear()
+
+
+def peer_split(group=None, ranks_per_node: Optional[int] = None) -> tuple[int, int]:
+    """(peers on this rank's node, peers elsewhere) in ``group``; no collective involved.
+
+    Used to split the bytes of flat collectives (all-gathers, exact
+    reduce-scatters) between the intra and inter counters.
+    """
+    group = group if group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(group))
+    rpn = _resolve_ranks_per_node(ranks_per_node)
+    layout = _cached_layout(ranks, rpn)
+    same = layout.same_node_peers(dist.get_rank())
+    return same, len(ranks) - 1 - same
+
+
+def _cached_layout(ranks: tuple[int, ...], rpn: int) -> NodeLayout:
+    key = (ranks, rpn)
+    with _LOCK:
+        if key not in _LAYOUTS:
+            _LAYOUTS[key] = plan_node_layout(ranks, rpn)
+        return _LAYOUTS[key]

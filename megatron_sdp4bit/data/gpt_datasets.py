@@ -1,0 +1,222 @@
+"""Train/valid/test GPT datasets from Megatron indexed data, via megatron-core.
+
+This is the one module of ``megatron_sdp4bit.data`` that imports megatron at
+import time. ``build_gpt_datasets`` is a thin front to megatron-core's
+``BlendedMegatronDatasetBuilder`` + ``GPTDatasetConfig`` + ``GPTDataset``, so
+data preprocessed for Megatron-LM is read exactly as Megatron-LM reads it
+(memory-mapped ``.bin``, same splits, same shuffles, same cached indices). What
+it adds is checking first, because megatron-core fails late and obscurely:
+
+- missing ``.bin``/``.idx`` files -> ``FileNotFoundError`` naming every one;
+- a damaged ``.idx`` -> ``ValueError`` naming it (``indexed_files``);
+- a split that gets no document -> ``ValueError`` (megatron would loop forever
+  looking for tokens, or read out of bounds);
+- no compiled ``helpers_cpp`` -> the exact NumPy twins (``dataset_helpers``).
+
+Several ranks: call it on every rank. megatron-core builds the index caches on
+global rank 0 while the others wait in ``torch.distributed.barrier()`` (gloo
+works), then the others load them; ``path_to_cache`` must therefore be on a
+filesystem all ranks share. Without a process group we open a private
+one-process gloo group for the duration of the build: megatron-core 0.16.1's
+``BlendedDataset`` calls ``torch.distributed.get_rank()`` unguarded when it
+writes its cache, which fails outside a process group.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import types
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.utils import Split
+
+from megatron_sdp4bit.data import dataset_helpers
+from megatron_sdp4bit.data.cache import default_cache_dir
+from megatron_sdp4bit.data.indexed_files import check_indexed_prefix, missing_files
+
+logger = logging.getLogger(__name__)
+
+HELPERS_ENV = "SDP4BIT_DATASET_HELPERS"
+"""Set to ``numpy`` to use the NumPy helpers even where the compiled ones exist."""
+_HELPER_NAMES = ("build_sample_idx_int32", "build_sample_idx_int64",
+                 "build_blending_indices", "build_exhaustive_blending_indices")
+_CPP_MODULE = "megatron.core.datasets.helpers_cpp"
+
+Blend = Tuple[List[str], Optional[List[float]]]
+
+
+def ensure_dataset_helpers(force_numpy: Optional[bool] = None) -> str:
+    """Make megatron's ``datasets.helpers`` importable; return ``"cpp"`` or ``"numpy"``.
+
+    Uses the compiled extension when it imports, else (or when ``force_numpy``,
+    default from ``$SDP4BIT_DATASET_HELPERS == "numpy"``) registers the NumPy
+    twins under its module name before megatron imports it.
+    """
+    if force_numpy is None:
+        force_numpy = os.environ.get(HELPERS_ENV, "").lower() == "numpy"
+    if not force_numpy:
+        try:
+            __import__(_CPP_MODULE)
+            return "cpp"
+        except ImportError as error:
+            logger.warning("megatron-core's compiled dataset helpers are missing (%s); "
+                           "using the equivalent NumPy helpers.", error)
+    module = types.ModuleType(_CPP_MODULE, "NumPy twins of helpers_cpp (megatron_sdp4bit)")
+    for name in _HELPER_NAMES:
+        setattr(module, name, getattr(dataset_helpers, name))
+    sys.modules[_CPP_MODULE] = module
+    helpers = sys.modules.get("megatron.core.datasets.helpers")
+    if helpers is not None:  # imported earlier: rebind the names it copied
+        for name in _HELPER_NAMES:
+            setattr(helpers, name, getattr(dataset_helpers, name))
+    return "numpy"
+
+
+def parse_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
+    """Megatron's ``--data-path``: ``[P1, P2, ...]`` or ``[W1, P1, W2, P2, ...]``.
+
+    A single string is split on whitespace. Returns (prefixes, weights or None).
+    """
+    items = data_path.split() if isinstance(data_path, str) else [str(x) for x in data_path]
+    if not items:
+        raise ValueError("--data-path is empty: give at least one dataset prefix.")
+
+    def is_number(text: str) -> bool:
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+
+    numeric = [is_number(x) for x in items]
+    if len(items) % 2 == 0 and all(numeric[0::2]) and not any(numeric[1::2]):
+        weights = [float(w) for w in items[0::2]]
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"--data-path weights must be positive, got {weights}.")
+        prefixes, blend_weights = items[1::2], weights
+    elif not any(numeric):
+        prefixes, blend_weights = items, None
+    else:
+        raise ValueError(
+            f"cannot read --data-path {items}: give prefixes only, or weight/prefix pairs "
+            "(e.g. 0.3 data/a_text_document 0.7 data/b_text_document)."
+        )
+    for prefix in prefixes:
+        if prefix.endswith((".bin", ".idx")):
+            raise ValueError(f"--data-path takes prefixes, not files: use {prefix[:-4]!r} for {prefix!r}.")
+    return list(prefixes), blend_weights
+
+
+def _check_splits(prefix: str, num_sequences: int, split: str) -> None:
+    """Fail where megatron-core would hang or read out of bounds: a split with
+    nonzero weight that receives no sequence of ``prefix``."""
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for part, bounds in zip(Split, matrix):
+        if bounds is None:
+            continue
+        begin = int(round(bounds[0] * num_sequences))
+        end = int(round(bounds[1] * num_sequences))
+        if end <= begin:
+            raise ValueError(
+                f"split {split!r} gives the {part.name} set no document of {prefix} "
+                f"({num_sequences} documents); give it weight 0 (e.g. '1,0,0') or use more data."
+            )
+
+
+@contextlib.contextmanager
+def _process_group() -> Iterator[None]:
+    """The caller's process group, or a private one-process gloo group while inside."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def build_gpt_datasets(
+    data_path: Union[str, Sequence[str]],
+    tokenizer,
+    seq_length: int,
+    train_samples: Optional[int],
+    valid_samples: Optional[int] = None,
+    test_samples: Optional[int] = None,
+    split: str = "969,30,1",
+    seed: int = 1234,
+    path_to_cache: Optional[str] = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = False,
+    is_built_on_rank: Callable[[], bool] = lambda: True,
+) -> List[Optional[torch.utils.data.Dataset]]:
+    """Build ``[train, valid, test]`` megatron datasets (``None`` for a split of weight 0).
+
+    Args:
+        data_path: Megatron ``--data-path`` (prefixes, optionally weight/prefix pairs).
+        tokenizer: anything with ``vocab_size``, ``eod`` and ``unique_identifiers``
+            (``megatron_sdp4bit.data.tokenizer.Tokenizer``, or a megatron tokenizer).
+        seq_length: tokens per sample; each sample reads ``seq_length + 1`` tokens
+            and returns ``tokens``/``labels`` shifted by one.
+        train_samples, valid_samples, test_samples: samples to draw per split
+            (more than one epoch repeats the data, reshuffled); ``None`` = one epoch
+            (only without weights).
+        split: Megatron ``--split``, e.g. ``"969,30,1"``.
+        seed: the shuffle seed.
+        path_to_cache: where the sample-index ``.npy`` files go (Megatron
+            ``--data-cache-path``); default ``<cache dir>/dataset_indices``.
+        reset_position_ids, reset_attention_mask, eod_mask_loss: as in Megatron-LM.
+        create_attention_mask: also return a [1, s, s] mask (megatron-core's local
+            attention builds the causal mask itself, so it is off by default).
+        is_built_on_rank: Megatron's hook; all ranks by default.
+
+    Each sample is a dict of tensors: ``tokens``, ``labels`` (int64, [seq_length]),
+    ``loss_mask`` (float), ``position_ids`` (int64) and, for blends, ``dataset_id``.
+    """
+    if not isinstance(seq_length, int) or seq_length < 2:
+        raise ValueError(f"seq_length must be an integer >= 2, got {seq_length!r}.")
+    for name, count in (("train", train_samples), ("valid", valid_samples), ("test", test_samples)):
+        if count is not None and (not isinstance(count, int) or count < 0):
+            raise ValueError(f"{name}_samples must be a non-negative integer or None, got {count!r}.")
+    for attribute in ("vocab_size", "eod"):
+        if getattr(tokenizer, attribute, None) is None:
+            raise ValueError(f"tokenizer {tokenizer!r} has no {attribute}; megatron's GPTDataset needs it.")
+    prefixes, weights = parse_data_path(data_path)
+    if weights is not None and None in (train_samples, valid_samples, test_samples):
+        raise ValueError("a weighted --data-path needs explicit train/valid/test sample counts.")
+    missing = missing_files(prefixes)
+    if missing:
+        raise FileNotFoundError("missing indexed dataset file(s): " + ", ".join(missing)
+                                + " (--data-path takes the prefix of PREFIX.bin/PREFIX.idx).")
+    for prefix in prefixes:
+        _check_splits(prefix, check_indexed_prefix(prefix).num_sequences, split)
+
+    ensure_dataset_helpers()
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, weights),
+        split=split,
+        path_to_cache=path_to_cache or os.path.join(default_cache_dir(), "dataset_indices"),
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+        mmap_bin_files=True,
+    )
+    sizes = [train_samples, valid_samples, test_samples]
+    with _process_group():
+        return BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank, config).build()

@@ -1,0 +1,188 @@
+"""``sdp4bit-preprocess``: text/JSONL -> Megatron indexed dataset (.bin/.idx).
+
+Flag names follow Megatron-LM's ``tools/preprocess_data.py`` and so does the
+output name: ``--output-prefix out`` with ``--json-key text`` writes
+``out_text_document.bin/.idx``, and ``out_text_document`` is what ``--data-path``
+takes. Each document is one sequence; ``--append-eod`` ends it with the EOD id.
+
+Example::
+
+    sdp4bit-preprocess --input corpus.jsonl --output-prefix data/my \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json \\
+        --merge-file merges.txt --append-eod
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator, List, Optional, Sequence
+
+from megatron_sdp4bit.data.documents import TEXT_DOCUMENT_UNITS, check_inputs, iter_documents
+from megatron_sdp4bit.data.indexed_files import write_indexed_dataset
+from megatron_sdp4bit.data.tokenizer import TOKENIZER_TYPES, Tokenizer, TokenizerSpec
+
+_BATCH_CHARS = 1 << 22  # documents go to the encoder in ~4M-character batches
+
+
+@dataclass
+class PreprocessStats:
+    """What one preprocessing run wrote."""
+
+    prefix: str
+    documents: int = 0
+    tokens: int = 0
+    characters: int = 0
+    seconds: float = 0.0
+
+
+def output_prefix_for(output_prefix: str, json_key: str = "text") -> str:
+    """Megatron-LM's naming: ``{output_prefix}_{json_key}_document``."""
+    return f"{output_prefix}_{json_key}_document"
+
+
+def _batches(documents: Iterable[str]) -> Iterator[List[str]]:
+    batch: List[str] = []
+    size = 0
+    for doc in documents:
+        batch.append(doc)
+        size += len(doc)
+        if size >= _BATCH_CHARS or len(batch) >= 4096:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+_worker_tokenizer: Optional[Tokenizer] = None
+
+
+def _init_worker(spec: TokenizerSpec) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = spec.build()
+
+
+def _encode_in_worker(batch: List[str]) -> List[List[int]]:
+    return _worker_tokenizer.tokenize_batch(batch)
+
+
+def encode_documents(
+    documents: Iterable[str],
+    tokenizer: Tokenizer,
+    append_eod: bool,
+    stats: PreprocessStats,
+    workers: int = 1,
+    spec: Optional[TokenizerSpec] = None,
+) -> Iterator[List[int]]:
+    """Token ids of each document, in input order (EOD appended if asked).
+
+    With ``workers > 1`` batches are encoded in that many processes, each
+    rebuilding the tokenizer from ``spec``; the Rust encoder already uses all
+    cores within one process, so this mostly helps very large inputs.
+    """
+
+    def counted(batches: Iterable[List[str]]) -> Iterator[List[str]]:
+        for batch in batches:
+            stats.characters += sum(map(len, batch))
+            yield batch
+
+    batches = counted(_batches(documents))
+    if workers > 1:
+        if spec is None:
+            raise ValueError("encoding with workers > 1 needs the TokenizerSpec to rebuild the tokenizer")
+        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec,))
+        encoded: Iterable[List[List[int]]] = pool.imap(_encode_in_worker, batches)
+    else:
+        pool = None
+        encoded = map(tokenizer.tokenize_batch, batches)
+    try:
+        for ids_batch in encoded:
+            for ids in ids_batch:
+                if append_eod and ids:
+                    ids.append(tokenizer.eod)
+                stats.documents += 1 if ids else 0
+                stats.tokens += len(ids)
+                yield ids
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+
+def preprocess(
+    inputs: Sequence[str],
+    output_prefix: str,
+    spec: TokenizerSpec = TokenizerSpec(),
+    json_key: str = "text",
+    append_eod: bool = False,
+    text_document_per: str = "file",
+    workers: int = 1,
+) -> PreprocessStats:
+    """Tokenize ``inputs`` into ``{output_prefix}_{json_key}_document.bin/.idx``.
+
+    Empty documents are skipped (as in Megatron-LM, they hold no sequence).
+    Returns the counts; ``stats.prefix`` is the ``--data-path`` prefix.
+    """
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}.")
+    check_inputs(inputs)
+    tokenizer = spec.build()  # before any worker starts: trains the default once
+    prefix = output_prefix_for(output_prefix, json_key)
+    stats = PreprocessStats(prefix)
+    start = time.perf_counter()
+    documents = iter_documents(inputs, json_key=json_key, per=text_document_per)
+    ids = encode_documents(documents, tokenizer, append_eod, stats, workers, spec)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    write_indexed_dataset(prefix, ids, tokenizer.vocab_size)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (Megatron-LM's flag names where it has them)."""
+    p = argparse.ArgumentParser(
+        prog="sdp4bit-preprocess",
+        description="Tokenize text or JSONL files into a Megatron indexed dataset (.bin/.idx).",
+    )
+    g = p.add_argument_group("input")
+    g.add_argument("--input", nargs="+", required=True, help="text or JSONL (*.jsonl, *.json) files")
+    g.add_argument("--json-key", "--json-keys", dest="json_key", default="text",
+                   help="JSONL field holding the text (default: text)")
+    g.add_argument("--text-document-per", choices=TEXT_DOCUMENT_UNITS, default="file",
+                   help="for plain text files: one document per file (default), line or paragraph")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default="StdlibBPETokenizer",
+                   help="default StdlibBPETokenizer: byte-level BPE trained on the Python stdlib, no download")
+    g.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
+    g.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
+    g.add_argument("--tokenizer-model", help="tokenizer.json or its directory (HuggingFaceTokenizer)")
+    g.add_argument("--eod-token", help="end-of-document token string (default: the tokenizer's)")
+    g.add_argument("--cache-dir", help="cache of the default tokenizer (default: $SDP4BIT_CACHE or ~/.cache/megatron_sdp4bit)")
+    g = p.add_argument_group("output")
+    g.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{json-key}_document.bin/.idx")
+    g.add_argument("--append-eod", action="store_true", help="end every document with the EOD token")
+    g.add_argument("--workers", type=int, default=1, help="encoder processes (default 1)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point."""
+    args = build_parser().parse_args(argv)
+    spec = TokenizerSpec(args.tokenizer_type, args.vocab_file, args.merge_file,
+                         args.tokenizer_model, args.eod_token, args.cache_dir)
+    try:
+        stats = preprocess(args.input, args.output_prefix, spec, args.json_key,
+                           args.append_eod, args.text_document_per, args.workers)
+    except (ValueError, OSError) as error:
+        print(f"sdp4bit-preprocess: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {stats.prefix}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens "
+          f"from {stats.characters} characters in {stats.seconds:.1f} s")
+    print(f"use it with: --data-path {stats.prefix}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

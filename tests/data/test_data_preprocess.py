@@ -1,0 +1,151 @@
+"""Preprocessing round trip: what lands in .bin/.idx is exactly the reference
+tokenization of each document (+ EOD), and decodes back to the text."""
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+import tokenizers
+
+from megatron_sdp4bit.data.preprocess import main, preprocess
+from megatron_sdp4bit.data.tokenizer import TokenizerSpec
+
+from data_samples import SAMPLE_DOCUMENTS, read_indexed
+
+
+def reference_ids(tokenizer_type, files, doc):
+    """The tokenization a user of the `tokenizers` library would compute directly."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        vocab, merges = files
+        return tokenizers.ByteLevelBPETokenizer(vocab, merges).encode(doc).ids
+    return tokenizers.Tokenizer.from_file(files).encode(doc, add_special_tokens=False).ids
+
+
+@pytest.fixture(params=["StdlibBPETokenizer", "GPT2BPETokenizer"])
+def tokenizer_case(request, small_corpus_prefix, gpt2_files):
+    if request.param == "GPT2BPETokenizer":
+        vocab, merges = gpt2_files
+        return TokenizerSpec("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges), gpt2_files
+    model = os.path.join(os.path.dirname(small_corpus_prefix), "tokenizer.json")
+    return TokenizerSpec("StdlibBPETokenizer", tokenizer_model=model), model
+
+
+@pytest.mark.parametrize("append_eod", [True, False])
+@pytest.mark.parametrize("input_kind", ["jsonl", "text"])
+def test_round_trip(tmp_path, sample_inputs, tokenizer_case, append_eod, input_kind):
+    spec, files = tokenizer_case
+    jsonl, text_files = sample_inputs
+    inputs = [jsonl] if input_kind == "jsonl" else text_files
+    stats = preprocess(inputs, str(tmp_path / "out"), spec, append_eod=append_eod)
+    assert stats.prefix == str(tmp_path / "out") + "_text_document"
+    documents, dtype = read_indexed(stats.prefix)
+    tokenizer = spec.build()
+    assert dtype == numpy.uint16  # Megatron-LM's choice for vocabularies < 65500
+    assert len(documents) == len(SAMPLE_DOCUMENTS) == stats.documents
+    for ids, text in zip(documents, SAMPLE_DOCUMENTS):
+        expected = reference_ids(spec.tokenizer_type, files, text)
+        if append_eod:
+            assert ids[-1] == tokenizer.eod
+            ids = ids[:-1]
+        assert ids == expected
+        assert tokenizer.detokenize(ids) == text
+    assert stats.tokens == sum(map(len, read_indexed(stats.prefix)[0]))
+
+
+def test_gpt2_eod_text_is_not_the_eod_id(gpt2_files):
+    vocab, merges = gpt2_files
+    tokenizer = TokenizerSpec("GPT2BPETokenizer", vocab, merges).build()
+    assert tokenizer.eod == tokenizers.ByteLevelBPETokenizer(vocab, merges).token_to_id("<|endoftext|>")
+    assert tokenizer.eod not in tokenizer.tokenize(SAMPLE_DOCUMENTS[5])
+
+
+def test_megatron_reads_what_we_wrote(tmp_path, sample_inputs, gpt2_files):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    vocab, merges = gpt2_files
+    spec = TokenizerSpec("GPT2BPETokenizer", vocab, merges)
+    stats = preprocess([sample_inputs[0]], str(tmp_path / "m"), spec, append_eod=True)
+    ours, _ = read_indexed(stats.prefix)
+    theirs = IndexedDataset(stats.prefix)
+    assert len(theirs) == len(ours)
+    for i, ids in enumerate(ours):
+        assert theirs[i].tolist() == ids
+
+
+def test_text_document_units_and_empty_documents(tmp_path, gpt2_files):
+    vocab, merges = gpt2_files
+    spec = TokenizerSpec("GPT2BPETokenizer", vocab, merges)
+    path = tmp_path / "p.txt"
+    path.write_text("first para\nline two\n\n\nsecond para\n\nthird\n", encoding="utf-8")
+    tokenizer = spec.build()
+    for per, expected in [("paragraph", ["first para\nline two", "second para", "third"]),
+                          ("line", ["first para", "line two", "second para", "third"])]:
+        stats = preprocess([str(path)], str(tmp_path / per), spec, text_document_per=per)
+        documents, _ = read_indexed(stats.prefix)
+        assert [tokenizer.detokenize(d) for d in documents] == expected
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text('{"text": ""}\n{"text": "kept"}\n', encoding="utf-8")
+    stats = preprocess([str(empty)], str(tmp_path / "e"), spec, append_eod=True)
+    documents, _ = read_indexed(stats.prefix)
+    assert [tokenizer.detokenize(d) for d in documents] == ["kept<|endoftext|>"]
+
+
+def test_workers_give_identical_files(tmp_path, sample_inputs, gpt2_files):
+    vocab, merges = gpt2_files
+    spec = TokenizerSpec("GPT2BPETokenizer", vocab, merges)
+    one = preprocess([sample_inputs[0]], str(tmp_path / "w1"), spec, append_eod=True)
+    two = preprocess([sample_inputs[0]], str(tmp_path / "w2"), spec, append_eod=True, workers=2)
+    for ext in (".bin", ".idx"):
+        with open(one.prefix + ext, "rb") as a, open(two.prefix + ext, "rb") as b:
+            assert a.read() == b.read()
+
+
+def test_cli(tmp_path, sample_inputs, gpt2_files, capsys):
+    vocab, merges = gpt2_files
+    out = str(tmp_path / "cli")
+    rc = main(["--input", sample_inputs[0], "--output-prefix", out, "--tokenizer-type",
+               "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges,
+               "--append-eod", "--json-keys", "text"])
+    assert rc == 0
+    assert f"--data-path {out}_text_document" in capsys.readouterr().out
+    assert len(read_indexed(out + "_text_document")[0]) == len(SAMPLE_DOCUMENTS)
+
+
+@pytest.mark.parametrize("argv_tail, message", [
+    (["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "m.txt"], "--vocab-file"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "nope.json", "--merge-file", "m"], "nope.json"),
+    (["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-model"),
+    (["--json-key", "body"], "no key 'body'"),
+])
+def test_cli_errors_are_clear(tmp_path, sample_inputs, argv_tail, message, capsys):
+    rc = main(["--input", sample_inputs[0], "--output-prefix", str(tmp_path / "x")] + argv_tail)
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not os.path.exists(str(tmp_path / "x_text_document.bin"))
+
+
+def test_missing_input_file(tmp_path, capsys):
+    assert main(["--input", str(tmp_path / "absent.jsonl"), "--output-prefix", str(tmp_path / "x")]) == 2
+    assert "absent.jsonl" in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    result = subprocess.run([sys.executable, "-m", "megatron_sdp4bit.data.preprocess", "--help"],
+                            capture_output=True, text=True, timeout=60,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert result.returncode == 0
+    for flag in ("--input", "--output-prefix", "--tokenizer-type", "--vocab-file", "--merge-file",
+                 "--tokenizer-model", "--append-eod", "--json-key", "--workers"):
+        assert flag in result.stdout
+
+
+def test_non_utf8_text_is_refused_and_leaves_no_output(tmp_path, gpt2_files, capsys):
+    vocab, merges = gpt2_files
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    out = str(tmp_path / "o")
+    rc = main(["--input", str(bad), "--output-prefix", out, "--tokenizer-type", "GPT2BPETokenizer",
+               "--vocab-file", vocab, "--merge-file", merges])
+    assert rc == 2 and "latin1.txt is not UTF-8" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["latin1.txt"]
