@@ -35,7 +35,14 @@ def build_data(args, dp_rank: int, dp_size: int):
                                        load_default_corpus_tokenizer, prepare_default_corpus)
 
     if args.data_path:
-        tokenizer = build_tokenizer(args.tokenizer_type or "StdlibBPETokenizer",
+        from megatron_sdp4bit.data.gpt_datasets import check_data_path
+
+        check_data_path(args.data_path)  # before the tokenizer: fail fast on bad files
+        if args.tokenizer_type is None:
+            raise ArgumentError("--data-path needs --tokenizer-type: the tokenizer the data was "
+                                "preprocessed with (GPT2BPETokenizer, HuggingFaceTokenizer or "
+                                "StdlibBPETokenizer)")
+        tokenizer = build_tokenizer(args.tokenizer_type,
                                     vocab_file=args.vocab_file, merge_file=args.merge_file,
                                     tokenizer_model=args.tokenizer_model)
         data_path = args.data_path

@@ -117,6 +117,22 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
     return list(prefixes), blend_weights
 
 
+def check_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
+    """Parse ``--data-path`` and check every ``.bin``/``.idx`` before any work starts.
+
+    Raises FileNotFoundError naming every missing file, ValueError naming a
+    damaged one. Returns (prefixes, weights or None).
+    """
+    prefixes, weights = parse_data_path(data_path)
+    missing = missing_files(prefixes)
+    if missing:
+        raise FileNotFoundError("missing indexed dataset file(s): " + ", ".join(missing)
+                                + " (--data-path takes the prefix of PREFIX.bin/PREFIX.idx).")
+    for prefix in prefixes:
+        check_indexed_prefix(prefix)
+    return prefixes, weights
+
+
 def _check_splits(prefix: str, num_sequences: int, split: str) -> None:
     """Fail where megatron-core would hang or read out of bounds: a split with
     nonzero weight that receives no sequence of ``prefix``."""
@@ -193,13 +209,9 @@ def build_gpt_datasets(
     for attribute in ("vocab_size", "eod"):
         if getattr(tokenizer, attribute, None) is None:
             raise ValueError(f"tokenizer {tokenizer!r} has no {attribute}; megatron's GPTDataset needs it.")
-    prefixes, weights = parse_data_path(data_path)
+    prefixes, weights = check_data_path(data_path)
     if weights is not None and None in (train_samples, valid_samples, test_samples):
         raise ValueError("a weighted --data-path needs explicit train/valid/test sample counts.")
-    missing = missing_files(prefixes)
-    if missing:
-        raise FileNotFoundError("missing indexed dataset file(s): " + ", ".join(missing)
-                                + " (--data-path takes the prefix of PREFIX.bin/PREFIX.idx).")
     for prefix in prefixes:
         _check_splits(prefix, check_indexed_prefix(prefix).num_sequences, split)
 

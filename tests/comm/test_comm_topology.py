@@ -45,7 +45,8 @@ def test_strided_dp_groups(world):
         assert value["passthrough_exact"], f"rank {rank} {key}"
         assert value["ratio"] <= 1.0, f"rank {rank} {key}: {value}"
     if world == 8:  # 2 nodes x 2 members of each DP group: the two-level path ran
-        assert any(v.get("two_level") for _, k, v in cases(results, "strided|rpn=4"))
+        assert any(v["two_level"] for _, k, v in cases(results, "strided|rpn=4")
+                   if not k.endswith("|unbuilt"))
 
 
 def test_uneven_nodes_fall_back_or_raise(world):
