@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from megatron_sdp4bit.config import preset
 from megatron_sdp4bit.training.arguments import ArgumentError, check_parallel_sizes, parse_args
 
 
@@ -132,42 +133,30 @@ def evaluate(ddp, args, valid, dp_rank, dp_size, num_microbatches) -> float:
 
 # --- wire accounting ------------------------------------------------------------------
 
-def exact_bytes_per_step(ddp, dp_size: int) -> int:
-    """Bytes one rank sends per step with the exact collectives (reduce-scatter of the
-    gradient buffers and all-gather of the param buffers), counted as direct sends."""
-    total = 0
-    for buffer in ddp.buffers:
-        for bucket in buffer.buckets:
-            share = (dp_size - 1) / dp_size
-            total += share * bucket.grad_data.numel() * bucket.grad_data.element_size()
-            if bucket.param_data is not None:
-                total += share * bucket.param_data.numel() * bucket.param_data.element_size()
-    return int(total)
-
-
 class WireMeter:
-    """Bytes sent vs exact since the last read (from comm's counters when SDP4Bit runs)."""
+    """Bytes this rank sent vs what the exact collectives would have sent, per level.
 
-    def __init__(self, ddp, dp_size: int, quantized: bool):
+    The patch layer is installed on every run (with quantization off it defers to
+    megatron's own collectives and only counts their bytes), so the exact
+    baseline run and the SDP4Bit run are measured the same way.
+    """
+
+    def __init__(self):
         from megatron_sdp4bit import comm
 
         self.comm = comm
-        self.quantized = quantized
-        self.exact_per_step = exact_bytes_per_step(ddp, dp_size)
-        self.total_sent = 0
-        self.total_exact = 0
+        self.totals = {"sent": 0, "exact": 0, "sent_intra": 0, "sent_inter": 0}
         comm.reset_wire_stats()
 
-    def read(self, steps: int) -> tuple[int, int]:
-        if self.quantized:
-            stats = self.comm.get_wire_stats()
-            self.comm.reset_wire_stats()
-            sent, exact = stats.sent_bytes(), stats.exact_bytes()
-        else:
-            sent = exact = self.exact_per_step * steps
-        self.total_sent += sent
-        self.total_exact += exact
-        return sent, exact
+    def read(self) -> dict:
+        stats = self.comm.get_wire_stats()
+        self.comm.reset_wire_stats()
+        window = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes(),
+                  "sent_intra": stats.sent_bytes(level="intra"),
+                  "sent_inter": stats.sent_bytes(level="inter")}
+        for key, value in window.items():
+            self.totals[key] += value
+        return window
 
 
 # --- main ----------------------------------------------------------------------------
@@ -204,11 +193,11 @@ def run(args, with_weights_hash: bool = False) -> dict:
     from megatron_sdp4bit.megatron import patch
 
     comm.reset_generators()  # a run's quantization noise depends on its seed only
-    if config is not None and config.enabled:
-        patch.install(config)
-        _log0(f"sdp4bit: {config.to_dict()}")
-    else:
-        patch.uninstall()
+    quantized = config is not None and config.enabled
+    if not quantized:  # exact collectives, counted by the layer (bit-identical to stock)
+        config = preset("baseline", ranks_per_node=config.ranks_per_node if config else None)
+    patch.install(config)
+    _log0(f"sdp4bit: {config.to_dict() if quantized else 'off (exact collectives)'}")
     tokenizer, train_ds, valid_ds = build_data(args, rank, world)
     ddp, _ = build_model(args, tokenizer.vocab_size, use_cpu=device == "cpu")
     optimizer, scheduler = build_optimizer(args, ddp)
@@ -222,8 +211,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
         state = checkpoint.load_checkpoint(args.load, ddp, optimizer, scheduler)
         if state is not None:
             iteration = state["iteration"]
-            if config is not None and config.enabled:
-                patch.load_state_dict(state["extra"].get("sdp4bit", {}), optimizer)
+            patch.load_state_dict(state["extra"].get("sdp4bit", {}), optimizer)
             _log0(f"resumed from {args.load} at iteration {iteration}")
         else:
             _log0(f"--load {args.load}: no checkpoint there, starting from scratch")
@@ -231,16 +219,14 @@ def run(args, with_weights_hash: bool = False) -> dict:
     run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     logger = MetricsLogger(run_dir, enabled=rank == 0, total_iters=args.train_iters,
                            progress_bar=not args.no_progress_bar, tensorboard_dir=args.tensorboard_dir)
-    meter = WireMeter(ddp, world, quantized=config is not None and config.enabled)
+    meter = WireMeter()
     train_iter = _micro_batches(train_ds, args, rank, world, iteration * args.global_batch_size)
     tokens_per_step = args.global_batch_size * args.seq_length
     last_loss = last_valid = math.nan
     window_time, window_steps, tokens_total, time_total = 0.0, 0, 0, 0.0
 
     def save(it):
-        extra = {}
-        if config is not None and config.enabled:
-            extra["sdp4bit"] = patch.state_dict(optimizer)
+        extra = {"sdp4bit": patch.state_dict(optimizer)}
         checkpoint.save_checkpoint(args.save, it, ddp, optimizer, scheduler, extra)
         _log0(f"saved checkpoint at iteration {it} to {args.save}")
 
@@ -255,7 +241,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
         tokens_total += tokens_per_step
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
             last_loss = all_reduce_mean(loss)
-            sent, exact = meter.read(window_steps)
+            wire = meter.read()
             errors = patch.quantization_errors()
             logger.log("train", {
                 "iteration": iteration, "loss": last_loss,
@@ -263,8 +249,9 @@ def run(args, with_weights_hash: bool = False) -> dict:
                 "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                 "step_time_s": window_time / window_steps,
                 "tokens_per_s": tokens_per_step * window_steps / window_time,
-                "bytes_sent": sent, "bytes_exact": exact,
-                "wire_ratio": sent / exact if exact else 1.0,
+                "bytes_sent": wire["sent"], "bytes_exact": wire["exact"],
+                "bytes_sent_intra": wire["sent_intra"], "bytes_sent_inter": wire["sent_inter"],
+                "wire_ratio": wire["sent"] / wire["exact"] if wire["exact"] else 1.0,
                 "weight_quant_rel_error": errors.get("weight", 0.0),
                 "grad_quant_rel_error": errors.get("grad_inter", 0.0),
                 "skipped": not ok,
@@ -281,7 +268,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
     summary = {
         "iterations": iteration, "final_train_loss": last_loss, "final_valid_loss": last_valid,
         "tokens_per_s": tokens_total / time_total if time_total else math.nan,
-        "bytes_sent": meter.total_sent, "bytes_exact": meter.total_exact,
+        "bytes_sent": meter.totals["sent"], "bytes_exact": meter.totals["exact"],
         "metrics": logger.path, "run_dir": run_dir,
     }
     if with_weights_hash:
@@ -290,7 +277,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
     if rank == 0 and os.path.isfile(logger.path):
         summary["plot"] = plot_losses(logger.path, os.path.join(run_dir, "loss.png"),
                                       title=f"GPT {args.num_layers}x{args.hidden_size}"
-                                      + (" with SDP4Bit" if meter.quantized else " (exact collectives)"))
+                                      + (" with SDP4Bit" if quantized else " (exact collectives)"))
     return summary
 
 

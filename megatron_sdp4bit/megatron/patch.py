@@ -136,9 +136,27 @@ def _grads_quantized_now() -> bool:
     return cfg.quantize_grads and _STATE.iteration >= cfg.grad_start_iter
 
 
+def _record_exact(bucket_group, collective: str, buffers) -> None:
+    """Count a collective megatron runs itself, so the wire totals stay complete."""
+    from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
+    from megatron_sdp4bit.comm.topology import peer_split
+
+    group = bucket_group.intra_distributed_optimizer_instance_group
+    size = bucket_group.intra_distributed_optimizer_instance_size
+    same, other = peer_split(group, _STATE.config.ranks_per_node)
+    record_call(collective)
+    for buffer in buffers:
+        shard = buffer.numel() // size
+        nbytes = shard * buffer.element_size()
+        record_peer_sends(collective, same, other, exact=nbytes, values=nbytes, elements=shard)
+
+
 def _start_grad_sync(self, force_all_reduce: Optional[bool] = False):
     original = _STATE.originals["start_grad_sync"]
     if not _grads_quantized_now() or force_all_reduce:
+        if self.ddp_config.use_distributed_optimizer and not force_all_reduce:
+            if not (self.is_first_batch and self.grad_reduce_handle is not None):
+                _record_exact(self, "reduce_scatter", [b.grad_data for b in self.buckets])
         return original(self, force_all_reduce=force_all_reduce)
     _check_ddp_config(self.ddp_config)
     if self.is_first_batch and self.grad_reduce_handle is not None:
@@ -179,6 +197,8 @@ def _start_param_sync(self, force_sync: bool = False):
     original = _STATE.originals["start_param_sync"]
     fresh = all(getattr(b, "_sdp4bit_fresh", False) for b in self.buckets)
     if not _STATE.config.quantize_weights or not fresh:
+        if not (force_sync and self.param_gather_handle is not None):
+            _record_exact(self, "all_gather", [b.param_data for b in self.buckets])
         return original(self, force_sync=force_sync)
     if force_sync and self.param_gather_handle is not None:
         self.param_gather_handle.wait()

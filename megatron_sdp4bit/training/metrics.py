@@ -16,7 +16,8 @@ from typing import Optional
 
 TRAIN_FIELDS = (
     "iteration", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
-    "bytes_sent", "bytes_exact", "wire_ratio", "weight_quant_rel_error",
+    "bytes_sent", "bytes_exact", "bytes_sent_intra", "bytes_sent_inter", "wire_ratio",
+    "weight_quant_rel_error",
     "grad_quant_rel_error",
 )
 
