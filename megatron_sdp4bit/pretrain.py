@@ -223,7 +223,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
     train_iter = _micro_batches(train_ds, args, rank, world, iteration * args.global_batch_size)
     tokens_per_step = args.global_batch_size * args.seq_length
     last_loss = last_valid = math.nan
-    window_time, window_steps, tokens_total, time_total = 0.0, 0, 0, 0.0
+    window_time, window_steps, window_loss, tokens_total, time_total = 0.0, 0, 0.0, 0, 0.0
 
     def save(it):
         extra = {"sdp4bit": patch.state_dict(optimizer)}
@@ -236,11 +236,12 @@ def run(args, with_weights_hash: bool = False) -> dict:
         elapsed = time.perf_counter() - start
         iteration += 1
         window_time += elapsed
+        window_loss += loss
         window_steps += 1
         time_total += elapsed
         tokens_total += tokens_per_step
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            last_loss = all_reduce_mean(loss)
+            last_loss = all_reduce_mean(window_loss / window_steps)  # mean over the window
             wire = meter.read()
             errors = patch.quantization_errors()
             logger.log("train", {
@@ -256,7 +257,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
                 "grad_quant_rel_error": errors.get("grad_inter", 0.0),
                 "skipped": not ok,
             })
-            window_time, window_steps = 0.0, 0
+            window_time, window_steps, window_loss = 0.0, 0, 0.0
         if iteration % args.eval_interval == 0 or iteration == args.train_iters:
             last_valid = evaluate(ddp, args, valid_ds, rank, world, num_microbatches)
             logger.log("valid", {"iteration": iteration, "loss": last_valid})
@@ -290,7 +291,7 @@ def print_summary(summary: dict) -> None:
         f"final valid loss    {summary['final_valid_loss']:.4f}",
         f"tokens/s            {summary['tokens_per_s']:.0f}",
         f"bytes sent per rank {summary['bytes_sent'] / 2**20:.2f} MiB vs {summary['bytes_exact'] / 2**20:.2f} MiB "
-        f"with exact BF16 all-gather + FP32 reduce-scatter ({ratio:.3f}x, {1 / ratio:.2f}x less)",
+        f"with the exact all-gather and FP32 reduce-scatter ({ratio:.3f}x, {1 / ratio:.2f}x less)",
         f"metrics             {summary['metrics']}",
     ]
     if summary.get("plot"):
