@@ -47,11 +47,12 @@ def _driver_world(rank, world_size, root):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("driver"))
-    os.environ["SDP4BIT_CACHE"] = os.path.join(root, "cache")
     from megatron_sdp4bit.data import prepare_default_corpus
 
-    prepare_default_corpus(max_mb=1)  # once, before the ranks start
-    results = spawn_ranks(_driver_world, 4, root, timeout_s=900)
+    with pytest.MonkeyPatch.context() as mp:  # the ranks inherit it; later tests do not
+        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
+        prepare_default_corpus(max_mb=1)  # once, before the ranks start
+        results = spawn_ranks(_driver_world, 4, root, timeout_s=900)
     return root, results
 
 
