@@ -146,6 +146,11 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
         bad(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    warmup = args.lr_warmup_iters or int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_decay_iters <= 0 or warmup >= args.lr_decay_iters:
+        bad(f"--lr-warmup-iters/--lr-warmup-fraction give {warmup} warm-up iterations, not fewer "
+            f"than --lr-decay-iters {args.lr_decay_iters} (default --train-iters); shorten the "
+            "warm-up or lengthen the decay")
     for name in ("train_iters", "micro_batch_size", "log_interval", "eval_interval", "seq_length"):
         if getattr(args, name) <= 0:
             bad(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")

@@ -26,6 +26,7 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"
     (["--hidden-size", "30", "--num-attention-heads", "4"], "--num-attention-heads"),
     (["--tensor-model-parallel-size", "2"], "data parallelism only"),
     (["--save-interval", "5"], "--save"),
+    (["--lr-warmup-iters", "2"], "--lr-decay-iters 2"),
     (["--sdp4bit", "--sdp4bit-weight-bits", "3"], "invalid choice"),
 ])
 def test_flag_errors_name_the_flag(argv, message):
