@@ -1,0 +1,27 @@
+"""Shared test set-up: import path and a deterministic hypothesis profile.
+
+- The repository root goes on sys.path, so ``pytest`` works from a checkout that
+  was not ``pip install -e``-ed.
+- Hypothesis runs derandomized (the same examples every run: tests are
+  deterministic), without a deadline (the CPU is shared, timings are noise) and
+  without writing an example database into the tree. Select another profile
+  with HYPOTHESIS_PROFILE=<name> (e.g. ``thorough``: more examples, random).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+try:
+    from hypothesis import settings
+except ImportError:  # hypothesis is a test extra; tests that need it import it themselves
+    settings = None
+
+if settings is not None:
+    settings.register_profile("default", derandomize=True, deadline=None, database=None)
+    settings.register_profile("thorough", max_examples=500, deadline=None, database=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
