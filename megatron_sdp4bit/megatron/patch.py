@@ -40,7 +40,7 @@ import torch
 
 from megatron_sdp4bit import comm
 from megatron_sdp4bit.config import SDP4BitConfig
-from megatron_sdp4bit.megatron import compat
+from megatron_sdp4bit.megatron import compat, quant_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,8 @@ def _start_grad_sync(self, force_all_reduce: Optional[bool] = False):
     for bucket in self.buckets:
         if bucket.gradient_scaling_factor != 1.0:
             bucket.grad_data *= bucket.gradient_scaling_factor
-    _sample_grad_errors(self.buckets[0].grad_data)
+    _STATE.quant_errors.update(
+        quant_metrics.grad_quantization_errors(self.buckets[0].grad_data, _STATE.config))
     op = torch.distributed.ReduceOp.AVG if self.ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     group = self.intra_distributed_optimizer_instance_group
     size = self.intra_distributed_optimizer_instance_size
@@ -219,8 +220,8 @@ def _start_param_sync(self, force_sync: bool = False):
     first = self.buckets[0]
 
     def record_weight_error():
-        n = min(_ERROR_SAMPLE, first._sdp4bit_main_shard.numel())
-        _STATE.quant_errors["weight"] = _relative_error(
+        n = min(quant_metrics.SAMPLE, first._sdp4bit_main_shard.numel())
+        _STATE.quant_errors["weight"] = quant_metrics.relative_error(
             _bucket_shard(first, size, rank)[:n], first._sdp4bit_main_shard[:n])
 
     gather = _Handles(handles, on_done=record_weight_error)
@@ -307,42 +308,6 @@ def _step_with_ready_grads(self) -> bool:
 
 
 # --- metrics -------------------------------------------------------------------------
-
-# Quantization errors are measured on a slice of this many elements: cheap, and
-# still thousands of groups.
-_ERROR_SAMPLE = 1 << 16
-
-
-def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    exact = exact.float()
-    norm = exact.norm()
-    return float((approx.float() - exact).norm() / norm) if norm > 0 else 0.0
-
-
-def _sample_grad_errors(grad_data: torch.Tensor) -> None:
-    """Relative error of each hop's quantizer on a slice of this rank's gradients.
-
-    A local estimate (no communication): hop 1 quantizes the (Hadamard-rotated)
-    local gradients, hop 2 the partial sums, whose statistics are alike.
-    """
-    from megatron_sdp4bit import quant
-
-    cfg = _STATE.config
-    block = cfg.hadamard_block if cfg.use_hadamard else None
-    align = cfg.grad_group_size_intra * (block or 1)
-    n = min(_ERROR_SAMPLE, grad_data.numel()) // align * align
-    if n == 0:
-        return
-    x = grad_data.view(-1)[:n].float()
-    for level, bits, group in (("intra", cfg.effective_grad_bits_intra, cfg.grad_group_size_intra),
-                               ("inter", cfg.grad_bits_inter, cfg.grad_group_size_inter)):
-        # A private generator: sampling must not move the training's RNG streams.
-        gen = torch.Generator(device=x.device).manual_seed(cfg.seed)
-        q = quant.hadamard_quantize(x, bits=bits, group_size=group, hadamard_block=block,
-                                    rounding=cfg.rounding, generator=gen)
-        approx = quant.dequantize_sum(q, 1, inverse_hadamard_block=block)
-        _STATE.quant_errors[f"grad_{level}"] = _relative_error(approx, x)
-
 
 def quantization_errors() -> dict:
     """Latest sampled relative errors: ``weight`` (reconstructed vs exact main shard,
