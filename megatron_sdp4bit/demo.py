@@ -19,7 +19,7 @@ DEFAULT_FLAGS = [
     "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
     "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
     "--train-iters", "200", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "10",
-    "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16",
+    "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16", "--use-distributed-optimizer",
     "--log-interval", "10", "--eval-interval", "50", "--eval-iters", "4",
     "--split", "969,30,1",
     "--sdp4bit", "--sdp4bit-ranks-per-node", str(RANKS_PER_NODE),

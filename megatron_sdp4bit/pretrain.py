@@ -252,7 +252,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
                 "tokens_per_s": tokens_per_step * window_steps / window_time,
                 "bytes_sent": wire["sent"], "bytes_exact": wire["exact"],
                 "bytes_sent_intra": wire["sent_intra"], "bytes_sent_inter": wire["sent_inter"],
-                "wire_ratio": wire["sent"] / wire["exact"] if wire["exact"] else 1.0,
+                "wire_ratio": wire["sent"] / wire["exact"] if wire["exact"] else None,
                 "weight_quant_rel_error": errors.get("weight", 0.0),
                 "grad_quant_rel_error": errors.get("grad_inter", 0.0),
                 "skipped": not ok,
@@ -283,15 +283,19 @@ def run(args, with_weights_hash: bool = False) -> dict:
 
 
 def print_summary(summary: dict) -> None:
-    ratio = summary["bytes_sent"] / summary["bytes_exact"] if summary["bytes_exact"] else 1.0
+    if summary["bytes_exact"]:
+        ratio = summary["bytes_sent"] / summary["bytes_exact"]
+        wire = (f"{summary['bytes_sent'] / 2**20:.2f} MiB vs {summary['bytes_exact'] / 2**20:.2f} MiB "
+                f"with the exact all-gather and FP32 reduce-scatter ({ratio:.3f}x, {1 / ratio:.2f}x less)")
+    else:
+        wire = "not counted (bytes are counted for the distributed optimizer's collectives only)"
     lines = [
         "", "=== summary ===",
         f"iterations          {summary['iterations']}",
         f"final train loss    {summary['final_train_loss']:.4f}",
         f"final valid loss    {summary['final_valid_loss']:.4f}",
         f"tokens/s            {summary['tokens_per_s']:.0f}",
-        f"bytes sent per rank {summary['bytes_sent'] / 2**20:.2f} MiB vs {summary['bytes_exact'] / 2**20:.2f} MiB "
-        f"with the exact all-gather and FP32 reduce-scatter ({ratio:.3f}x, {1 / ratio:.2f}x less)",
+        f"bytes sent per rank {wire}",
         f"metrics             {summary['metrics']}",
     ]
     if summary.get("plot"):

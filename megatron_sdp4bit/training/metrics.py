@@ -58,10 +58,11 @@ class MetricsLogger:
 
     def _print(self, kind: str, r: dict) -> None:
         if kind == "train":
+            wire = (f"wire {r['wire_ratio']:.3f}x of exact" if r["wire_ratio"] is not None
+                    else "wire not counted")
             line = (f"iter {r['iteration']:>6}/{self.total_iters} | loss {r['loss']:.4f} | "
                     f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | "
-                    f"{r['step_time_s'] * 1000:.0f} ms/step | {r['tokens_per_s']:.0f} tok/s | "
-                    f"wire {r['wire_ratio']:.3f}x of exact")
+                    f"{r['step_time_s'] * 1000:.0f} ms/step | {r['tokens_per_s']:.0f} tok/s | {wire}")
         else:
             line = f"iter {r['iteration']:>6}/{self.total_iters} | validation loss {r['loss']:.4f}"
         if self._progress:
