@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, List, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -50,10 +50,10 @@ from megatron_sdp4bit.quant.hadamard import butterfly, staging_buffer
 from megatron_sdp4bit.quant.packing import pack_codes_, unpack_codes_
 from megatron_sdp4bit.quant.types import (
     QuantizedTensor,
-    check_group_size,
+    check_format,
     check_hadamard_block,
     check_hadamard_group,
-    check_rounding,
+    check_same_numel,
     codes_per_byte,
     num_groups,
     qmax,
@@ -315,11 +315,6 @@ def _quantize_stream(
     return result
 
 
-def _check(bits: int, group_size: int, rounding: str) -> None:
-    check_group_size(group_size, bits)
-    check_rounding(rounding)
-
-
 def quantize(
     x: torch.Tensor,
     bits: int = 4,
@@ -328,7 +323,7 @@ def quantize(
     generator: Optional[torch.Generator] = None,
 ) -> QuantizedTensor:
     """Group-wise symmetric quantization of ``x`` (flattened)."""
-    _check(bits, group_size, rounding)
+    check_format(bits, group_size, rounding)
     flat = x.reshape(-1)
     return _quantize_stream(
         flat.numel(), lambda start, stop, s: _read_fp32(flat, start, stop, s.work),
@@ -391,11 +386,8 @@ def quantize_weight_diff(
     generator: Optional[torch.Generator] = None,
 ) -> QuantizedTensor:
     """Quantize ``main_shard (fp32) - model_shard (bf16/fp32)``: the qWD payload."""
-    _check(bits, group_size, rounding)
-    if main_shard.numel() != model_shard.numel():
-        raise ValueError(
-            f"main shard has {main_shard.numel()} elements but model shard {model_shard.numel()}"
-        )
+    check_format(bits, group_size, rounding)
+    check_same_numel("main shard", main_shard, "model shard", model_shard.numel())
     main, model = main_shard.reshape(-1), model_shard.reshape(-1)
 
     def fill(start: int, stop: int, scratch: _Scratch) -> torch.Tensor:
@@ -409,8 +401,7 @@ def quantize_weight_diff(
 
 def dequantize_add_(base: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     """``base += dequantize(q)`` in place, summed in fp32 and rounded once to base's dtype."""
-    if base.numel() != q.numel:
-        raise ValueError(f"base has {base.numel()} elements but the quantized tensor {q.numel}")
+    check_same_numel("base", base, "the quantized tensor", q.numel)
     if q.numel == 0:
         return base
     flat = base.view(-1)
@@ -441,7 +432,7 @@ def hadamard_quantize(
     (fp32(x) * scale is rounded once, then transformed).
     ``x.numel()`` must be a multiple of the block when a block is given.
     """
-    _check(bits, group_size, rounding)
+    check_format(bits, group_size, rounding)
     if hadamard_block is not None:
         check_hadamard_group(group_size, hadamard_block)
         if x.numel() % hadamard_block:
@@ -513,7 +504,7 @@ def dequantize_sum_requantize(
     The step between the two all-to-all hops; bits and group size may differ
     from the input's.
     """
-    _check(bits, group_size, rounding)
+    check_format(bits, group_size, rounding)
     chunk = _check_chunks(q, num_chunks)
 
     def fill(start: int, stop: int, scratch: _Scratch) -> torch.Tensor:

@@ -35,10 +35,11 @@ from megatron_sdp4bit.quant.triton_kernels.quantize_kernel import (
 from megatron_sdp4bit.quant.triton_kernels.tile_math import INTERPRETED
 from megatron_sdp4bit.quant.types import (
     QuantizedTensor,
+    check_format,
     check_group_size,
     check_hadamard_block,
     check_hadamard_group,
-    check_rounding,
+    check_same_numel,
     num_groups,
 )
 
@@ -99,11 +100,6 @@ def _check_chunks(q: QuantizedTensor, num_chunks: int) -> int:
             "chunks must start on a group boundary"
         )
     return chunk
-
-
-def _check(bits: int, group_size: int, rounding: str) -> None:
-    check_group_size(group_size, bits)
-    check_rounding(rounding)
 
 
 # --- launches ----------------------------------------------------------------------
@@ -186,7 +182,7 @@ def quantize(
     generator: Optional[torch.Generator] = None,
 ) -> QuantizedTensor:
     """Group-wise symmetric quantization of ``x`` (flattened)."""
-    _check(bits, group_size, rounding)
+    check_format(bits, group_size, rounding)
     _check_device(x)
     flat = launch.flat_input(x)
     out = _empty_quantized(bits, group_size, flat.numel(), x.dtype, x.device)
@@ -212,11 +208,8 @@ def quantize_weight_diff(
     generator: Optional[torch.Generator] = None,
 ) -> QuantizedTensor:
     """Quantize ``main_shard (fp32) - model_shard (bf16/fp32)``: the qWD payload."""
-    _check(bits, group_size, rounding)
-    if main_shard.numel() != model_shard.numel():
-        raise ValueError(
-            f"main shard has {main_shard.numel()} elements but model shard {model_shard.numel()}"
-        )
+    check_format(bits, group_size, rounding)
+    check_same_numel("main shard", main_shard, "model shard", model_shard.numel())
     _check_device(main_shard, model_shard)
     main, model = launch.flat_input(main_shard), launch.flat_input(model_shard)
     out = _empty_quantized(bits, group_size, main.numel(), torch.float32, main.device)
@@ -225,8 +218,7 @@ def quantize_weight_diff(
 
 def dequantize_add_(base: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     """``base += dequantize(q)`` in place, summed in fp32 and rounded once to base's dtype."""
-    if base.numel() != q.numel:
-        raise ValueError(f"base has {base.numel()} elements but the quantized tensor {q.numel}")
+    check_same_numel("base", base, "the quantized tensor", q.numel)
     _check_quantized(q)
     _check_device(base, q.codes)
     if q.numel == 0:
@@ -256,7 +248,7 @@ def hadamard_quantize(
     ``scale`` folds the 1/DP of an averaging reduce-scatter into the same pass.
     ``x.numel()`` must be a multiple of the block when a block is given.
     """
-    _check(bits, group_size, rounding)
+    check_format(bits, group_size, rounding)
     if hadamard_block is not None:
         check_hadamard_group(group_size, hadamard_block)
         if x.numel() % hadamard_block:
@@ -283,7 +275,7 @@ def dequantize_sum_requantize(
     The step between the two all-to-all hops; bits and group size may differ
     from the input's. One kernel: the sum never goes to memory.
     """
-    _check(bits, group_size, rounding)
+    check_format(bits, group_size, rounding)
     _check_quantized(q)
     chunk = _check_chunks(q, num_chunks)
     out = _empty_quantized(bits, group_size, chunk, q.dtype, q.device)

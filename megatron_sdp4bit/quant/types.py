@@ -38,6 +38,17 @@ def check_rounding(rounding: str) -> None:
         raise ValueError(f"rounding={rounding!r}; use 'nearest' or 'stochastic'")
 
 
+def check_format(bits: int, group_size: int, rounding: str) -> None:
+    """The quantizer arguments every op takes (shared by both backends)."""
+    check_group_size(group_size, bits)
+    check_rounding(rounding)
+
+
+def check_same_numel(name: str, tensor: torch.Tensor, other_name: str, numel: int) -> None:
+    if tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements but {other_name} {numel}")
+
+
 def check_hadamard_block(block: int) -> None:
     if not isinstance(block, int) or block < 2 or block > 256 or block & (block - 1):
         raise ValueError(

@@ -12,9 +12,8 @@ below 85% of the initial loss (the model learns).
 from __future__ import annotations
 
 import pytest
-import torch
 
-from megatron_sdp4bit.config import SDP4BitConfig, preset
+from megatron_sdp4bit.config import preset
 from megatron_sdp4bit.megatron.testing import TinyGPTSpec, spawn_ranks
 
 WORLD = 4

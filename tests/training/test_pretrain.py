@@ -6,7 +6,6 @@ Data: the embedded corpus capped at 1 MiB in a temporary cache.
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
