@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
+from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import (
     PendingCollective,
     all_to_all_equal,
@@ -46,7 +47,6 @@ from megatron_sdp4bit.quant import (
     hadamard_quantize,
 )
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _COLLECTIVE = "reduce_scatter"
 
 
@@ -92,13 +92,7 @@ def quantized_reduce_scatter(
 def _validate(output: torch.Tensor, input: torch.Tensor, op, dp_size: int) -> None:
     if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         raise ValueError(f"op={op!r} is not supported; use ReduceOp.SUM or ReduceOp.AVG")
-    for name, t in (("input", input), ("output", output)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} is not supported; use float32 or bfloat16")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous; call .contiguous() first")
+    check_float_tensors(input=input, output=output)
     if input.dtype != output.dtype or input.device != output.device:
         raise ValueError(f"input ({input.dtype}, {input.device}) and output "
                          f"({output.dtype}, {output.device}) must share dtype and device")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
+from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import PendingCollective, all_gather_flat, finish_or_handle
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import peer_split
@@ -35,7 +36,6 @@ from megatron_sdp4bit.quant import (
     quantize_weight_diff,
 )
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _COLLECTIVE = "all_gather"
 
 
@@ -123,13 +123,7 @@ def _apply(flat: torch.Tensor, all_codes, all_scales, local: QuantizedTensor,
 
 
 def _validate(model_buffer: torch.Tensor, main_shard: torch.Tensor, dp_size: int) -> None:
-    for name, t in (("model_buffer", model_buffer), ("main_shard", main_shard)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name} dtype {t.dtype} is not supported; use float32 or bfloat16")
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous; call .contiguous() first")
+    check_float_tensors(model_buffer=model_buffer, main_shard=main_shard)
     if model_buffer.device != main_shard.device:
         raise ValueError(f"model_buffer is on {model_buffer.device} but main_shard on "
                          f"{main_shard.device}; put both on the same device")
