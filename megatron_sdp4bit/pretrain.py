@@ -161,16 +161,6 @@ class WireMeter:
 
 # --- main ----------------------------------------------------------------------------
 
-def weights_sha256(ddp) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name, param in ddp.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def run(args, with_weights_hash: bool = False) -> dict:
     from megatron_sdp4bit.training import checkpoint
     from megatron_sdp4bit.training.distributed import (all_reduce_mean, init_distributed,
@@ -273,6 +263,8 @@ def run(args, with_weights_hash: bool = False) -> dict:
         "metrics": logger.path, "run_dir": run_dir,
     }
     if with_weights_hash:
+        from megatron_sdp4bit.megatron.testing import weights_sha256
+
         summary["weights_sha256"] = weights_sha256(ddp)
     logger.close()
     if rank == 0 and os.path.isfile(logger.path):

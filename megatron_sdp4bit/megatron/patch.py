@@ -53,6 +53,7 @@ class _State:
     in_optimizer_step: bool = False
     config_checked: bool = False
     quant_errors: dict = field(default_factory=dict)
+    grad_errors_sampled_at: int = -1  # one sample per iteration, not one per bucket group
 
 
 _STATE: Optional[_State] = None
@@ -170,8 +171,10 @@ def _start_grad_sync(self, force_all_reduce: Optional[bool] = False):
     for bucket in self.buckets:
         if bucket.gradient_scaling_factor != 1.0:
             bucket.grad_data *= bucket.gradient_scaling_factor
-    _STATE.quant_errors.update(
-        quant_metrics.grad_quantization_errors(self.buckets[0].grad_data, _STATE.config))
+    if _STATE.grad_errors_sampled_at != _STATE.iteration:
+        _STATE.grad_errors_sampled_at = _STATE.iteration
+        _STATE.quant_errors.update(
+            quant_metrics.grad_quantization_errors(self.buckets[0].grad_data, _STATE.config))
     op = torch.distributed.ReduceOp.AVG if self.ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     group = self.intra_distributed_optimizer_instance_group
     size = self.intra_distributed_optimizer_instance_size

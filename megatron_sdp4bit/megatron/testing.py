@@ -249,7 +249,7 @@ def weights_sha256(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         digest.update(name.encode())
-        digest.update(param.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
