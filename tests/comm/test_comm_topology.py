@@ -35,7 +35,7 @@ def test_topology_shape_and_subgroups(results, world):
 def test_strided_dp_groups(world):
     """DP groups [0,2,..] / [1,3,..]: built from their own rank lists, exact and bounded."""
     if world < 4:
-        pytest.skip("needs at least 4 ranks")
+        pytest.skip("2 ranks cannot form two strided DP groups of 2+ members; runs at 4 and 8 ranks")
     results = world_results(world)
     for rank, key, value in cases(results, "strided|"):
         if key.endswith("|unbuilt"):  # two-level subgroups of a non-world group, not built
@@ -51,7 +51,7 @@ def test_strided_dp_groups(world):
 
 def test_uneven_nodes_fall_back_or_raise(world):
     if world < 4:
-        pytest.skip("needs at least 4 ranks")
+        pytest.skip("2 ranks cannot be split into unequal nodes; runs at 4 and 8 ranks")
     for rank, per_rank in enumerate(world_results(world)):
         fallback = per_rank["bad|fallback"]
         assert "unevenly" in fallback["reason"] and not fallback["two_level"]
