@@ -265,12 +265,13 @@ def test_fp32_matches_single_process_reference_on_concatenated_batch(world):
     # full batch's gradient -- averaged over ranks (summing would be off by 3x), each
     # element owned by exactly one rank. Step 0 differs only by summation order
     # (measured 9e-7 relative); later steps also inherit the tiny weight differences
-    # that Adam amplifies (measured 1.5e-5).
+    # that Adam amplifies (measured 1.5e-5 on one CPU, 1.4e-4 on another whose BLAS
+    # sums in another order). A misplaced or unreduced shard is off by O(1).
     for run in ("overlap", "plain"):
         for step in range(CAPTURED_STEPS):
             grads = assemble_reduced_grads([r[run]["shards"][step] for r in world],
                                            world[0][run]["layout"])
-            rtol = 1e-5 if step == 0 else 1e-4
+            rtol = 1e-5 if step == 0 else 1e-3
             for name, want in ref_grads[step].items():
                 scale = want.abs().max().item()
                 err = (grads[name] - want).abs().max().item()
