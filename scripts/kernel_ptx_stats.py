@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""Static per-element instruction counts of every Triton kernel variant, no GPU needed.
+
+Compiles the variants of ``compile_check.VARIANTS`` for an NVIDIA architecture
+(Triton's LLVM and ptxas run on the CPU) and counts, in the PTX and TTGIR, what
+predicts the speed of a memory-bound kernel:
+
+    instr/elem  PTX instructions (lines ending in ';' that are not declarations)
+                of one thread / elements that thread owns (tile / (32 * warps)):
+                every thread runs straight-line code, so static count ~ executed
+                count per element (loops excepted, see below)
+    shared/elem per element, ld.shared + st.shared (+ ldmatrix/stmatrix): layout conversions go
+                through shared memory
+    bar         bar.sync / barrier.sync per program (one per conversion, roughly)
+    vec         widest global load/store in bits (128 = fully vectorised)
+    cvt         ttg.convert_layout ops in the TTGIR that were not optimised away
+    philox/elem mul.hi.u32 per element (Philox-4x32-10 uses up to 20 per call)
+    shared B    shared memory per program
+
+Counts are static: a loop body (chunk loop of dequantize-sum, the two passes of
+a sliced group) is counted once. Those rows are marked with '*'.
+
+    python scripts/kernel_ptx_stats.py [--arch 90]
+
+Must run without TRITON_INTERPRET=1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+try:
+    from megatron_sdp4bit.quant.triton_kernels import compile_check
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from megatron_sdp4bit.quant.triton_kernels import compile_check
+
+from megatron_sdp4bit.quant.triton_kernels.quantize_kernel import quantize_kernel
+
+_DECLARATION = re.compile(r"^\s*(\.|//|\}|\{|\$|@?\s*$)")
+_SHARED = re.compile(r"\b(ld\.shared|st\.shared|ldmatrix|stmatrix|ld\.volatile\.shared)")
+_BARRIER = re.compile(r"\b(bar\.sync|barrier\.sync)\b")
+_PHILOX_MUL = re.compile(r"\bmul\.hi\.u32\b")
+# ld.global.v4.b32 = 128 bits; ld.global.b16 = 16 bits; st.global.v2.b32 = 64 bits ...
+_GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global(?:\.\w+)*?(?:\.v(\d))?\.[bsuf](\d+)\b")
+# The fp32 launches scripts/bench_quant.py times (tiles as launch.quantize_tiling picks
+# them with the default tuning), next to compile_check's variants.
+BENCH_VARIANTS = [
+    ("bench: quantize 4-bit fp32 stochastic G=2048", quantize_kernel, {},
+     dict(STOCHASTIC=True, GROUP=2048, BLOCK=2048, GROUPS_PER_PROGRAM=2)),
+    ("bench: quantize 4-bit fp32 nearest G=2048", quantize_kernel, {},
+     dict(GROUP=2048, BLOCK=2048, GROUPS_PER_PROGRAM=2)),
+    ("bench: hadamard 8-bit fp32 G=128 H=32 stochastic", quantize_kernel, {"codes_ptr": "*i8"},
+     dict(BITS=8, HADAMARD=32, STOCHASTIC=True)),
+]
+_LOOP_VARIANTS = ("sliced group", "dequantize-sum-requantize", "dequantize_sum")
+
+
+def ptx_instructions(ptx: str):
+    for line in ptx.splitlines():
+        text = line.strip()
+        if text.endswith(";") and not _DECLARATION.match(text):
+            yield text
+
+
+def stats(name, kernel, types, consts, arch):
+    defaults = ((compile_check._QUANTIZE_ARGS, compile_check._QUANTIZE_DEFAULTS)
+                if kernel is quantize_kernel else
+                (compile_check._DEQUANTIZE_ARGS, compile_check._DEQUANTIZE_DEFAULTS))
+    constexprs = dict(defaults[1], **consts)
+    compiled = compile_check.compile_variant(kernel, dict(defaults[0], **types), constexprs, arch)
+    tile = constexprs["BLOCK"] * constexprs.get("GROUPS_PER_PROGRAM", 1)
+    per_thread = tile / (compiled.metadata.num_warps * 32)  # elements each thread owns
+    ptx = compiled.asm["ptx"]
+    ttgir = compiled.asm["ttgir"]
+    instructions = list(ptx_instructions(ptx))
+    return dict(
+        name=name + (" *" if any(word in name for word in _LOOP_VARIANTS) else ""),
+        tile=tile,
+        warps=compiled.metadata.num_warps,
+        instr=len(instructions) / per_thread,
+        shared=sum(bool(_SHARED.search(i)) for i in instructions) / per_thread,
+        bar=sum(bool(_BARRIER.search(i)) for i in instructions),
+        cvt=ttgir.count("ttg.convert_layout"),
+        vec=max((int(m.group(1) or 1) * int(m.group(2))
+                 for m in map(_GLOBAL_ACCESS.search, instructions) if m), default=0),
+        philox=sum(bool(_PHILOX_MUL.search(i)) for i in instructions) / per_thread,
+        smem=compiled.metadata.shared,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x10")
+    args = parser.parse_args()
+    from megatron_sdp4bit.quant.triton_kernels.tile_math import INTERPRETED
+    if INTERPRETED:
+        print("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
+        return 2
+    print(f"sm_{args.arch}, per element of a program's tile (* = loop body counted once)")
+    print("| variant | tile | warps | instr/elem | shared/elem | bar | cvt | philox mul/elem | vec | shared B |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for variant in BENCH_VARIANTS + compile_check.VARIANTS:
+        s = stats(*variant, args.arch)
+        print(f"| {s['name']} | {s['tile']} | {s['warps']} | {s['instr']:.2f} | "
+              f"{s['shared']:.3f} | {s['bar']} | {s['cvt']} | {s['philox']:.2f} | {s['vec']} | {s['smem']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
