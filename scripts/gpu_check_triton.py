@@ -2,25 +2,30 @@
 """Check the Triton quantization kernels on a CUDA machine; print a pass/fail summary.
 
 Steps (each reported PASS/FAIL; the exit status is 0 only if all pass):
-  1. compile: every kernel variant compiles for this GPU's architecture with no
-     FMA contraction, flush-to-zero or approximate division in the PTX;
-  2. tests: tests/quant/test_triton.py on CUDA tensors with compiled kernels
-     (SDP4BIT_TRITON_TEST_DEVICE=cuda): bit-identical to the CPU reference with
-     nearest rounding, stochastic rounding floor-or-ceil / unbiased / reproducible;
-  3. large: the gradient path (Hadamard quantize -> dequantize-sum-requantize ->
-     dequantize-sum) and the weight path on ~33M elements (many programs, the
-     default tile sizes), bit-identical to the CPU reference;
-  4. dispatch: megatron_sdp4bit.quant sends CUDA tensors to the Triton backend;
-  5. speed (information, never fails): median time of each op, Triton vs the
-     torch reference on the same GPU.
+  compile:  every kernel variant compiles for this GPU's architecture with no
+            FMA contraction, flush-to-zero or approximate division in the PTX;
+  tests:    tests/quant/test_triton.py on CUDA tensors with compiled kernels
+            (SDP4BIT_TRITON_TEST_DEVICE=cuda): bit-identical to the CPU reference with
+            nearest rounding, stochastic rounding floor-or-ceil / unbiased / reproducible;
+  large:    the gradient path (Hadamard quantize -> dequantize-sum-requantize ->
+            dequantize-sum) and the weight path on ~33M elements (many programs, the
+            default tile sizes), bit-identical to the CPU reference;
+  dispatch: megatron_sdp4bit.quant sends CUDA tensors to the Triton backend;
+  speed (information, never fails; not with --no-bench): median time of each op,
+            Triton vs the torch reference on the same GPU.
 
 Needs a CUDA build of torch and Triton. Run from the repository root:
     python scripts/gpu_check_triton.py            # a few minutes, mostly Triton compiling
-    python scripts/gpu_check_triton.py --no-bench
+    python scripts/gpu_check_triton.py --no-bench --steps compile,large --json out.json
+
+``--device cpu`` is this script's self-test (scripts/gpu_check.sh --cpu-smoke): the
+same steps on CPU tensors in Triton's interpreter, with a few tests and small sizes;
+compile still compiles for sm_90 (no GPU needed for that).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -28,31 +33,79 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = ("compile", "tests", "large", "dispatch")
+# On CPU (the interpreter is slow): a few tests that cover every kernel once.
+CPU_TESTS = "quantize_nearest_is_bit_identical or dequantize_is_bit_identical or test_received_8bit"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: self-test in Triton's interpreter with tiny sizes")
+    parser.add_argument("--steps", default=",".join(STEPS),
+                        help=f"comma-separated subset of {','.join(STEPS)}")
+    parser.add_argument("--no-bench", action="store_true", help="skip the speed table")
+    parser.add_argument("--bench-numel", type=int, default=1 << 26)
+    parser.add_argument("--large-chunk", type=int, default=None,
+                        help="elements per rank of the large check (a multiple of 128; "
+                        "default 8M + 384 on CUDA, 3072 on CPU)")
+    parser.add_argument("--tests-k", default=None,
+                        help="pytest -k expression for the tests step (default: all on CUDA, "
+                        "a few on CPU)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    args.steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = [s for s in args.steps if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
+    return args
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+# Triton reads TRITON_INTERPRET when it is imported: decide before torch/triton load.
+if ARGS is not None and ARGS.device == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+else:
+    os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
 sys.path.insert(0, ROOT)
-os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
 
 import torch  # noqa: E402
 
 
+def _python_env(**changes) -> dict:
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **changes)
+
+
 def step_compile(arch: int) -> str:
-    from megatron_sdp4bit.quant.triton_kernels import compile_check
-    problems = compile_check.check_all(arch, verbose=False)
-    return "; ".join(problems)
-
-
-def step_tests() -> str:
-    env = dict(os.environ, SDP4BIT_TRITON_TEST_DEVICE="cuda",
-               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    """In a fresh process: compile_check needs Triton imported without the interpreter."""
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-         "tests/quant/test_triton.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=480,
+        [sys.executable, "-m", "megatron_sdp4bit.quant.triton_kernels.compile_check",
+         "--arch", str(arch)],
+        cwd=ROOT, env=_python_env(TRITON_INTERPRET="0"), capture_output=True, text=True,
+        timeout=300,
     )
+    lines = result.stdout.strip().splitlines()
+    print("   ", lines[-1] if lines else "(no compile_check output)")
+    if result.returncode != 0:
+        print(result.stdout[-4000:], result.stderr[-2000:], sep="\n")
+        return f"compile_check for sm_{arch} failed (exit {result.returncode})"
+    return ""
+
+
+def step_tests(device: str, k_expr) -> str:
+    env = _python_env(SDP4BIT_TRITON_TEST_DEVICE=device)
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+        k_expr = k_expr or CPU_TESTS
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+           "tests/quant/test_triton.py"] + (["-k", k_expr] if k_expr else [])
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     lines = result.stdout.strip().splitlines()
     print("   ", lines[-1] if lines else "(no pytest output)")
     if result.returncode != 0:
         print(result.stdout[-8000:], result.stderr[-2000:], sep="\n")
-        return "pytest failed"
+        return "pytest failed: " + (lines[-1] if lines else f"exit {result.returncode}")
     return ""
 
 
@@ -65,7 +118,7 @@ def _same(actual: torch.Tensor, expected: torch.Tensor) -> bool:
         actual.masked_fill(nan, 0), expected.masked_fill(nan, 0))
 
 
-def step_large(chunk: int = (1 << 23) + 128 * 3) -> str:
+def step_large(device: str, chunk: int) -> str:
     """chunk: elements per rank, a multiple of 128 that is not a power of two."""
     from megatron_sdp4bit.quant import reference as R
     from megatron_sdp4bit.quant import triton_ops as T
@@ -76,9 +129,9 @@ def step_large(chunk: int = (1 << 23) + 128 * 3) -> str:
     gen = torch.Generator().manual_seed(0)
     grads = (torch.randn(ranks * chunk, generator=gen) * torch.rand(ranks * chunk, generator=gen) ** 4)
     grads = grads.to(torch.bfloat16)
-    cuda_grads = grads.cuda()
+    dev_grads = grads.to(device)
 
-    q8 = T.hadamard_quantize(cuda_grads, 8, 128, 32, "nearest", scale=1 / ranks)
+    q8 = T.hadamard_quantize(dev_grads, 8, 128, 32, "nearest", scale=1 / ranks)
     r8 = R.hadamard_quantize(grads, 8, 128, 32, "nearest", scale=1 / ranks)
     if not (_same(q8.codes, r8.codes) and _same(q8.scales, r8.scales)):
         problems.append("hadamard_quantize")
@@ -95,20 +148,21 @@ def step_large(chunk: int = (1 << 23) + 128 * 3) -> str:
 
     main = torch.randn(chunk + 77, generator=gen)
     model = (main + torch.randn(main.shape, generator=gen) * 1e-3).to(torch.bfloat16)
-    qw = T.quantize_weight_diff(main.cuda(), model.cuda(), 4, 2048, "nearest")
+    qw = T.quantize_weight_diff(main.to(device), model.to(device), 4, 2048, "nearest")
     rw = R.quantize_weight_diff(main, model, 4, 2048, "nearest")
     if not (_same(qw.codes, rw.codes) and _same(qw.scales, rw.scales)):
         problems.append("quantize_weight_diff")
-    updated = T.dequantize_add_(model.cuda(), qw)
+    updated = T.dequantize_add_(model.clone().to(device), qw)  # clone: .to(cpu) is no copy
     if not _same(updated, R.dequantize_add_(model.clone(), rw)):
         problems.append("dequantize_add_")
     return ", ".join(problems) + (" differ from the reference" if problems else "")
 
 
-def step_dispatch() -> str:
+def step_dispatch(device: str) -> str:
     from megatron_sdp4bit import quant
-    backend = quant.backend_for(torch.empty(1, device="cuda")).__name__
-    return "" if backend.endswith("triton_ops") else f"CUDA tensors go to {backend}"
+    backend = quant.backend_for(torch.empty(1, device=device)).__name__
+    expected = "triton_ops" if device == "cuda" else "reference"
+    return "" if backend.endswith(expected) else f"{device} tensors go to {backend}, not {expected}"
 
 
 def _median_ms(fn, repeats: int = 10) -> float:
@@ -147,40 +201,56 @@ def step_bench(numel: int) -> None:
         print(f"    {name:40s} {t_triton:8.2f} {t_torch:8.2f} {t_torch / t_triton:7.1f}x")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--no-bench", action="store_true", help="skip the speed table")
-    parser.add_argument("--bench-numel", type=int, default=1 << 26)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check (the CPU tests are tests/quant/test_triton.py)")
+def main(args: argparse.Namespace) -> int:
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (the CPU tests are tests/quant/test_triton.py; "
+              "--device cpu is this script's self-test)")
         return 2
     import triton
-    major, minor = torch.cuda.get_device_capability()
-    print(f"{torch.cuda.get_device_name()} (sm_{major}{minor}), torch {torch.__version__}, "
-          f"triton {triton.__version__}")
+    if device == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        arch = major * 10 + minor
+        where = f"{torch.cuda.get_device_name()} (sm_{arch})"
+    else:
+        arch, where = 90, "CPU, Triton interpreter (self-test; compile for sm_90)"
+    print(f"{where}, torch {torch.__version__}, triton {triton.__version__}")
+    chunk = args.large_chunk or ((1 << 23) + 128 * 3 if device == "cuda" else 128 * 24)
 
+    def large():
+        if device == "cpu":  # the interpreter pays per program: few, large ones
+            from megatron_sdp4bit.quant.triton_kernels import launch
+            with launch.tuning(tile_elements=1 << 16):
+                return step_large(device, chunk)
+        return step_large(device, chunk)
+
+    runners = {"compile": lambda: step_compile(arch), "tests": lambda: step_tests(device, args.tests_k),
+               "large": large, "dispatch": lambda: step_dispatch(device)}
     results = {}
-    steps = [("compile", lambda: step_compile(major * 10 + minor)), ("tests", step_tests),
-             ("large", step_large), ("dispatch", step_dispatch)]
-    for name, step in steps:
+    for name in [s for s in STEPS if s in args.steps]:
         start = time.perf_counter()
         try:
-            problem = step()
+            problem = runners[name]()
         except Exception as error:  # report and go on to the next step
             problem = f"{type(error).__name__}: {error}"
-        results[name] = problem
-        print(f"[{'PASS' if not problem else 'FAIL'}] {name} ({time.perf_counter() - start:.0f} s)"
+        seconds = time.perf_counter() - start
+        results[name] = {"status": "FAIL" if problem else "PASS", "detail": problem,
+                         "seconds": round(seconds, 1)}
+        print(f"[{'PASS' if not problem else 'FAIL'}] {name} ({seconds:.0f} s)"
               + (f": {problem}" if problem else ""), flush=True)
-    if not args.no_bench:
+    if not args.no_bench and device == "cuda":
         try:
             step_bench(args.bench_numel)
         except Exception as error:
             print(f"[INFO] speed table failed: {type(error).__name__}: {error}")
-    failed = [name for name, problem in results.items() if problem]
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"device": where, "torch": torch.__version__, "triton": triton.__version__,
+                       "large_chunk": chunk, "steps": results}, f, indent=2)
+    failed = [name for name, r in results.items() if r["status"] == "FAIL"]
     print("SUMMARY:", "PASS" if not failed else "FAIL (" + ", ".join(failed) + ")")
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))
