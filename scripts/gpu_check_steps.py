@@ -1,0 +1,497 @@
+#!/usr/bin/env python
+"""The steps of scripts/gpu_check.sh: run each, print PASS/FAIL/SKIP, write a JSON.
+
+    python scripts/gpu_check_steps.py --out DIR [--cpu-smoke] [--steps env,triton,...]
+
+Steps (docs/gpu_check.md says what each checks):
+  env          GPU, driver, torch/CUDA/Triton/Python, megatron-core, Apex, Transformer Engine
+  triton       compile + tests + dispatch of the Triton kernels (scripts/gpu_check_triton.py)
+  large        the ~33M-element bit-identity check of the kernels against the reference
+  bench        the kernel speed table (scripts/bench_quant.py)
+  train        the driver, 125M GPT on one GPU, presets sdp4bit / baseline / zeropp, step times
+  megatron_lm  Megatron-LM's pretrain_gpt.py via the launcher and via the patch
+               (only with MEGATRON_LM_PATH at a core_v0.16.1 checkout)
+
+``--cpu-smoke`` runs the same logic on CPU with tiny sizes (the self-test that
+tests/scripts/test_gpu_check.py runs). Each step runs its work in a subprocess
+with a time limit, so one crash or hang is one FAIL, not the end of the check.
+Only small files go to --out (the device tool returns at most 8); everything
+else goes to a work folder (--work, default a fresh temporary folder).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = ("env", "triton", "large", "bench", "train", "megatron_lm")
+PRESETS = ("sdp4bit", "baseline", "zeropp")
+RATIO_TARGET = 1.02  # sdp4bit step time / baseline step time
+CORPUS_FILES = ("tokenizer.json", "stdlib_text_document.bin", "stdlib_text_document.idx")
+
+# The paper's 125M shape (seq 1024 here) on one GPU; and a tiny one for the CPU self-test.
+GPU_TRAIN = dict(layers=12, hidden=768, heads=12, seq=1024, micro_batch=8, iters=60,
+                 log_interval=10, warmup_iters=20)
+CPU_TRAIN = dict(layers=2, hidden=64, heads=4, seq=64, micro_batch=2, iters=4,
+                 log_interval=1, warmup_iters=2)
+
+
+# --- results -----------------------------------------------------------------------
+
+class Report:
+    """Every step's outcome: printed as it happens, kept for the summary and the JSON."""
+
+    def __init__(self) -> None:
+        self.results: List[dict] = []
+
+    def add(self, name: str, status: str, detail: str = "", seconds: float = 0.0, **data) -> None:
+        assert status in ("PASS", "FAIL", "SKIP"), status
+        self.results.append(dict(name=name, status=status, detail=detail,
+                                 seconds=round(seconds, 1), **data))
+        print(f"[{status}] {name} ({seconds:.0f} s)" + (f": {detail}" if detail else ""), flush=True)
+
+    def failed(self) -> List[str]:
+        return [r["name"] for r in self.results if r["status"] == "FAIL"]
+
+    def summary(self) -> str:
+        counts = {s: sum(r["status"] == s for r in self.results) for s in ("PASS", "FAIL", "SKIP")}
+        lines = ["", "=== gpu_check summary ==="]
+        lines += [f"  {r['status']:4s}  {r['name']:22s} {r['detail']}".rstrip() for r in self.results]
+        lines.append(f"SUMMARY: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['SKIP']} SKIP"
+                     f" -> {'FAIL (' + ', '.join(self.failed()) + ')' if self.failed() else 'PASS'}")
+        return "\n".join(lines)
+
+
+def run_logged(cmd: List[str], timeout: float, env: Optional[dict] = None,
+               cwd: str = ROOT) -> tuple:
+    """Run ``cmd``, streaming its output indented; ``(exit status, output)``.
+
+    The exit status is None when it ran past ``timeout`` seconds (it is killed).
+    """
+    print("    $ " + " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace",
+                            start_new_session=True)  # its own group: a kill reaches its children
+    killed = []
+
+    def kill():
+        killed.append(True)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            print("    | " + line, end="", flush=True)
+        proc.wait()
+    finally:
+        timer.cancel()
+    if killed:
+        print(f"    (killed after {timeout:.0f} s)", flush=True)
+    return (None if killed else proc.returncode), "".join(lines)
+
+
+def python_env(**changes) -> dict:
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    env.update(changes)
+    return env
+
+
+# --- (a) environment -----------------------------------------------------------------
+
+def probe_package(dist_name: str, module: str) -> dict:
+    """Is ``module`` importable (found, not imported: importing Apex or Transformer Engine
+    can be slow or crash), and which version of ``dist_name`` is installed?"""
+    try:
+        present = importlib.util.find_spec(module) is not None
+        error = None
+    except (ImportError, ValueError) as exc:  # a parent package that fails to import
+        present, error = False, f"{type(exc).__name__}: {exc}"
+    version = None
+    if present:
+        try:
+            version = importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown"
+    out = {"present": present, "version": version}
+    if error:
+        out["error"] = error
+    return out
+
+
+OPTIONAL = {"Apex": ("apex", "apex"), "Transformer Engine": ("transformer_engine", "transformer_engine")}
+
+
+def gpu_driver() -> str:
+    if not shutil.which("nvidia-smi"):
+        return "n/a (no nvidia-smi)"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() \
+            else f"n/a (nvidia-smi exit {out.returncode})"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"n/a ({type(exc).__name__})"
+
+
+def collect_environment() -> dict:
+    info = {"python": platform.python_version(), "executable": sys.executable,
+            "machine": platform.machine(), "cpus": os.cpu_count()}
+    try:
+        import torch
+        info.update(torch=torch.__version__, cuda=torch.version.cuda,
+                    cuda_available=torch.cuda.is_available())
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            info.update(gpu=torch.cuda.get_device_name(), capability=f"sm_{major}{minor}",
+                        gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+    except ImportError as exc:
+        info["torch"] = None
+        info["torch_error"] = str(exc)
+    info["driver"] = gpu_driver()
+    info["triton"] = probe_package("triton", "triton")["version"]
+    info["megatron_core"] = probe_package("megatron-core", "megatron.core")
+    info["optional"] = {name: probe_package(*names) for name, names in OPTIONAL.items()}
+    info["wheels"] = os.environ.get("GPU_CHECK_WHEELS", "not looked for")
+    return info
+
+
+def step_env(report: Report, ctx: dict) -> None:
+    start = time.perf_counter()
+    info = collect_environment()
+    ctx["env"] = info
+    optional = ", ".join(f"{name} {p['version'] if p['present'] else 'absent'}"
+                         for name, p in info["optional"].items())
+    mcore = info["megatron_core"]
+    print(f"    python {info['python']} ({info['executable']}), torch {info.get('torch')}, "
+          f"CUDA {info.get('cuda')}, triton {info['triton']}")
+    print(f"    GPU {info.get('gpu', 'none')} {info.get('capability', '')}, driver {info['driver']}")
+    print(f"    megatron-core {mcore['version'] if mcore['present'] else 'absent'}; {optional}; "
+          f"wheels: {info['wheels']}")
+    problems = []
+    if not info.get("torch"):
+        problems.append("torch does not import")
+    if not mcore["present"]:
+        problems.append("megatron-core is missing (carry its wheel: scripts/gpu_check_prepare.sh)")
+    if not ctx["smoke"] and not info.get("cuda_available"):
+        problems.append("torch sees no CUDA device")
+    if info["triton"] is None:
+        problems.append("triton is missing")
+    detail = "; ".join(problems) or (
+        f"{info.get('gpu', 'CPU')}, driver {info['driver']}, torch {info.get('torch')}, "
+        f"megatron-core {mcore['version']}, {optional}")
+    report.add("env", "FAIL" if problems else "PASS", detail, time.perf_counter() - start)
+
+
+# --- (b), (c) Triton kernels --------------------------------------------------------------
+
+def step_triton(report: Report, ctx: dict) -> None:
+    """compile/tests/dispatch (b) and large (c), in one subprocess of gpu_check_triton.py."""
+    wanted = []
+    if "triton" in ctx["steps"]:
+        wanted += ["compile", "tests", "dispatch"]
+    if "large" in ctx["steps"]:
+        wanted.append("large")
+    names = {"compile": "triton.compile", "tests": "triton.tests", "dispatch": "triton.dispatch",
+             "large": "large"}
+    if ctx["env"].get("triton") is None:
+        for sub in wanted:
+            report.add(names[sub], "SKIP", "triton is not installed")
+        return
+    out_json = os.path.join(ctx["work"], "triton.json")
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "gpu_check_triton.py"), "--no-bench",
+           "--device", "cpu" if ctx["smoke"] else "cuda", "--steps", ",".join(wanted),
+           "--json", out_json]
+    start = time.perf_counter()
+    rc, output = run_logged(cmd, timeout=120 if ctx["smoke"] else 330, env=python_env())
+    results = {}
+    if os.path.isfile(out_json):
+        with open(out_json, encoding="utf-8") as f:
+            results = json.load(f).get("steps", {})
+    for sub in wanted:
+        r = results.get(sub)
+        if r is None:
+            why = "timed out" if rc is None else f"gpu_check_triton.py exit {rc} before this step"
+            report.add(names[sub], "FAIL", why, time.perf_counter() - start)
+        else:
+            report.add(names[sub], r["status"], r["detail"], r["seconds"])
+
+
+# --- (d) kernel speed table ---------------------------------------------------------------
+
+def step_bench(report: Report, ctx: dict) -> None:
+    script = os.path.join(ROOT, "scripts", "bench_quant.py")
+    if not os.path.isfile(script):
+        report.add("bench", "SKIP", "scripts/bench_quant.py is missing")
+        return
+    with open(script, encoding="utf-8") as f:
+        has_json = '"--json"' in f.read()
+    out_json = os.path.join(ctx["out"], "bench_quant.json")
+    cmd = [sys.executable, script, "--device", "cpu" if ctx["smoke"] else "cuda"]
+    if ctx["smoke"]:
+        cmd += ["--sizes", "0.25", "--repeats", "1"]
+    if has_json:
+        cmd += ["--json", out_json]
+    start = time.perf_counter()
+    rc, output = run_logged(cmd, timeout=60 if ctx["smoke"] else 150, env=python_env())
+    seconds = time.perf_counter() - start
+    table = [line for line in output.splitlines() if line.startswith("|")]
+    if rc != 0:
+        report.add("bench", "FAIL", "timed out" if rc is None else f"bench_quant.py exit {rc}", seconds)
+    elif not table:
+        report.add("bench", "FAIL", "bench_quant.py printed no table", seconds)
+    else:
+        note = f"table in the log, {out_json.rsplit(os.sep, 1)[-1]}" if has_json and os.path.isfile(
+            out_json) else "table in the log (this bench_quant.py has no --json)"
+        report.add("bench", "PASS", note, seconds, table=table)
+
+
+# --- (e) the training driver --------------------------------------------------------------
+
+def find_corpus(ctx: dict) -> tuple:
+    """``(folder with the corpus files, how it was found)``: the carried one, else built now."""
+    carried = os.environ.get("GPU_CHECK_CORPUS") or os.path.join(ROOT, ".gpu_carry", "corpus")
+    if all(os.path.isfile(os.path.join(carried, name)) for name in CORPUS_FILES):
+        return carried, f"carried corpus {carried}"
+    from megatron_sdp4bit.data.corpus import prepare_default_corpus
+
+    max_mb = 0.5 if ctx["smoke"] else 4
+    start = time.perf_counter()
+    prefix = prepare_default_corpus(cache_dir=os.path.join(ctx["work"], "corpus-cache"), max_mb=max_mb)
+    return os.path.dirname(prefix), (f"no carried corpus at {carried}: built a {max_mb:g} MB one in "
+                                     f"{time.perf_counter() - start:.0f} s")
+
+
+def train_command(preset_name: str, shape: dict, corpus: str, work: str) -> List[str]:
+    return [
+        sys.executable, "-m", "megatron_sdp4bit.pretrain", "--sdp4bit-preset", preset_name,
+        "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
+        "--num-attention-heads", str(shape["heads"]), "--seq-length", str(shape["seq"]),
+        "--max-position-embeddings", str(shape["seq"]),
+        "--micro-batch-size", str(shape["micro_batch"]),
+        "--global-batch-size", str(shape["micro_batch"]),
+        "--bf16", "--use-distributed-optimizer", "--lr", "6e-4",
+        "--train-iters", str(shape["iters"]), "--log-interval", str(shape["log_interval"]),
+        "--eval-interval", str(10 * shape["iters"]), "--eval-iters", "1", "--split", "95,5,0",
+        "--data-path", os.path.join(corpus, "stdlib_text_document"),
+        "--tokenizer-type", "StdlibBPETokenizer",
+        "--tokenizer-model", os.path.join(corpus, "tokenizer.json"),
+        "--data-cache-path", os.path.join(work, "dataset-cache"),
+        "--run-dir", os.path.join(work, f"train-{preset_name}"), "--no-progress-bar",
+    ]
+
+
+def steady_step_time(records: List[dict], warmup_iters: int) -> Optional[float]:
+    """Median ``step_time_s`` of the log windows that end after ``warmup_iters``."""
+    times = [r["step_time_s"] for r in records
+             if r.get("kind") == "train" and r["iteration"] > warmup_iters]
+    return statistics.median(times) if times else None
+
+
+def step_train(report: Report, ctx: dict) -> None:
+    shape = CPU_TRAIN if ctx["smoke"] else GPU_TRAIN
+    if not ctx["env"]["megatron_core"]["present"]:
+        for name in PRESETS:
+            report.add(f"train.{name}", "SKIP", "megatron-core is missing")
+        return
+    try:
+        corpus, how = find_corpus(ctx)
+    except Exception as exc:  # noqa: BLE001 - reported, the other steps go on
+        report.add("train", "FAIL", f"no corpus: {type(exc).__name__}: {exc}")
+        return
+    print(f"    {how}")
+    rows = {}
+    for name in PRESETS:
+        start = time.perf_counter()
+        rc, output = run_logged(train_command(name, shape, corpus, ctx["work"]),
+                                timeout=90 if ctx["smoke"] else 180, env=python_env())
+        seconds = time.perf_counter() - start
+        metrics = os.path.join(ctx["work"], f"train-{name}", "metrics.jsonl")
+        records = []
+        if os.path.isfile(metrics):
+            with open(metrics, encoding="utf-8") as f:
+                records = [json.loads(line) for line in f if line.strip()]
+            shutil.copy(metrics, os.path.join(ctx["out"], f"train-{name}.jsonl"))
+        train = [r for r in records if r.get("kind") == "train"]
+        step = steady_step_time(records, shape["warmup_iters"])
+        loss = train[-1]["loss"] if train else math.nan
+        rows[name] = dict(step_time_s=step, final_loss=loss,
+                          tokens_per_s=(shape["micro_batch"] * shape["seq"] / step) if step else None,
+                          bytes_sent=sum(r.get("bytes_sent") or 0 for r in train))
+        if rc != 0:
+            report.add(f"train.{name}", "FAIL", "timed out" if rc is None else f"driver exit {rc}",
+                       seconds, **rows[name])
+        elif not train or train[-1]["iteration"] != shape["iters"] or not math.isfinite(loss):
+            report.add(f"train.{name}", "FAIL", f"metrics.jsonl: {len(train)} windows, last loss {loss}",
+                       seconds, **rows[name])
+        else:
+            report.add(f"train.{name}", "PASS", f"{shape['iters']} iterations, loss {loss:.4f}, "
+                       f"{step * 1e3:.1f} ms/step after iteration {shape['warmup_iters']}",
+                       seconds, **rows[name])
+    print(f"\n    step time, median of the log windows after iteration {shape['warmup_iters']} "
+          f"(GPT {shape['layers']}x{shape['hidden']}, seq {shape['seq']}, micro-batch "
+          f"{shape['micro_batch']}, DP=1):")
+    print(f"    {'preset':10s} {'ms/step':>9s} {'tokens/s':>10s} {'final loss':>11s}")
+    for name, row in rows.items():
+        ms = f"{row['step_time_s'] * 1e3:9.1f}" if row["step_time_s"] else f"{'-':>9s}"
+        tps = f"{row['tokens_per_s']:10.0f}" if row["tokens_per_s"] else f"{'-':>10s}"
+        print(f"    {name:10s} {ms} {tps} {row['final_loss']:11.4f}")
+    base, ours = rows.get("baseline", {}).get("step_time_s"), rows.get("sdp4bit", {}).get("step_time_s")
+    if not (base and ours):
+        report.add("train.ratio", "SKIP", "sdp4bit or baseline did not run")
+        return
+    ratio = ours / base
+    print(f"    sdp4bit / baseline = {ratio:.4f} (target <= {RATIO_TARGET})\n", flush=True)
+    detail = f"sdp4bit/baseline step time {ratio:.4f} (target <= {RATIO_TARGET})"
+    if ctx["smoke"]:
+        report.add("train.ratio", "SKIP", detail + "; CPU self-test: timings are not the target",
+                   ratio=ratio)
+    else:
+        report.add("train.ratio", "PASS" if ratio <= RATIO_TARGET else "FAIL", detail, ratio=ratio)
+
+
+# --- (f) Megatron-LM --------------------------------------------------------------------
+
+def megatron_lm_version(path: str) -> Optional[str]:
+    """The megatron-core version a Megatron-LM checkout carries (package_info.py), or None."""
+    info = os.path.join(path, "megatron", "core", "package_info.py")
+    if not os.path.isfile(info):
+        return None
+    values = {}
+    with open(info, encoding="utf-8") as f:
+        for line in f:
+            key, _, value = line.partition("=")
+            if key.strip() in ("MAJOR", "MINOR", "PATCH"):
+                values[key.strip()] = value.strip().strip("'\"")
+    return ".".join(values.get(k, "?") for k in ("MAJOR", "MINOR", "PATCH"))
+
+
+MEGATRON_LM_ARGS = [
+    "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
+    "--seq-length", "128", "--max-position-embeddings", "128",
+    "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3",
+    "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "constant",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8192",
+    "--bf16", "--use-distributed-optimizer", "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--sdp4bit",
+]
+
+
+MEGATRON_LM_DONE = re.compile(r"iteration\s+3/\s*3 \|")  # Megatron-LM's log line of the last step
+
+
+def step_megatron_lm(report: Report, ctx: dict) -> None:
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if not path:
+        report.add("megatron_lm", "SKIP", "MEGATRON_LM_PATH is not set (a Megatron-LM core_v0.16.1 checkout)")
+        return
+    if not os.path.isfile(os.path.join(path, "pretrain_gpt.py")):
+        report.add("megatron_lm", "SKIP", f"MEGATRON_LM_PATH={path} has no pretrain_gpt.py")
+        return
+    version = megatron_lm_version(path)
+    if version != "0.16.1":
+        report.add("megatron_lm", "SKIP", f"MEGATRON_LM_PATH={path} is megatron-core {version}, "
+                   "not core_v0.16.1")
+        return
+    if ctx["smoke"]:
+        report.add("megatron_lm", "SKIP", "CPU self-test: Megatron-LM's pretrain_gpt.py needs CUDA")
+        return
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    env = python_env(PYTHONPATH=os.pathsep.join(filter(None, [path, ROOT, os.environ.get("PYTHONPATH")])))
+    # (1) the launcher on the unedited script
+    start = time.perf_counter()
+    rc, output = run_logged(torchrun + ["-m", "megatron_sdp4bit.launch",
+                                        os.path.join(path, "pretrain_gpt.py")] + MEGATRON_LM_ARGS,
+                            timeout=180, env=env)
+    ok = rc == 0 and MEGATRON_LM_DONE.search(output) is not None
+    report.add("megatron_lm.launch", "PASS" if ok else "FAIL",
+               "3 iterations with --sdp4bit" if ok else f"exit {rc}", time.perf_counter() - start)
+    # (2) the patched script: a copy of pretrain_gpt.py, patched; the checkout stays untouched
+    start = time.perf_counter()
+    tree = os.path.join(ctx["work"], "Megatron-LM-patched")
+    os.makedirs(os.path.join(tree, "megatron", "training"), exist_ok=True)  # what apply_patches checks
+    shutil.copy(os.path.join(path, "pretrain_gpt.py"), tree)
+    rc, output = run_logged(["bash", os.path.join(ROOT, "scripts", "apply_patches.sh"), tree],
+                            timeout=60, env=env)
+    if rc != 0:
+        report.add("megatron_lm.patch", "FAIL", f"apply_patches.sh exit {rc}", time.perf_counter() - start)
+        return
+    rc, output = run_logged(torchrun + [os.path.join(tree, "pretrain_gpt.py")] + MEGATRON_LM_ARGS,
+                            timeout=180, env=env)
+    ok = rc == 0 and MEGATRON_LM_DONE.search(output) is not None
+    report.add("megatron_lm.patch", "PASS" if ok else "FAIL",
+               "3 iterations with --sdp4bit" if ok else f"exit {rc}", time.perf_counter() - start)
+
+
+# --- main ------------------------------------------------------------------------------
+
+RUNNERS: Dict[str, Callable[[Report, dict], None]] = {
+    "env": step_env, "triton": step_triton, "bench": step_bench, "train": step_train,
+    "megatron_lm": step_megatron_lm,
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for the JSON and the small result files")
+    parser.add_argument("--work", default=None, help="folder for everything else (default: a temp folder)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="run every step on CPU, tiny sizes")
+    parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
+    args = parser.parse_args(argv)
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
+    os.makedirs(args.out, exist_ok=True)
+    work = args.work or tempfile.mkdtemp(prefix="gpu-check-")
+    os.makedirs(work, exist_ok=True)
+    ctx = dict(out=args.out, work=work, smoke=args.cpu_smoke, steps=steps, env={})
+    report = Report()
+    started = time.time()
+    print(f"gpu_check: {'CPU self-test (--cpu-smoke)' if args.cpu_smoke else 'GPU check'}; "
+          f"steps {','.join(steps)}; out {args.out}; work {work}", flush=True)
+    if "env" not in steps:  # the other steps read it; collect without reporting
+        ctx["env"] = collect_environment()
+    for name in STEPS:
+        if name not in steps or name == "large" and "triton" in steps:
+            continue  # triton runs large in the same process
+        print(f"\n--- {name if name != 'triton' else 'triton' + (' + large' if 'large' in steps else '')}",
+              flush=True)
+        try:
+            RUNNERS["triton" if name == "large" else name](report, ctx)
+        except Exception as exc:  # noqa: BLE001 - one broken step must not hide the others
+            report.add(name, "FAIL", f"the check itself crashed: {type(exc).__name__}: {exc}")
+    print(report.summary(), flush=True)
+    with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as f:
+        json.dump({"mode": "cpu-smoke" if args.cpu_smoke else "gpu", "started": started,
+                   "seconds": round(time.time() - started, 1), "environment": ctx["env"],
+                   "steps": report.results, "failed": report.failed(),
+                   "result": "FAIL" if report.failed() else "PASS"}, f, indent=2, default=str)
+    return 1 if report.failed() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
