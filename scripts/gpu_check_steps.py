@@ -111,6 +111,12 @@ def run_logged(cmd: List[str], timeout: float, env: Optional[dict] = None,
     return (None if killed else proc.returncode), "".join(lines)
 
 
+def time_limit(ctx: dict, seconds: float) -> float:
+    """``seconds``, cut to what is left of the whole check's budget (--budget-s), so the
+    summary and the JSON are written before the device tool's own limit ends the command."""
+    return max(1.0, min(seconds, ctx["deadline"] - time.time() - 15))
+
+
 def python_env(**changes) -> dict:
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
@@ -224,7 +230,7 @@ def step_triton(report: Report, ctx: dict) -> None:
            "--device", "cpu" if ctx["smoke"] else "cuda", "--steps", ",".join(wanted),
            "--json", out_json]
     start = time.perf_counter()
-    rc, output = run_logged(cmd, timeout=120 if ctx["smoke"] else 330, env=python_env())
+    rc, output = run_logged(cmd, timeout=time_limit(ctx, 120 if ctx["smoke"] else 330), env=python_env())
     results = {}
     if os.path.isfile(out_json):
         with open(out_json, encoding="utf-8") as f:
@@ -254,7 +260,7 @@ def step_bench(report: Report, ctx: dict) -> None:
     if has_json:
         cmd += ["--json", out_json]
     start = time.perf_counter()
-    rc, output = run_logged(cmd, timeout=60 if ctx["smoke"] else 150, env=python_env())
+    rc, output = run_logged(cmd, timeout=time_limit(ctx, 60 if ctx["smoke"] else 150), env=python_env())
     seconds = time.perf_counter() - start
     table = [line for line in output.splitlines() if line.startswith("|")]
     if rc != 0:
@@ -325,7 +331,7 @@ def step_train(report: Report, ctx: dict) -> None:
     for name in PRESETS:
         start = time.perf_counter()
         rc, output = run_logged(train_command(name, shape, corpus, ctx["work"]),
-                                timeout=90 if ctx["smoke"] else 180, env=python_env())
+                                timeout=time_limit(ctx, 90 if ctx["smoke"] else 180), env=python_env())
         seconds = time.perf_counter() - start
         metrics = os.path.join(ctx["work"], f"train-{name}", "metrics.jsonl")
         records = []
@@ -425,7 +431,7 @@ def step_megatron_lm(report: Report, ctx: dict) -> None:
     start = time.perf_counter()
     rc, output = run_logged(torchrun + ["-m", "megatron_sdp4bit.launch",
                                         os.path.join(path, "pretrain_gpt.py")] + MEGATRON_LM_ARGS,
-                            timeout=180, env=env)
+                            timeout=time_limit(ctx, 180), env=env)
     ok = rc == 0 and MEGATRON_LM_DONE.search(output) is not None
     report.add("megatron_lm.launch", "PASS" if ok else "FAIL",
                "3 iterations with --sdp4bit" if ok else f"exit {rc}", time.perf_counter() - start)
@@ -435,12 +441,12 @@ def step_megatron_lm(report: Report, ctx: dict) -> None:
     os.makedirs(os.path.join(tree, "megatron", "training"), exist_ok=True)  # what apply_patches checks
     shutil.copy(os.path.join(path, "pretrain_gpt.py"), tree)
     rc, output = run_logged(["bash", os.path.join(ROOT, "scripts", "apply_patches.sh"), tree],
-                            timeout=60, env=env)
+                            timeout=time_limit(ctx, 60), env=env)
     if rc != 0:
         report.add("megatron_lm.patch", "FAIL", f"apply_patches.sh exit {rc}", time.perf_counter() - start)
         return
     rc, output = run_logged(torchrun + [os.path.join(tree, "pretrain_gpt.py")] + MEGATRON_LM_ARGS,
-                            timeout=180, env=env)
+                            timeout=time_limit(ctx, 180), env=env)
     ok = rc == 0 and MEGATRON_LM_DONE.search(output) is not None
     report.add("megatron_lm.patch", "PASS" if ok else "FAIL",
                "3 iterations with --sdp4bit" if ok else f"exit {rc}", time.perf_counter() - start)
@@ -460,6 +466,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--work", default=None, help="folder for everything else (default: a temp folder)")
     parser.add_argument("--cpu-smoke", action="store_true", help="run every step on CPU, tiny sizes")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
+    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 540)),
+                        help="time for the whole check (default 540 s, or $GPU_CHECK_BUDGET_S): "
+                        "steps are cut short or skipped so the summary is written within it")
     args = parser.parse_args(argv)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
@@ -468,7 +477,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     work = args.work or tempfile.mkdtemp(prefix="gpu-check-")
     os.makedirs(work, exist_ok=True)
-    ctx = dict(out=args.out, work=work, smoke=args.cpu_smoke, steps=steps, env={})
+    ctx = dict(out=args.out, work=work, smoke=args.cpu_smoke, steps=steps, env={},
+               deadline=time.time() + args.budget_s)
     report = Report()
     started = time.time()
     print(f"gpu_check: {'CPU self-test (--cpu-smoke)' if args.cpu_smoke else 'GPU check'}; "
@@ -480,6 +490,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue  # triton runs large in the same process
         print(f"\n--- {name if name != 'triton' else 'triton' + (' + large' if 'large' in steps else '')}",
               flush=True)
+        if ctx["deadline"] - time.time() < 30:
+            report.add(name, "FAIL", f"not run: the {args.budget_s:.0f} s budget is spent")
+            continue
         try:
             RUNNERS["triton" if name == "large" else name](report, ctx)
         except Exception as exc:  # noqa: BLE001 - one broken step must not hide the others

@@ -25,6 +25,7 @@ compile still compiles for sm_90 (no GPU needed for that).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -100,6 +101,9 @@ def step_tests(device: str, k_expr) -> str:
         k_expr = k_expr or CPU_TESTS
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
            "tests/quant/test_triton.py"] + (["-k", k_expr] if k_expr else [])
+    workers = int(os.environ.get("GPU_CHECK_TEST_WORKERS", "8"))
+    if device == "cuda" and workers > 1 and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(workers)]  # Triton compiles each kernel variant: spread that over cores
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     lines = result.stdout.strip().splitlines()
     print("   ", lines[-1] if lines else "(no pytest output)")
