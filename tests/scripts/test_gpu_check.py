@@ -1,0 +1,170 @@
+"""scripts/gpu_check.sh cannot rot: its CPU self-test runs every step's logic here.
+
+The GPU machine is lent rarely and briefly, so a check that breaks there costs a
+whole lease. ``--cpu-smoke`` runs the same steps on CPU with tiny sizes (Triton in
+its interpreter, the driver for 4 iterations of a 2-layer model with the three
+presets); the other tests cover the parts that differ on a GPU machine: missing
+packages, the Megatron-LM step's skip reasons, failures and the time budget.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
+LINE = re.compile(r"^\[(PASS|FAIL|SKIP)\] (\S+) \(\d+ s\)", re.M)
+
+
+def _load_steps():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_steps", os.path.join(ROOT, "scripts", "gpu_check_steps.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+steps = _load_steps()
+
+
+def _env(tmp_path, **changes) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_LM_PATH", "OUT")}
+    env.update(PYTHON=sys.executable, OUT=str(tmp_path / "out"),
+               GPU_CHECK_CORPUS=str(tmp_path / "no-carried-corpus"))  # build a tiny one
+    env.update(changes)
+    return env
+
+
+def _statuses(stdout: str) -> dict:
+    return {name: status for status, name in LINE.findall(stdout)}
+
+
+@pytest.mark.slow
+def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
+    result = subprocess.run(["bash", SCRIPT, "--cpu-smoke", "--work", str(tmp_path / "work")],
+                            cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    got = _statuses(result.stdout)
+    expected = {name: "PASS" for name in (
+        "env", "triton.compile", "triton.tests", "triton.dispatch", "large", "bench",
+        "train.sdp4bit", "train.baseline", "train.zeropp")}
+    expected.update({"train.ratio": "SKIP", "megatron_lm": "SKIP"})
+    assert got == expected, result.stdout[-6000:]
+    assert "SUMMARY: 9 PASS, 0 FAIL, 2 SKIP -> PASS" in result.stdout
+    assert re.search(r"sdp4bit / baseline = \d+\.\d{4}", result.stdout)  # the side-by-side ratio
+    assert "MEGATRON_LM_PATH is not set" in result.stdout
+
+    out = tmp_path / "out"
+    files = sorted(p.name for p in out.iterdir())
+    assert all((out / name).is_file() for name in files)  # nothing nested: the device returns files
+    assert len(files) <= 8, files  # the device tool returns at most 8
+    assert {"gpu_check.log", "gpu_check.json", "train-sdp4bit.jsonl", "train-baseline.jsonl",
+            "train-zeropp.jsonl"} <= set(files)
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["mode"] == "cpu-smoke" and report["result"] == "PASS" and report["failed"] == []
+    assert {r["name"]: r["status"] for r in report["steps"]} == expected
+    env = report["environment"]
+    assert env["megatron_core"]["present"] and env["torch"]
+    assert set(env["optional"]) == {"Apex", "Transformer Engine"}
+    for name, probe in env["optional"].items():  # reported either way; absent here, usually
+        assert probe["present"] == (importlib.util.find_spec(steps.OPTIONAL[name][1]) is not None)
+    ratio = [r for r in report["steps"] if r["name"] == "train.ratio"][0]
+    assert ratio["ratio"] > 0
+    log = (out / "gpu_check.log").read_text()
+    assert "SUMMARY:" in log and "[PASS] train.zeropp" in log
+
+
+def test_probe_reports_missing_and_broken_packages_without_crashing(tmp_path, monkeypatch):
+    assert steps.probe_package("no-such-dist", "no_such_module_sdp4bit") == {
+        "present": False, "version": None}
+    broken = tmp_path / "brokenparent_sdp4bit"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('half installed')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probe = steps.probe_package("brokenparent", "brokenparent_sdp4bit.sub")
+    assert probe["present"] is False and "half installed" in probe["error"]
+    present = steps.probe_package("no-such-dist", "brokenparent_sdp4bit")  # found, no metadata
+    assert present == {"present": True, "version": "unknown"}
+
+
+def test_env_step_reports_absent_packages(monkeypatch, capsys):
+    monkeypatch.setattr(steps, "OPTIONAL", {"Apex": ("apex", "no_such_apex_sdp4bit"),
+                                            "Transformer Engine": ("te", "no_such_te_sdp4bit")})
+    report = steps.Report()
+    ctx = dict(smoke=True, env={})
+    steps.step_env(report, ctx)
+    assert report.results[0]["status"] == "PASS"
+    assert "Apex absent, Transformer Engine absent" in report.results[0]["detail"]
+    assert ctx["env"]["optional"]["Apex"] == {"present": False, "version": None}
+
+    monkeypatch.setattr(steps, "probe_package", lambda dist, module: {"present": False, "version": None})
+    report = steps.Report()
+    steps.step_env(report, dict(smoke=True, env={}))
+    assert report.results[0]["status"] == "FAIL"
+    assert "megatron-core is missing" in report.results[0]["detail"]
+    assert "[FAIL] env" in capsys.readouterr().out
+
+
+def test_without_megatron_core_the_training_step_skips(tmp_path):
+    report = steps.Report()
+    ctx = dict(smoke=True, env={"megatron_core": {"present": False}}, work=str(tmp_path),
+               out=str(tmp_path))
+    steps.step_train(report, ctx)
+    assert {r["name"]: r["status"] for r in report.results} == {
+        "train.sdp4bit": "SKIP", "train.baseline": "SKIP", "train.zeropp": "SKIP"}
+
+
+def test_megatron_lm_step_says_why_it_skips(tmp_path, monkeypatch):
+    ctx = dict(smoke=False, work=str(tmp_path), deadline=0)
+    cases = []
+    monkeypatch.delenv("MEGATRON_LM_PATH", raising=False)
+    cases.append("MEGATRON_LM_PATH is not set")
+    tree = tmp_path / "Megatron-LM"
+    tree.mkdir()
+    monkeypatch.setenv("MEGATRON_LM_PATH", str(tree))
+    report = steps.Report()
+    steps.step_megatron_lm(report, ctx)
+    (tree / "pretrain_gpt.py").write_text("")
+    (tree / "megatron" / "core").mkdir(parents=True)
+    (tree / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 15\nPATCH = 2\n")
+    steps.step_megatron_lm(report, ctx)
+    assert [r["status"] for r in report.results] == ["SKIP", "SKIP"]
+    assert "has no pretrain_gpt.py" in report.results[0]["detail"]
+    assert "megatron-core 0.15.2, not core_v0.16.1" in report.results[1]["detail"]
+    assert steps.megatron_lm_version(str(tree)) == "0.15.2"
+
+
+def test_steady_step_time_leaves_out_the_warm_up_windows():
+    records = [{"kind": "train", "iteration": i, "step_time_s": t}
+               for i, t in [(10, 9.0), (20, 1.2), (30, 1.0), (40, 1.1), (50, 1.0), (60, 5.0)]]
+    records.append({"kind": "valid", "iteration": 60, "loss": 3.0})
+    assert steps.steady_step_time(records, warmup_iters=20) == pytest.approx(1.05)
+    assert steps.steady_step_time(records, warmup_iters=60) is None
+
+
+def test_carried_corpus_is_found_by_its_files(tmp_path, monkeypatch):
+    for name in steps.CORPUS_FILES:
+        (tmp_path / name).write_text("")
+    monkeypatch.setenv("GPU_CHECK_CORPUS", str(tmp_path))
+    folder, how = steps.find_corpus(dict(smoke=True, work=str(tmp_path / "work")))
+    assert folder == str(tmp_path) and how.startswith("carried corpus")
+
+
+def test_a_failed_step_makes_the_exit_status_nonzero(tmp_path):
+    # GPU mode on a machine without a GPU: env fails (no CUDA device); out of budget: triton fails.
+    result = subprocess.run(["bash", SCRIPT, "--steps", "env,triton", "--budget-s", "25"],
+                            cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
+    statuses = _statuses(result.stdout)
+    assert statuses["env"] == "FAIL" and statuses["triton"] == "FAIL"
+    assert "torch sees no CUDA device" in result.stdout and "budget is spent" in result.stdout
+    assert "-> FAIL (env, triton)" in result.stdout
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["result"] == "FAIL" and report["failed"] == ["env", "triton"]
