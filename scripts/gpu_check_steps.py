@@ -466,8 +466,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--work", default=None, help="folder for everything else (default: a temp folder)")
     parser.add_argument("--cpu-smoke", action="store_true", help="run every step on CPU, tiny sizes")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
-    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 540)),
-                        help="time for the whole check (default 540 s, or $GPU_CHECK_BUDGET_S): "
+    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 400)),
+                        help="time for the whole check (default 400 s, or $GPU_CHECK_BUDGET_S): "
                         "steps are cut short or skipped so the summary is written within it")
     args = parser.parse_args(argv)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
