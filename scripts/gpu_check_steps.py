@@ -86,7 +86,7 @@ def run_logged(cmd: List[str], timeout: float, env: Optional[dict] = None,
     print("    $ " + " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace",
-                            start_new_session=True)  # its own group: a kill reaches its children
+                            process_group=0)  # its own group: a kill reaches its children
     killed = []
 
     def kill():

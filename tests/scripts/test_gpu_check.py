@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -168,3 +169,14 @@ def test_a_failed_step_makes_the_exit_status_nonzero(tmp_path):
     assert "-> FAIL (env, triton)" in result.stdout
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert report["result"] == "FAIL" and report["failed"] == ["env", "triton"]
+
+
+def test_a_step_past_its_time_limit_is_killed_with_its_children():
+    # The child starts a grandchild that holds the output pipe: both must go.
+    child = ("import subprocess, sys, time; "
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             "print('started', flush=True); time.sleep(60)")
+    start = time.perf_counter()
+    rc, output = steps.run_logged([sys.executable, "-c", child], timeout=2)
+    assert rc is None and "started" in output  # None: killed at its limit
+    assert time.perf_counter() - start < 30
