@@ -68,11 +68,23 @@ def build_data(args, dp_rank: int, dp_size: int):
 def _micro_batches(dataset, args, dp_rank, dp_size, consumed_samples):
     from megatron_sdp4bit.data import iterate_micro_batches
 
-    return iterate_micro_batches(dataset, args.micro_batch_size, dp_rank, dp_size, consumed_samples)
+    return iterate_micro_batches(dataset, args.micro_batch_size, dp_rank, dp_size, consumed_samples,
+                                 pin_memory=torch.cuda.is_available())
 
 
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
+def _model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch through the model, as megatron's schedule calls it.
+
+    The data loader yields CPU tensors; they go to the model's device here (an
+    asynchronous copy from pinned memory on a GPU).
+    """
+    from megatron_sdp4bit.data import batch_to_device
+
+    batch = batch_to_device(next(data_iterator), _model_device(model))
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     loss_mask = batch["loss_mask"].float()
 
@@ -87,15 +99,17 @@ def _forward_step(data_iterator, model):
 
 # --- one step, one evaluation ---------------------------------------------------------
 
-def _run_schedule(ddp, args, data_iterator, num_microbatches, forward_only):
+def _run_schedule(ddp, args, data_iterator, num_microbatches, forward_only) -> torch.Tensor:
+    """The mean loss over the micro-batches, as a tensor on the model's device: reading
+    it (a host-device synchronisation) waits for the logging interval."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=data_iterator, model=[ddp],
+        forward_step_func=forward_step, data_iterator=data_iterator, model=[ddp],
         num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=forward_only,
     )
-    return sum(float(d["lm loss"]) for d in losses) / max(len(losses), 1)
+    return torch.stack([d["lm loss"].float() for d in losses]).mean()
 
 
 def wire_schedule_hooks(ddp, optimizer) -> None:
@@ -128,7 +142,7 @@ def evaluate(ddp, args, valid, dp_rank, dp_size, num_microbatches) -> float:
         losses = [_run_schedule(ddp, args, it, num_microbatches, forward_only=True)
                   for _ in range(args.eval_iters)]
     ddp.train()
-    return all_reduce_mean(sum(losses) / len(losses))
+    return all_reduce_mean(torch.stack(losses).mean())
 
 
 # --- wire accounting ------------------------------------------------------------------
@@ -159,12 +173,59 @@ class WireMeter:
         return window
 
 
+class TrainingWindow:
+    """Loss, step count, skipped steps and wall time of the steps since the last log.
+
+    Nothing here reads a device value per step: the losses are summed on the
+    device, and the time is taken from the window's start to ``close()``, which
+    waits for the device first (on a GPU, timing one step on the host would
+    measure how fast kernels are queued, not how fast they run).
+    """
+
+    def __init__(self, device: str):
+        self.device = device
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.steps = 0
+        self.skipped = 0
+        self.started = time.perf_counter()
+
+    def start(self) -> None:
+        self.loss_sum.zero_()
+        self.steps = self.skipped = 0
+        self.started = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, ok: bool) -> None:
+        self.loss_sum += loss
+        self.steps += 1
+        self.skipped += not ok
+
+    def _now(self) -> float:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def pause(self) -> None:
+        """Stop the clock (evaluation and checkpoints are not training time)."""
+        self.paused_at = self._now()
+
+    def resume(self) -> None:
+        self.started += time.perf_counter() - self.paused_at
+
+    def close(self) -> tuple:
+        """(loss sum, steps, skipped steps, seconds) of the window; then empty."""
+        elapsed = self._now() - self.started
+        result = (self.loss_sum.item(), self.steps, self.skipped, elapsed)
+        self.steps = 0
+        return result
+
+
 # --- main ----------------------------------------------------------------------------
 
 def run(args, with_weights_hash: bool = False) -> dict:
     from megatron_sdp4bit.training import checkpoint
     from megatron_sdp4bit.training.distributed import (all_reduce_mean, init_distributed,
                                                        init_model_parallel)
+    from megatron_sdp4bit.training.fusions import choose_fusions
     from megatron_sdp4bit.training.metrics import MetricsLogger, plot_losses
     from megatron_sdp4bit.training.model import build_model, build_optimizer
 
@@ -189,12 +250,14 @@ def run(args, with_weights_hash: bool = False) -> dict:
     patch.install(config)
     _log0(f"sdp4bit: {config.to_dict() if quantized else 'off (exact collectives)'}")
     tokenizer, train_ds, valid_ds = build_data(args, rank, world)
-    ddp, _ = build_model(args, tokenizer.vocab_size, use_cpu=device == "cpu")
+    fusions = choose_fusions(device)
+    ddp, _ = build_model(args, tokenizer.vocab_size, device, fusions)
     optimizer, scheduler = build_optimizer(args, ddp)
     wire_schedule_hooks(ddp, optimizer)
     n_params = sum(p.numel() for p in ddp.parameters())
     _log0(f"model: GPT {args.num_layers} layers x {args.hidden_size}, {n_params / 1e6:.2f} M params, "
           f"{args.transformer_impl_used} layer spec, vocab {tokenizer.vocab_size}")
+    _log0(fusions.describe())
 
     iteration = 0
     if args.load:
@@ -213,46 +276,52 @@ def run(args, with_weights_hash: bool = False) -> dict:
     train_iter = _micro_batches(train_ds, args, rank, world, iteration * args.global_batch_size)
     tokens_per_step = args.global_batch_size * args.seq_length
     last_loss = last_valid = math.nan
-    window_time, window_steps, window_loss, tokens_total, time_total = 0.0, 0, 0.0, 0, 0.0
+    window = TrainingWindow(device)
+    tokens_total, time_total = 0, 0.0
 
     def save(it):
         extra = {"sdp4bit": patch.state_dict(optimizer)}
         checkpoint.save_checkpoint(args.save, it, ddp, optimizer, scheduler, extra)
         _log0(f"saved checkpoint at iteration {it} to {args.save}")
 
+    window.start()
     while iteration < args.train_iters:
-        start = time.perf_counter()
         loss, grad_norm, ok = train_step(ddp, optimizer, scheduler, args, train_iter, num_microbatches)
-        elapsed = time.perf_counter() - start
         iteration += 1
-        window_time += elapsed
-        window_loss += loss
-        window_steps += 1
-        time_total += elapsed
-        tokens_total += tokens_per_step
+        window.add(loss, ok)
         if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            last_loss = all_reduce_mean(window_loss / window_steps)  # mean over the window
+            loss_sum, steps, skipped, elapsed = window.close()  # waits for the device
+            last_loss = all_reduce_mean(loss_sum / steps)  # mean over the window
+            time_total += elapsed
+            tokens_total += tokens_per_step * steps
             wire = meter.read()
             errors = patch.quantization_errors()
             logger.log("train", {
                 "iteration": iteration, "loss": last_loss,
                 "lr": optimizer.param_groups[0]["lr"],
                 "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                "step_time_s": window_time / window_steps,
-                "tokens_per_s": tokens_per_step * window_steps / window_time,
+                "step_time_s": elapsed / steps,
+                "tokens_per_s": tokens_per_step * steps / elapsed,
                 "bytes_sent": wire["sent"], "bytes_exact": wire["exact"],
                 "bytes_sent_intra": wire["sent_intra"], "bytes_sent_inter": wire["sent_inter"],
                 "wire_ratio": wire["sent"] / wire["exact"] if wire["exact"] else None,
                 "weight_quant_rel_error": errors.get("weight", 0.0),
                 "grad_quant_rel_error": errors.get("grad_inter", 0.0),
-                "skipped": not ok,
+                "skipped": skipped,
             })
-            window_time, window_steps, window_loss = 0.0, 0, 0.0
-        if iteration % args.eval_interval == 0 or iteration == args.train_iters:
+        evaluating = iteration % args.eval_interval == 0 or iteration == args.train_iters
+        saving = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+        if window.steps and (evaluating or saving):
+            window.pause()
+        if evaluating:
             last_valid = evaluate(ddp, args, valid_ds, rank, world, num_microbatches)
             logger.log("valid", {"iteration": iteration, "loss": last_valid})
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
+        if saving:
             save(iteration)
+        if window.steps == 0:
+            window.start()
+        elif evaluating or saving:
+            window.resume()
     if args.save and not (args.save_interval and iteration % args.save_interval == 0):
         save(iteration)
 
@@ -263,7 +332,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
         "metrics": logger.path, "run_dir": run_dir,
     }
     if with_weights_hash:
-        from megatron_sdp4bit.megatron.testing import weights_sha256
+        from megatron_sdp4bit.megatron.consistency import weights_sha256
 
         summary["weights_sha256"] = weights_sha256(ddp)
     logger.close()

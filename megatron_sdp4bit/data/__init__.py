@@ -18,6 +18,7 @@ import importlib
 _EXPORTS = {
     "DataParallelBatchSampler": "batches",
     "iterate_micro_batches": "batches",
+    "batch_to_device": "batches",
     "prepare_default_corpus": "corpus",
     "load_default_corpus_tokenizer": "corpus",
     "check_indexed_prefix": "indexed_files",

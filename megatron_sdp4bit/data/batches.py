@@ -45,16 +45,24 @@ class DataParallelBatchSampler:
 
 def iterate_micro_batches(dataset: Dataset, micro_batch_size: int, dp_rank: int = 0,
                           dp_size: int = 1, consumed_samples: int = 0,
-                          num_workers: int = 0) -> Iterator[Dict[str, torch.Tensor]]:
-    """Yield this rank's micro-batches: each sample field stacked along dim 0.
+                          num_workers: int = 0, pin_memory: bool = False) -> Iterator[Dict[str, torch.Tensor]]:
+    """Yield this rank's micro-batches (CPU tensors): each sample field stacked along dim 0.
 
     For a GPTDataset: ``tokens``, ``labels``, ``position_ids`` ([b, s] int64) and
     ``loss_mask`` ([b, s] float32), plus ``attention_mask`` if the dataset makes one.
+    ``pin_memory`` (on a GPU box) lets ``batch_to_device`` copy asynchronously.
     """
     sampler = DataParallelBatchSampler(len(dataset), micro_batch_size, dp_rank, dp_size, consumed_samples)
     # A private generator: a DataLoader iterator draws its base seed from the one it
     # is given, and drawing from torch's default one would shift dropout's random
     # stream each time an iterator is made (breaking bit-exact resumes).
     return iter(DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                           persistent_workers=num_workers > 0,
+                           persistent_workers=num_workers > 0, pin_memory=pin_memory,
                            generator=torch.Generator().manual_seed(consumed_samples)))
+
+
+def batch_to_device(batch: Dict[str, torch.Tensor], device: torch.device) -> Dict[str, torch.Tensor]:
+    """Every tensor of a micro-batch on ``device`` (the model's). From pinned memory
+    the copy is asynchronous; on the same device nothing is copied."""
+    return {key: value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+            for key, value in batch.items()}

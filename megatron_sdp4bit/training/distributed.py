@@ -46,8 +46,9 @@ def init_model_parallel(seed: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def all_reduce_mean(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64,
+def all_reduce_mean(value) -> float:
+    """The mean over all ranks of a float or one-element tensor (reads it on the host)."""
+    t = torch.tensor([float(value)], dtype=torch.float64,
                      device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
     torch.distributed.all_reduce(t)
     return t.item() / torch.distributed.get_world_size()

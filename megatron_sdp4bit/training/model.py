@@ -1,7 +1,8 @@
 """GPT model, DDP wrapper, distributed optimizer and LR schedule from megatron-core parts.
 
 Everything here is megatron-core's own: ``GPTModel`` with the Transformer Engine
-layer spec when TE is installed (the local spec otherwise), megatron's
+layer spec when TE imports on a GPU (the local spec otherwise), fused kernels
+where they import (``fusions.py``), megatron's
 ``DistributedDataParallel``, ``get_megatron_optimizer`` (Adam with decoupled
 weight decay, sharded when ``--use-distributed-optimizer``), and
 ``OptimizerParamScheduler`` for warm-up + cosine/linear decay to ``--min-lr``.
@@ -10,21 +11,26 @@ from __future__ import annotations
 
 import torch
 
+from megatron_sdp4bit.training.fusions import Fusions, module_imports
 
-def _layer_spec(impl: str):
+
+def _layer_spec(impl: str, device: str):
+    """megatron-core's Transformer Engine layer spec when TE imports (and the run is
+    on CUDA), its local spec otherwise; ``impl`` is ``--transformer-impl``."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if impl in ("auto", "transformer_engine"):
-        try:
-            import transformer_engine  # noqa: F401
-
-            return specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
-        except ImportError:
-            if impl == "transformer_engine":
-                raise RuntimeError(
-                    "--transformer-impl transformer_engine: Transformer Engine is not installed; "
-                    "install it or use --transformer-impl local"
-                ) from None
+    if impl == "local":
+        return specs.get_gpt_layer_local_spec(), "local"
+    if device != "cuda":
+        if impl == "transformer_engine":
+            raise RuntimeError("--transformer-impl transformer_engine needs a GPU; "
+                               "use --transformer-impl local (or auto) on the CPU")
+        return specs.get_gpt_layer_local_spec(), "local"
+    if module_imports("transformer_engine"):
+        return specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
+    if impl == "transformer_engine":
+        raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine does not "
+                           "import here; install it or use --transformer-impl local")
     return specs.get_gpt_layer_local_spec(), "local"
 
 
@@ -33,14 +39,12 @@ def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def build_model(args, vocab_size: int, use_cpu: bool):
-    """The DDP-wrapped GPTModel and its TransformerConfig."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
+def transformer_config(args, device: str, fusions: Fusions):
+    """megatron-core's TransformerConfig for the driver's flags, on ``device``."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -51,15 +55,17 @@ def build_model(args, vocab_size: int, use_cpu: bool):
         bf16=args.bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        use_cpu_initialization=use_cpu,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=not use_cpu,
-        bias_activation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        use_cpu_initialization=device != "cuda",
+        **fusions.as_config_kwargs(),
     )
-    spec, impl = _layer_spec(args.transformer_impl)
+
+
+def build_gpt(args, vocab_size: int, device: str, fusions: Fusions):
+    """The bare GPTModel (no DDP, no bf16 wrapper) on ``device``, and its config."""
+    from megatron.core.models.gpt import GPTModel
+
+    config = transformer_config(args, device, fusions)
+    spec, impl = _layer_spec(args.transformer_impl, device)
     args.transformer_impl_used = impl
     model = GPTModel(
         config=config,
@@ -69,8 +75,16 @@ def build_model(args, vocab_size: int, use_cpu: bool):
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="learned_absolute",
     )
-    if not use_cpu:
+    if device == "cuda":
         model.cuda(torch.cuda.current_device())
+    return model, config
+
+
+def build_model(args, vocab_size: int, device: str, fusions: Fusions):
+    """The DDP-wrapped GPTModel on ``device`` (``"cuda"`` or ``"cpu"``) and its config."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model, config = build_gpt(args, vocab_size, device, fusions)
     if args.bf16:
         from megatron.core.transformer.module import Float16Module
 
