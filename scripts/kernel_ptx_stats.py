@@ -5,11 +5,13 @@ Compiles the variants of ``compile_check.VARIANTS`` for an NVIDIA architecture
 (Triton's LLVM and ptxas run on the CPU) and counts, in the PTX and TTGIR, what
 predicts the speed of a memory-bound kernel:
 
-    instr/elem  PTX instructions (lines ending in ';' that are not declarations)
+    SASS/elem   SASS instructions (nvdisasm of the cubin, NOPs excluded) per element,
+                counted like PTX/elem below; SASS LDS+STS/elem: its shared accesses
+    PTX/elem    PTX instructions (lines ending in ';' that are not declarations)
                 of one thread / elements that thread owns (tile / (32 * warps)):
                 every thread runs straight-line code, so static count ~ executed
                 count per element (loops excepted, see below)
-    shared/elem per element, ld.shared + st.shared (+ ldmatrix/stmatrix): layout conversions go
+    PTX shared/elem per element, ld.shared + st.shared (+ ldmatrix/stmatrix): layout conversions go
                 through shared memory
     bar         bar.sync / barrier.sync per program (one per conversion, roughly)
     vec         widest global load/store in bits (128 = fully vectorised)
@@ -29,7 +31,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 try:
     from megatron_sdp4bit.quant.triton_kernels import compile_check
@@ -58,6 +62,22 @@ BENCH_VARIANTS = [
 _LOOP_VARIANTS = ("sliced group", "dequantize-sum-requantize", "dequantize_sum")
 
 
+_SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def sass_instructions(cubin: bytes):
+    """Opcodes of the cubin's SASS (nvdisasm ships with Triton); [] when it is missing."""
+    import triton
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        return []
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        listing = subprocess.run([nvdisasm, f.name], capture_output=True, text=True).stdout
+    return [op for op in _SASS_INSTRUCTION.findall(listing) if op != "NOP"]
+
+
 def ptx_instructions(ptx: str):
     for line in ptx.splitlines():
         text = line.strip()
@@ -76,11 +96,14 @@ def stats(name, kernel, types, consts, arch):
     ptx = compiled.asm["ptx"]
     ttgir = compiled.asm["ttgir"]
     instructions = list(ptx_instructions(ptx))
+    sass = sass_instructions(compiled.asm["cubin"])
     return dict(
         name=name + (" *" if any(word in name for word in _LOOP_VARIANTS) else ""),
         tile=tile,
         warps=compiled.metadata.num_warps,
         instr=len(instructions) / per_thread,
+        sass=len(sass) / per_thread,
+        sass_shared=sum(op.startswith(("LDS", "STS")) for op in sass) / per_thread,
         shared=sum(bool(_SHARED.search(i)) for i in instructions) / per_thread,
         bar=sum(bool(_BARRIER.search(i)) for i in instructions),
         cvt=ttgir.count("ttg.convert_layout"),
@@ -100,11 +123,11 @@ def main() -> int:
         print("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
         return 2
     print(f"sm_{args.arch}, per element of a program's tile (* = loop body counted once)")
-    print("| variant | tile | warps | instr/elem | shared/elem | bar | cvt | philox mul/elem | vec | shared B |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| variant | tile | warps | SASS/elem | SASS LDS+STS/elem | PTX/elem | PTX shared/elem | bar | cvt | philox mul/elem | vec | shared B |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for variant in BENCH_VARIANTS + compile_check.VARIANTS:
         s = stats(*variant, args.arch)
-        print(f"| {s['name']} | {s['tile']} | {s['warps']} | {s['instr']:.2f} | "
+        print(f"| {s['name']} | {s['tile']} | {s['warps']} | {s['sass']:.1f} | {s['sass_shared']:.2f} | {s['instr']:.1f} | "
               f"{s['shared']:.3f} | {s['bar']} | {s['cvt']} | {s['philox']:.2f} | {s['vec']} | {s['smem']} |")
     return 0
 

@@ -58,6 +58,22 @@ if KERNELS_HERE:
     from megatron_sdp4bit.quant import triton_ops as T
     from megatron_sdp4bit.quant.triton_kernels import launch
 
+    import triton
+    import triton.language as tl
+
+    from megatron_sdp4bit.quant.triton_kernels.noise import philox2x32
+
+    @triton.jit
+    def _philox_kat_kernel(inputs_ptr, out_ptr):
+        """Three (counter, counter, key) triples in, their Philox-2x32-10 words out."""
+        i = tl.arange(0, 4)
+        c0 = tl.load(inputs_ptr + 3 * i, mask=i < 3, other=0).to(tl.uint32)
+        c1 = tl.load(inputs_ptr + 3 * i + 1, mask=i < 3, other=0).to(tl.uint32)
+        key = tl.load(inputs_ptr + 3 * i + 2, mask=i < 3, other=0).to(tl.uint32)
+        w0, w1 = philox2x32(c0, c1, key)
+        tl.store(out_ptr + 2 * i, w0.to(tl.int64), mask=i < 3)
+        tl.store(out_ptr + 2 * i + 1, w1.to(tl.int64), mask=i < 3)
+
     if T.INTERPRETED != (DEVICE == "cpu"):
         raise RuntimeError(
             "triton_ops was imported before TRITON_INTERPRET was set as this run needs; "
@@ -369,6 +385,43 @@ def test_stochastic_rounding_is_reproducible_from_the_generator():
     T.quantize(x, 4, 64, "stochastic", cpu_gen)
     torch.manual_seed(0)
     T.quantize(x, 4, 64, "stochastic")  # generator=None: the default generator
+
+
+def test_stochastic_codes_do_not_depend_on_the_tiling():
+    # Noise is keyed by (seed, element index): programs of 1 or many groups, groups
+    # read in one pass or in 256-column slices, all give the same codes.
+    for bits, group, numel in [(4, 2048, 3 * 2048 - 5), (8, 12, 100), (2, 4, 37), (8, 1, 9)]:
+        x = awkward_input(numel, group, bits, seed=group, specials=False)
+        results = []
+        for tile, max_group in [(1 << 16, 1 << 16), (256, 256), (1024, 512)]:
+            with launch.tuning(tile_elements=tile, max_group_block=max_group):
+                gen = torch.Generator(DEVICE).manual_seed(3)
+                results.append(T.quantize(x, bits, group, "stochastic", gen).codes.cpu())
+        assert all(torch.equal(results[0], r) for r in results[1:]), (bits, group)
+
+
+def test_philox2x32_matches_the_published_known_answers():
+    # Random123's kat_vectors for philox2x32 with 10 rounds: (ctr0, ctr1, key) -> out.
+    vectors = [((0x00000000, 0x00000000, 0x00000000), (0xFF1DAE59, 0x6CD10DF2)),
+               ((0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF), (0x2C3F628B, 0xAB4FD7AD)),
+               ((0x243F6A88, 0x85A308D3, 0x13198A2E), (0xDD7CE038, 0xF62A4C12))]
+    inputs = torch.tensor([v for (ctr, _) in vectors for v in ctr], dtype=torch.int64)
+    inputs, out = inputs.to(DEVICE), torch.zeros(6, dtype=torch.int64, device=DEVICE)
+    _philox_kat_kernel[(1,)](inputs, out)
+    assert out.cpu().tolist() == [v for (_, answer) in vectors for v in answer]
+
+
+def test_stochastic_noise_stays_within_the_outer_cell_centres():
+    # u = (k + 1/2) / 2^16 lies in [2^-17, 1 - 2^-17], as in the reference: v = 3 - 2^-17
+    # always rounds up (a u of 0 would leave it at 2), v = -4 + 2^-18 never does (a u
+    # within 2^-18 of 1 would lift it to -3). 7936 draws of each.
+    pattern = torch.tensor([3.0 - 2.0**-17] * 32 + [-4.0 + 2.0**-18] * 31 + [7.0])
+    x = pattern.repeat(256).to(DEVICE)
+    q = T.quantize(x, 4, 64, "stochastic", torch.Generator(DEVICE).manual_seed(11))
+    assert bool((q.scales.cpu() == 1.0).all())
+    codes = _codes(q).view(256, 64)
+    assert bool((codes[:, :32] == 3).all())
+    assert bool((codes[:, 32:63] == -4).all())
 
 
 # --- contract and errors ---------------------------------------------------------------

@@ -82,8 +82,11 @@ def num_warps_for(tile: int) -> int:
 
 
 def quantize_tiling(num_groups: int, group_size: int) -> Tuple[int, int, Tuple[int]]:
-    """(BLOCK columns per pass, GROUPS_PER_PROGRAM, grid) for a quantize launch."""
-    block = min(_next_pow2(group_size), TUNING.max_group_block)
+    """(BLOCK columns per pass, GROUPS_PER_PROGRAM, grid) for a quantize launch.
+
+    BLOCK is at least 8: stochastic rounding draws noise for runs of 8 columns.
+    """
+    block = min(max(_next_pow2(group_size), 8), TUNING.max_group_block)
     if block < group_size:  # sliced groups: one group per program
         groups_per_program = 1
     else:

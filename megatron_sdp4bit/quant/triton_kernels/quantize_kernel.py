@@ -17,6 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megatron_sdp4bit.quant.triton_kernels.noise import RUN, uniform_noise
 from megatron_sdp4bit.quant.triton_kernels.tile_math import (
     dequantized_chunk_sum,
     hadamard_flat,
@@ -59,24 +60,28 @@ def _transformed(values, ROWS: tl.constexpr, BLOCK: tl.constexpr, HADAMARD: tl.c
 
 
 @triton.jit
-def _store_codes(values, inv, usable, elem, rows, row_ok, first_col, codes_ptr, seed_ptr,
+def _store_codes(values, inv, elem, rows, row_ok, first_col, codes_ptr, seed_ptr,
                  BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr):
     """Round ``values * inv`` to codes, clamp, pack and store columns first_col.. of each row."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     scaled = values * inv[:, None]
     if STOCHASTIC:
-        # u ~ U[0,1) from Philox keyed by (seed, element index): reproducible, and the
-        # same whether the group is processed in one pass or two.
-        scaled = scaled + tl.rand(tl.load(seed_ptr), elem)
+        # u from Philox keyed by (seed, element index), 4 elements per call (noise.py):
+        # reproducible, and the same however groups are tiled or sliced.
+        run_cols = first_col + tl.arange(0, BLOCK // RUN) * RUN
+        run_start = rows[:, None] * GROUP + run_cols[None, :]
+        scaled = scaled + uniform_noise(tl.load(seed_ptr), run_start, ROWS, BLOCK)
     else:
         scaled = scaled + 0.5
     codes = tl.floor(scaled)
-    # NaN here only comes from 0 * Inf (a subnormal scale whose inverse overflows):
-    # code 0, what the reference's float->int8 cast yields on x86 and ARM.
+    # NaN here comes from 0 * Inf (a subnormal scale whose inverse overflows) or from
+    # a non-finite x in an unusable group (inv = 0): code 0, what the reference's
+    # float->int8 cast yields on x86 and ARM. Every other element of an unusable
+    # group has x * 0 = +-0 and floor(+-0 + u) = 0 for u in [0, 1): code 0 as well,
+    # so no separate select on the group's usability is needed.
     codes = tl.where(codes == codes, codes, 0.0)
-    codes = tl.minimum(tl.maximum(codes, -QMAX - 1.0), QMAX * 1.0)
-    codes = tl.where(usable[:, None], codes, 0.0).to(tl.int32)
+    codes = tl.minimum(tl.maximum(codes, -QMAX - 1.0), QMAX * 1.0).to(tl.int32)
 
     cols = first_col + tl.arange(0, BLOCK)
     if BITS == 8:
@@ -93,16 +98,30 @@ def _store_codes(values, inv, usable, elem, rows, row_ok, first_col, codes_ptr, 
 
 
 @triton.jit
-def _scale_of(absmax, has_nan, BITS: tl.constexpr):
-    """Per-row scale, its inverse (0 when unusable) and whether it is usable."""
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _row_absmax(values):
+    """max |value| of each row, NaN when the row holds one.
+
+    PTX's plain max returns the non-NaN operand; ``max.NaN`` keeps it, so one
+    reduction gives the reference's rule (a NaN group gets a NaN scale) without
+    a second reduction over an is-NaN flag.
+    """
+    return tl.reduce(tl.abs(values), 1, _max_keeping_nan)
+
+
+@triton.jit
+def _scale_of(absmax, BITS: tl.constexpr):
+    """Per-row scale and its inverse (0 when the scale is 0, NaN or Inf)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-    # Reductions on the GPU may drop NaN: restore it so a NaN group gets a NaN scale.
-    absmax = tl.where(has_nan, float("nan"), absmax)
     scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))  # IEEE division
     usable = (scale > 0) & (scale < float("inf"))  # false for NaN too
     safe = tl.where(usable, scale, 1.0)
     inv = tl.where(usable, tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), safe), 0.0)
-    return scale, inv, usable
+    return scale, inv
 
 
 @triton.jit
@@ -133,14 +152,11 @@ def quantize_kernel(
                                 src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
                                 SOURCE, X_BF16, HAS_Y, Y_BF16, SRC_BITS, SRC_GROUP)
         values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
-        absmax = tl.max(tl.abs(values), axis=1)
-        nan_seen = tl.max((values != values).to(tl.int32), axis=1)
-        scale, inv, usable = _scale_of(absmax, nan_seen > 0, BITS)
-        _store_codes(values, inv, usable, elem, rows, row_ok, 0, codes_ptr, seed_ptr,
+        scale, inv = _scale_of(_row_absmax(values), BITS)
+        _store_codes(values, inv, elem, rows, row_ok, 0, codes_ptr, seed_ptr,
                      BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
     else:  # two passes over BLOCK-column slices: absmax first, then the codes
         absmax = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32)
-        nan_seen = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.int32)
         for first in range(0, GROUP, BLOCK):
             elem = rows[:, None] * GROUP + (first + cols)[None, :]
             load_ok = row_ok[:, None] & ((first + cols)[None, :] < GROUP) & (elem < numel)
@@ -148,9 +164,8 @@ def quantize_kernel(
                                     src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
                                     SOURCE, X_BF16, HAS_Y, Y_BF16, SRC_BITS, SRC_GROUP)
             values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
-            absmax = tl.maximum(absmax, tl.max(tl.abs(values), axis=1))
-            nan_seen = tl.maximum(nan_seen, tl.max((values != values).to(tl.int32), axis=1))
-        scale, inv, usable = _scale_of(absmax, nan_seen > 0, BITS)
+            absmax = _max_keeping_nan(absmax, _row_absmax(values))
+        scale, inv = _scale_of(absmax, BITS)
         for first in range(0, GROUP, BLOCK):
             elem = rows[:, None] * GROUP + (first + cols)[None, :]
             load_ok = row_ok[:, None] & ((first + cols)[None, :] < GROUP) & (elem < numel)
@@ -158,6 +173,6 @@ def quantize_kernel(
                                     src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
                                     SOURCE, X_BF16, HAS_Y, Y_BF16, SRC_BITS, SRC_GROUP)
             values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
-            _store_codes(values, inv, usable, elem, rows, row_ok, first, codes_ptr, seed_ptr,
+            _store_codes(values, inv, elem, rows, row_ok, first, codes_ptr, seed_ptr,
                          BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
     tl.store(scales_ptr + rows, scale, mask=row_ok)
