@@ -39,10 +39,10 @@ fi
 mkdir -p "$out" || { echo "gpu_check: error: cannot create $out" >&2; exit 2; }
 log="$out/gpu_check.log"
 
-# megatron-core: when it does not import, install the carried wheels (no index, no deps:
+# megatron-core: when it is not installed, install the carried wheels (no index, no deps:
 # their requirements torch, numpy and packaging are on the device image).
 export GPU_CHECK_WHEELS="megatron-core found"
-if ! "$py" -c "import megatron.core" >/dev/null 2>&1; then
+if ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron.core') is None)" 2>/dev/null; then
   GPU_CHECK_WHEELS="megatron-core missing and no wheels in .gpu_carry/wheels or .whl"
   site="${GPU_CHECK_SITE:-/tmp/gpu-check-site}"
   for dir in .gpu_carry/wheels .whl; do

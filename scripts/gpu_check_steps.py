@@ -21,6 +21,7 @@ else goes to a work folder (--work, default a fresh temporary folder).
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -129,11 +130,13 @@ def python_env(**changes) -> dict:
 def probe_package(dist_name: str, module: str) -> dict:
     """Is ``module`` importable (found, not imported: importing Apex or Transformer Engine
     can be slow or crash), and which version of ``dist_name`` is installed?"""
+    error = None
     try:
         present = importlib.util.find_spec(module) is not None
-        error = None
+    except ModuleNotFoundError:  # its parent package is not installed
+        present = False
     except (ImportError, ValueError) as exc:  # a parent package that fails to import
-        present, error = False, f"{type(exc).__name__}: {exc}"
+        present, error = False, f"is not importable: {type(exc).__name__}: {exc}"
     version = None
     if present:
         try:
@@ -177,7 +180,12 @@ def collect_environment() -> dict:
         info["torch_error"] = str(exc)
     info["driver"] = gpu_driver()
     info["triton"] = probe_package("triton", "triton")["version"]
-    info["megatron_core"] = probe_package("megatron-core", "megatron.core")
+    info["megatron_core"] = mcore = probe_package("megatron-core", "megatron.core")
+    if mcore["present"]:  # required, and safe to import: say so now if it is broken
+        try:
+            importlib.import_module("megatron.core")
+        except Exception as exc:  # noqa: BLE001 - any failure is the finding
+            mcore.update(present=False, error=f"import fails: {type(exc).__name__}: {exc}")
     info["optional"] = {name: probe_package(*names) for name, names in OPTIONAL.items()}
     info["wheels"] = os.environ.get("GPU_CHECK_WHEELS", "not looked for")
     return info
@@ -199,7 +207,8 @@ def step_env(report: Report, ctx: dict) -> None:
     if not info.get("torch"):
         problems.append("torch does not import")
     if not mcore["present"]:
-        problems.append("megatron-core is missing (carry its wheel: scripts/gpu_check_prepare.sh)")
+        problems.append("megatron-core " + mcore.get("error", "is missing")
+                        + " (carry its wheel: scripts/gpu_check_prepare.sh)")
     if not ctx["smoke"] and not info.get("cuda_available"):
         problems.append("torch sees no CUDA device")
     if info["triton"] is None:

@@ -96,6 +96,7 @@ def test_probe_reports_missing_and_broken_packages_without_crashing(tmp_path, mo
 
 
 def test_env_step_reports_absent_packages(monkeypatch, capsys):
+    monkeypatch.setattr(steps.importlib, "import_module", lambda name, *args: None)  # fast: no megatron
     monkeypatch.setattr(steps, "OPTIONAL", {"Apex": ("apex", "no_such_apex_sdp4bit"),
                                             "Transformer Engine": ("te", "no_such_te_sdp4bit")})
     report = steps.Report()
@@ -111,6 +112,23 @@ def test_env_step_reports_absent_packages(monkeypatch, capsys):
     assert report.results[0]["status"] == "FAIL"
     assert "megatron-core is missing" in report.results[0]["detail"]
     assert "[FAIL] env" in capsys.readouterr().out
+
+
+def test_a_megatron_core_that_does_not_import_is_reported(monkeypatch):
+    real_import = steps.importlib.import_module
+
+    def broken(name, *args):
+        if name == "megatron.core":
+            raise ImportError("libsomething.so: cannot open shared object file")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(steps.importlib, "import_module", broken)
+    report = steps.Report()
+    ctx = dict(smoke=True, env={})
+    steps.step_env(report, ctx)
+    assert report.results[0]["status"] == "FAIL"
+    assert "import fails: ImportError: libsomething.so" in report.results[0]["detail"]
+    assert ctx["env"]["megatron_core"]["present"] is False
 
 
 def test_without_megatron_core_the_training_step_skips(tmp_path):
