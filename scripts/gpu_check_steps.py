@@ -201,14 +201,14 @@ def step_env(report: Report, ctx: dict) -> None:
     print(f"    python {info['python']} ({info['executable']}), torch {info.get('torch')}, "
           f"CUDA {info.get('cuda')}, triton {info['triton']}")
     print(f"    GPU {info.get('gpu', 'none')} {info.get('capability', '')}, driver {info['driver']}")
-    print(f"    megatron-core {mcore['version'] if mcore['present'] else 'absent'}; {optional}; "
+    print(f"    megatron-core {mcore['version'] if mcore['present'] else mcore.get('error', 'absent')}; {optional}; "
           f"wheels: {info['wheels']}")
     problems = []
     if not info.get("torch"):
         problems.append("torch does not import")
     if not mcore["present"]:
-        problems.append("megatron-core " + mcore.get("error", "is missing")
-                        + " (carry its wheel: scripts/gpu_check_prepare.sh)")
+        problems.append("megatron-core " + mcore["error"] if mcore.get("error") else
+                        "megatron-core is missing (carry its wheel: scripts/gpu_check_prepare.sh)")
     if not ctx["smoke"] and not info.get("cuda_available"):
         problems.append("torch sees no CUDA device")
     if info["triton"] is None:
