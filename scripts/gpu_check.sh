@@ -47,7 +47,7 @@ if ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('megatron.c
   site="${GPU_CHECK_SITE:-/tmp/gpu-check-site}"
   for dir in .gpu_carry/wheels .whl; do
     compgen -G "$dir/*.whl" >/dev/null || continue
-    echo "gpu_check: megatron-core does not import; installing $dir/*.whl into $site" | tee -a "$log"
+    echo "gpu_check: megatron-core is not installed; installing $dir/*.whl into $site" | tee -a "$log"
     if "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$site" "$dir"/*.whl 2>&1 | tee -a "$log"; then
       export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"

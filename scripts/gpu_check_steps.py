@@ -239,7 +239,7 @@ def step_triton(report: Report, ctx: dict) -> None:
            "--device", "cpu" if ctx["smoke"] else "cuda", "--steps", ",".join(wanted),
            "--json", out_json]
     start = time.perf_counter()
-    rc, output = run_logged(cmd, timeout=time_limit(ctx, 120 if ctx["smoke"] else 330), env=python_env())
+    rc, output = run_logged(cmd, timeout=time_limit(ctx, 120 if ctx["smoke"] else 240), env=python_env())
     results = {}
     if os.path.isfile(out_json):
         with open(out_json, encoding="utf-8") as f:
