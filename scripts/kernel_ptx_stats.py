@@ -57,7 +57,7 @@ BENCH_VARIANTS = [
     ("bench: quantize 4-bit fp32 nearest G=2048", quantize_kernel, {},
      dict(GROUP=2048, BLOCK=2048, GROUPS_PER_PROGRAM=2)),
     ("bench: hadamard 8-bit fp32 G=128 H=32 stochastic", quantize_kernel, {"codes_ptr": "*i8"},
-     dict(BITS=8, HADAMARD=32, STOCHASTIC=True)),
+     dict(BITS=8, HADAMARD=32, STOCHASTIC=True, SCALED=True)),
 ]
 _LOOP_VARIANTS = ("sliced group", "dequantize-sum-requantize", "dequantize_sum")
 

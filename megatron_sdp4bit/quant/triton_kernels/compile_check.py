@@ -36,7 +36,8 @@ _QUANTIZE_ARGS = dict(
     codes_ptr="*u8", scales_ptr="*fp32", seed_ptr="*i64", numel="i32", num_groups="i32",
 )
 _QUANTIZE_DEFAULTS = dict(
-    SOURCE=SOURCE_TENSOR, X_BF16=False, HAS_Y=False, Y_BF16=False, SRC_BITS=8, SRC_GROUP=1,
+    SOURCE=SOURCE_TENSOR, X_BF16=False, HAS_Y=False, Y_BF16=False, SCALED=False, TAIL=False,
+    SRC_BITS=8, SRC_GROUP=1,
     BITS=4, GROUP=128, GROUPS_PER_PROGRAM=32, BLOCK=128, HADAMARD=0, STOCHASTIC=False,
 )
 _DEQUANTIZE_ARGS = dict(
@@ -50,12 +51,12 @@ _DEQUANTIZE_DEFAULTS = dict(BITS=4, GROUP=128, BLOCK=4096, HADAMARD=0, OUT_BF16=
 VARIANTS: List[Tuple[str, object, Dict[str, str], Dict[str, object]]] = [
     ("quantize 4-bit bf16 stochastic", quantize_kernel, {"x_ptr": "*i16"},
      dict(X_BF16=True, STOCHASTIC=True, GROUP=2048, BLOCK=2048, GROUPS_PER_PROGRAM=2)),
-    ("quantize 2-bit fp32 nearest", quantize_kernel, {}, dict(BITS=2, GROUP=64, BLOCK=64,
-                                                              GROUPS_PER_PROGRAM=64)),
+    ("quantize 2-bit fp32 nearest, tail", quantize_kernel, {},
+     dict(BITS=2, GROUP=64, BLOCK=64, GROUPS_PER_PROGRAM=64, TAIL=True)),
     ("weight diff fp32 - bf16", quantize_kernel, {"y_ptr": "*i16"},
      dict(HAS_Y=True, Y_BF16=True, STOCHASTIC=True, GROUP=2048, BLOCK=2048, GROUPS_PER_PROGRAM=2)),
     ("hadamard 8-bit bf16 stochastic", quantize_kernel, {"x_ptr": "*i16", "codes_ptr": "*i8"},
-     dict(X_BF16=True, BITS=8, HADAMARD=32, STOCHASTIC=True)),
+     dict(X_BF16=True, BITS=8, HADAMARD=32, STOCHASTIC=True, SCALED=True)),
     ("hadamard 8-bit block 256 nearest", quantize_kernel, {"codes_ptr": "*i8"},
      dict(BITS=8, GROUP=256, BLOCK=256, GROUPS_PER_PROGRAM=16, HADAMARD=256)),
     ("quantize sliced group (two passes)", quantize_kernel, {},

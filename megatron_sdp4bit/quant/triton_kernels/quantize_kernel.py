@@ -33,17 +33,37 @@ def _source_values(elem, mask,
                    x_ptr, y_ptr, multiplier,
                    src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
                    SOURCE: tl.constexpr, X_BF16: tl.constexpr, HAS_Y: tl.constexpr,
-                   Y_BF16: tl.constexpr, SRC_BITS: tl.constexpr, SRC_GROUP: tl.constexpr):
+                   Y_BF16: tl.constexpr, SCALED: tl.constexpr, SRC_BITS: tl.constexpr,
+                   SRC_GROUP: tl.constexpr):
     """fp32 values to quantize at flat indices ``elem`` (0 where masked: the zero padding)."""
     if SOURCE == 0:  # SOURCE_TENSOR
         values = load_f32(x_ptr, elem, mask, X_BF16)
         if HAS_Y:
             values = values - load_f32(y_ptr, elem, mask, Y_BF16)
-        values = values * multiplier  # a 1.0 multiplier changes nothing, NaN included
+        if SCALED:  # a multiplier of 1.0 would change nothing, NaN included: skipped
+            values = values * multiplier
     else:
         values = dequantized_chunk_sum(src_codes_ptr, src_scales_ptr, elem, mask,
                                        num_chunks, chunk_numel, SRC_BITS, SRC_GROUP)
     return values
+
+
+@triton.jit
+def _load_mask(row_ok, row_len, cols, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+               TAIL: tl.constexpr):
+    """Which [rows, cols] of the tile hold real elements (cols: columns within the group).
+
+    Without a tail the mask is constant along each row, which lets the compiler
+    give each thread long runs of a row (wide loads, more Hadamard stages in
+    registers); with a tail one int32 comparison per element.
+    """
+    if TAIL:
+        mask = cols[None, :] < row_len[:, None]
+    else:
+        mask = row_ok[:, None] & (cols < BLOCK)[None, :]  # all-true columns: folded away
+        if BLOCK > GROUP:
+            mask = mask & (cols < GROUP)[None, :]
+    return mask
 
 
 @triton.jit
@@ -131,7 +151,7 @@ def quantize_kernel(
     codes_ptr, scales_ptr, seed_ptr,
     numel, num_groups,
     SOURCE: tl.constexpr, X_BF16: tl.constexpr, HAS_Y: tl.constexpr, Y_BF16: tl.constexpr,
-    SRC_BITS: tl.constexpr, SRC_GROUP: tl.constexpr,
+    SCALED: tl.constexpr, TAIL: tl.constexpr, SRC_BITS: tl.constexpr, SRC_GROUP: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
     BLOCK: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):
@@ -143,14 +163,17 @@ def quantize_kernel(
     pid = tl.program_id(0).to(tl.int64)
     rows = pid * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     row_ok = rows < num_groups
+    # Valid columns of each row: GROUP, fewer in the last (zero-padded) group when
+    # numel is not a multiple of GROUP (TAIL), none past the last group.
+    row_len = tl.minimum(numel - rows * GROUP, GROUP).to(tl.int32)
     cols = tl.arange(0, BLOCK)
 
     if BLOCK >= GROUP:  # one pass: the whole group stays in registers
         elem = rows[:, None] * GROUP + cols[None, :]
-        load_ok = row_ok[:, None] & (cols[None, :] < GROUP) & (elem < numel)
+        load_ok = _load_mask(row_ok, row_len, cols, GROUP, BLOCK, TAIL)
         values = _source_values(elem, load_ok, x_ptr, y_ptr, multiplier,
                                 src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
-                                SOURCE, X_BF16, HAS_Y, Y_BF16, SRC_BITS, SRC_GROUP)
+                                SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP)
         values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
         scale, inv = _scale_of(_row_absmax(values), BITS)
         _store_codes(values, inv, elem, rows, row_ok, 0, codes_ptr, seed_ptr,
@@ -159,20 +182,23 @@ def quantize_kernel(
         absmax = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32)
         for first in range(0, GROUP, BLOCK):
             elem = rows[:, None] * GROUP + (first + cols)[None, :]
-            load_ok = row_ok[:, None] & ((first + cols)[None, :] < GROUP) & (elem < numel)
+            load_ok = _load_mask(row_ok, row_len, first + cols, GROUP, BLOCK, TAIL)
             values = _source_values(elem, load_ok, x_ptr, y_ptr, multiplier,
                                     src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
-                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SRC_BITS, SRC_GROUP)
+                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP)
             values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
             absmax = _max_keeping_nan(absmax, _row_absmax(values))
         scale, inv = _scale_of(absmax, BITS)
         for first in range(0, GROUP, BLOCK):
             elem = rows[:, None] * GROUP + (first + cols)[None, :]
-            load_ok = row_ok[:, None] & ((first + cols)[None, :] < GROUP) & (elem < numel)
+            load_ok = _load_mask(row_ok, row_len, first + cols, GROUP, BLOCK, TAIL)
             values = _source_values(elem, load_ok, x_ptr, y_ptr, multiplier,
                                     src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
-                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SRC_BITS, SRC_GROUP)
+                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP)
             values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
             _store_codes(values, inv, elem, rows, row_ok, first, codes_ptr, seed_ptr,
                          BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
-    tl.store(scales_ptr + rows, scale, mask=row_ok)
+    # Stored as a [ROWS, 1] column: a [ROWS] vector's store has a layout of its own,
+    # which made the compiler convert the whole tile into a second layout for the
+    # absmax reduction (one more round trip through shared memory).
+    tl.store(scales_ptr + rows[:, None], scale[:, None], mask=row_ok[:, None])
