@@ -123,11 +123,28 @@ def wire_schedule_hooks(ddp, optimizer) -> None:
     config.finalize_model_grads_func = finalize_model_grads
 
 
+class NonFiniteTraining(RuntimeError):
+    """The loss or the gradients stayed non-finite: training stops without saving."""
+
+
 def train_step(ddp, optimizer, scheduler, args, data_iterator, num_microbatches):
+    """One iteration; returns (loss tensor, grad norm, whether the optimizer stepped).
+
+    megatron's optimizer skips a step whose gradients hold Inf/NaN (on every rank
+    alike: the check is all-reduced); the schedule then does not advance either.
+    """
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     loss = _run_schedule(ddp, args, data_iterator, num_microbatches, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
+    if ok and grad_norm is not None and not math.isfinite(grad_norm):
+        # Only megatron's plain fp32 optimizer (no --bf16, no distributed optimizer)
+        # has no Inf/NaN check: it has already applied this step.
+        raise NonFiniteTraining(
+            f"the gradient norm is {grad_norm} and the fp32 optimizer (no --bf16, no "
+            "--use-distributed-optimizer) has no Inf/NaN check, so the step was applied; "
+            "stopping without saving. Lower --lr or check the data, then resume with --load "
+            "(add --bf16 or --use-distributed-optimizer to have bad steps skipped instead)")
     if ok:
         scheduler.step(increment=args.global_batch_size)
     return loss, grad_norm, ok
@@ -248,6 +265,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
     if not quantized:  # exact collectives, counted by the layer (bit-identical to stock)
         config = preset("baseline", ranks_per_node=config.ranks_per_node if config else None)
     patch.install(config)
+    patch.set_metrics_interval(args.log_interval)  # sampled on logged steps only
     _log0(f"sdp4bit: {config.to_dict() if quantized else 'off (exact collectives)'}")
     tokenizer, train_ds, valid_ds = build_data(args, rank, world)
     fusions = choose_fusions(device)
@@ -285,11 +303,14 @@ def run(args, with_weights_hash: bool = False) -> dict:
         _log0(f"saved checkpoint at iteration {it} to {args.save}")
 
     window.start()
+    consecutive_skipped = 0
     while iteration < args.train_iters:
         loss, grad_norm, ok = train_step(ddp, optimizer, scheduler, args, train_iter, num_microbatches)
         iteration += 1
         window.add(loss, ok)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
+        consecutive_skipped = 0 if ok else consecutive_skipped + 1
+        diverged = consecutive_skipped >= args.max_consecutive_skipped_iters
+        if iteration % args.log_interval == 0 or iteration == args.train_iters or diverged:
             loss_sum, steps, skipped, elapsed = window.close()  # waits for the device
             last_loss = all_reduce_mean(loss_sum / steps)  # mean over the window
             time_total += elapsed
@@ -309,8 +330,21 @@ def run(args, with_weights_hash: bool = False) -> dict:
                 "grad_quant_rel_error": errors.get("grad_inter", 0.0),
                 "skipped": skipped,
             })
+        if diverged:
+            raise NonFiniteTraining(
+                f"iteration {iteration}: the loss or the gradients were not finite (Inf/NaN) for "
+                f"{consecutive_skipped} consecutive iterations ({iteration - consecutive_skipped + 1}"
+                f"-{iteration}); the optimizer skipped each, and training stops here without "
+                "saving (the last checkpoint is untouched). Lower --lr or check the data, then "
+                "resume with --load; --max-consecutive-skipped-iters sets the limit")
         evaluating = iteration % args.eval_interval == 0 or iteration == args.train_iters
         saving = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+        if saving and consecutive_skipped:
+            # Skipped steps left the weights as they were; a checkpoint now could only
+            # become the "latest" that a resume falls into the same trouble from.
+            _log0(f"iteration {iteration}: not saving, the last {consecutive_skipped} "
+                  "iteration(s) were skipped (Inf/NaN)")
+            saving = False
         if window.steps and (evaluating or saving):
             window.pause()
         if evaluating:
@@ -381,6 +415,10 @@ def main(argv: Optional[list] = None) -> int:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         print(f"sdp4bit-pretrain: error (rank {rank}): {exc}", file=sys.stderr)
         return 2
+    except NonFiniteTraining as exc:
+        if torch.distributed.get_rank() == 0:  # every rank stops alike; one says why
+            print(f"sdp4bit-pretrain: stopped: {exc}", file=sys.stderr)
+        return 3
     finally:
         shutdown()
     return 0

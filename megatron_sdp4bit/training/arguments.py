@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--adam-beta2", type=float, default=0.95)
     t.add_argument("--adam-eps", type=float, default=1e-8)
     t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--max-consecutive-skipped-iters", type=int, default=3,
+                   help="stop (exit 3, saving nothing) after this many consecutive iterations "
+                        "whose loss or gradients were not finite and were skipped")
     t.add_argument("--bf16", action="store_true")
     t.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state (required by --sdp4bit; implied by it)")
@@ -151,7 +154,8 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
         bad(f"--lr-warmup-iters/--lr-warmup-fraction give {warmup} warm-up iterations, not fewer "
             f"than --lr-decay-iters {args.lr_decay_iters} (default --train-iters); shorten the "
             "warm-up or lengthen the decay")
-    for name in ("train_iters", "micro_batch_size", "log_interval", "eval_interval", "seq_length"):
+    for name in ("train_iters", "micro_batch_size", "log_interval", "eval_interval", "seq_length",
+                 "max_consecutive_skipped_iters"):
         if getattr(args, name) <= 0:
             bad(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.save_interval is not None and args.save_interval <= 0:

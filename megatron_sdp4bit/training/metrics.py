@@ -18,7 +18,7 @@ TRAIN_FIELDS = (
     "iteration", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
     "bytes_sent", "bytes_exact", "bytes_sent_intra", "bytes_sent_inter", "wire_ratio",
     "weight_quant_rel_error",
-    "grad_quant_rel_error",
+    "grad_quant_rel_error", "skipped",
 )
 
 
@@ -63,6 +63,8 @@ class MetricsLogger:
             line = (f"iter {r['iteration']:>6}/{self.total_iters} | loss {r['loss']:.4f} | "
                     f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | "
                     f"{r['step_time_s'] * 1000:.0f} ms/step | {r['tokens_per_s']:.0f} tok/s | {wire}")
+            if r.get("skipped"):
+                line += f" | skipped {r['skipped']} (Inf/NaN)"
         else:
             line = f"iter {r['iteration']:>6}/{self.total_iters} | validation loss {r['loss']:.4f}"
         if self._progress:

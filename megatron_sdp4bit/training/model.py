@@ -120,6 +120,11 @@ def build_optimizer(args, ddp):
         bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        # A constant loss scale of 1 changes no value, but it makes megatron's mixed-
+        # precision and distributed optimizers check the gradients for Inf/NaN every
+        # step (all-reduced over the gradient-statistics group, data-parallel ranks
+        # included) and skip the step, as they do for fp16.
+        loss_scale=1.0,
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     # As in Megatron-LM, the schedule counts samples: the driver steps it by the
