@@ -6,7 +6,9 @@ Compiles the variants of ``compile_check.VARIANTS`` for an NVIDIA architecture
 predicts the speed of a memory-bound kernel:
 
     SASS/elem   SASS instructions (nvdisasm of the cubin, NOPs excluded) per element,
-                counted like PTX/elem below; SASS LDS+STS/elem: its shared accesses
+                counted like PTX/elem below; SASS LDS+STS/elem: its shared accesses;
+                LDG/elem: its global loads (a 16-byte load of 4-bit codes serves 32
+                elements, a byte-wise one 2)
     PTX/elem    PTX instructions (lines ending in ';' that are not declarations)
                 of one thread / elements that thread owns (tile / (32 * warps)):
                 every thread runs straight-line code, so static count ~ executed
@@ -19,10 +21,14 @@ predicts the speed of a memory-bound kernel:
     philox/elem mul.hi.u32 per element (Philox-4x32-10 uses up to 20 per call)
     shared B    shared memory per program
 
-Counts are static: a loop body (chunk loop of dequantize-sum, the two passes of
-a sliced group) is counted once. Those rows are marked with '*'.
+Counts are static. The chunk loop of the dequantize-sum variants is compiled for
+4 chunks (num_chunks made a compile-time constant, as for 4 ranks; ``--chunks``
+changes it: the difference between two counts is the cost of the extra chunks), which
+usually lets the compiler unroll it; the other variants for 1 chunk, which Triton
+also does at run time (it specialises integer arguments equal to 1). A loop left in the SASS (a branch back up)
+has its body counted once: such rows are marked '*'.
 
-    python scripts/kernel_ptx_stats.py [--arch 90]
+    python scripts/kernel_ptx_stats.py [--arch 90] [--chunks 4]
 
 Must run without TRITON_INTERPRET=1.
 """
@@ -59,23 +65,45 @@ BENCH_VARIANTS = [
     ("bench: hadamard 8-bit fp32 G=128 H=32 stochastic", quantize_kernel, {"codes_ptr": "*i8"},
      dict(BITS=8, HADAMARD=32, STOCHASTIC=True, SCALED=True)),
 ]
-_LOOP_VARIANTS = ("sliced group", "dequantize-sum-requantize", "dequantize_sum")
+_CHUNKED_VARIANTS = ("dequantize-sum-requantize", "dequantize_sum")
 
 
 _SASS_INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
-def sass_instructions(cubin: bytes):
-    """Opcodes of the cubin's SASS (nvdisasm ships with Triton); [] when it is missing."""
+def sass_listing(cubin: bytes) -> str:
+    """The cubin's SASS as nvdisasm prints it (nvdisasm ships with Triton); '' if missing."""
     import triton
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     if not os.path.exists(nvdisasm):
-        return []
+        return ""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        listing = subprocess.run([nvdisasm, f.name], capture_output=True, text=True).stdout
+        return subprocess.run([nvdisasm, f.name], capture_output=True, text=True).stdout
+
+
+def sass_instructions(listing: str):
     return [op for op in _SASS_INSTRUCTION.findall(listing) if op != "NOP"]
+
+
+def has_loop(listing: str) -> bool:
+    """A branch back to a label above it: a loop the compiler did not unroll.
+
+    The branch-to-itself that pads every kernel after EXIT does not count.
+    """
+    seen = {}  # label -> instructions seen before it
+    count = 0
+    for line in listing.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            seen[label.group(1)] = count
+        if _SASS_INSTRUCTION.search(line):
+            count += 1
+        target = re.search(r"\bBRA\b.*`\((\.L_x_\d+)\)", line)
+        if target and target.group(1) in seen and count - seen[target.group(1)] > 1:
+            return True
+    return False
 
 
 def ptx_instructions(ptx: str):
@@ -85,25 +113,39 @@ def ptx_instructions(ptx: str):
             yield text
 
 
-def stats(name, kernel, types, consts, arch):
+def stats(name, kernel, types, consts, arch, chunks=4):
     defaults = ((compile_check._QUANTIZE_ARGS, compile_check._QUANTIZE_DEFAULTS)
                 if kernel is quantize_kernel else
                 (compile_check._DEQUANTIZE_ARGS, compile_check._DEQUANTIZE_DEFAULTS))
-    constexprs = dict(defaults[1], **consts)
-    compiled = compile_check.compile_variant(kernel, dict(defaults[0], **types), constexprs, arch)
+    # Parameters the kernel does not have are dropped, so that this script also
+    # measures older versions of the kernels (PYTHONPATH=<checkout of an old commit>).
+    constexprs = {k: v for k, v in dict(defaults[1], **consts).items() if k in kernel.arg_names}
+    arg_types = dict(defaults[0], **types)
+    # Triton compiles an integer argument equal to 1 as a constant: a launch with
+    # one chunk (plain dequantize, every quantize of a tensor) has no chunk loop.
+    del arg_types["num_chunks"]
+    constexprs["num_chunks"] = 1
+    if any(word in name for word in _CHUNKED_VARIANTS):
+        constexprs["num_chunks"] = chunks
+        name += f" ({chunks} chunk{'s' if chunks > 1 else ''})"
+    compiled = compile_check.compile_variant(kernel, arg_types, constexprs, arch)
     tile = constexprs["BLOCK"] * constexprs.get("GROUPS_PER_PROGRAM", 1)
     per_thread = tile / (compiled.metadata.num_warps * 32)  # elements each thread owns
     ptx = compiled.asm["ptx"]
     ttgir = compiled.asm["ttgir"]
     instructions = list(ptx_instructions(ptx))
-    sass = sass_instructions(compiled.asm["cubin"])
+    listing = sass_listing(compiled.asm["cubin"])
+    sass = sass_instructions(listing)
+    if has_loop(listing):
+        name += " *"
     return dict(
-        name=name + (" *" if any(word in name for word in _LOOP_VARIANTS) else ""),
+        name=name,
         tile=tile,
         warps=compiled.metadata.num_warps,
         instr=len(instructions) / per_thread,
         sass=len(sass) / per_thread,
         sass_shared=sum(op.startswith(("LDS", "STS")) for op in sass) / per_thread,
+        ldg=sum(op.startswith("LDG") for op in sass) / per_thread,
         shared=sum(bool(_SHARED.search(i)) for i in instructions) / per_thread,
         bar=sum(bool(_BARRIER.search(i)) for i in instructions),
         cvt=ttgir.count("ttg.convert_layout"),
@@ -117,17 +159,20 @@ def stats(name, kernel, types, consts, arch):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10")
+    parser.add_argument("--chunks", type=int, default=4,
+                        help="chunks the dequantize-sum variants are compiled for")
     args = parser.parse_args()
     from megatron_sdp4bit.quant.triton_kernels.tile_math import INTERPRETED
     if INTERPRETED:
         print("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
         return 2
-    print(f"sm_{args.arch}, per element of a program's tile (* = loop body counted once)")
-    print("| variant | tile | warps | SASS/elem | SASS LDS+STS/elem | PTX/elem | PTX shared/elem | bar | cvt | philox mul/elem | vec | shared B |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"sm_{args.arch}, per element of a program's tile (* = a loop body counted once)")
+    print("| variant | tile | warps | SASS/elem | SASS LDS+STS/elem | LDG/elem | PTX/elem | PTX shared/elem | bar | cvt | philox mul/elem | vec | shared B |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for variant in BENCH_VARIANTS + compile_check.VARIANTS:
-        s = stats(*variant, args.arch)
-        print(f"| {s['name']} | {s['tile']} | {s['warps']} | {s['sass']:.1f} | {s['sass_shared']:.2f} | {s['instr']:.1f} | "
+        s = stats(*variant, args.arch, args.chunks)
+        print(f"| {s['name']} | {s['tile']} | {s['warps']} | {s['sass']:.1f} | {s['sass_shared']:.2f} | "
+              f"{s['ldg']:.2f} | {s['instr']:.1f} | "
               f"{s['shared']:.3f} | {s['bar']} | {s['cvt']} | {s['philox']:.2f} | {s['vec']} | {s['smem']} |")
     return 0
 

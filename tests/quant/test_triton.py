@@ -237,6 +237,23 @@ def test_dequantize_sum_requantize_is_bit_identical(in_bits, in_group, bits, gro
     assert_same_quantized(actual, expected)
 
 
+@pytest.mark.parametrize("in_bits,in_group,bits,group,chunk,tiling", [
+    (4, 16, 4, 1000, 2400, dict(max_group_block=256)),  # sliced, group not a multiple of 256
+    (8, 128, 8, 1024, 2 * 1024 + 256, dict(max_group_block=256)),  # sliced, whole slices
+    (2, 16, 4, 192, 3 * 192 + 16, dict(tile_elements=256)),  # one group per program, 256 > 192
+    (8, 8, 2, 12, 96, dict(tile_elements=256)),  # 16 groups of 12 per program (rows not adjacent)
+])
+def test_dequantize_sum_requantize_tilings_are_bit_identical(in_bits, in_group, bits, group,
+                                                             chunk, tiling):
+    # The received chunks are read as contiguous runs (code_runs.py) where the tile
+    # is one; each of these tilings reaches a different branch of that choice.
+    q = received_buffer(2, chunk, in_bits, in_group, seed=group)
+    with launch.tuning(**tiling):
+        actual = T.dequantize_sum_requantize(q, 2, bits, group, "nearest")
+    expected = R.dequantize_sum_requantize(on_cpu(q), 2, bits, group, "nearest")
+    assert_same_quantized(actual, expected)
+
+
 def _sequential_chunk_sum(q: QuantizedTensor, chunks: int) -> torch.Tensor:
     """fp32 sum of the chunks in order 0..k-1, one addition at a time."""
     values = R.dequantize(on_cpu(q), torch.float32).view(chunks, -1)

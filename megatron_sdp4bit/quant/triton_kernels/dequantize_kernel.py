@@ -12,8 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megatron_sdp4bit.quant.triton_kernels.code_runs import dequantized_run_sum
 from megatron_sdp4bit.quant.triton_kernels.tile_math import (
-    dequantized_chunk_sum,
     hadamard_flat,
     load_f32,
     store_f32,
@@ -31,8 +31,13 @@ def dequantize_kernel(
     pid = tl.program_id(0).to(tl.int64)
     elem = pid * BLOCK + tl.arange(0, BLOCK)
     ok = elem < numel
-    values = dequantized_chunk_sum(codes_ptr, scales_ptr, elem, ok, num_chunks, chunk_numel,
-                                   BITS, GROUP)
+    # Codes exist up to numel rounded up to whole groups (the zero padding): reading
+    # that far keeps the mask at a multiple of the group size (wide loads); the
+    # elements past numel are not stored. The group count is int32-safe, its product
+    # with GROUP is formed in int64 (numel may lie within a group of 2^31).
+    padded = tl.cast((numel - 1) // GROUP + 1, tl.int64) * GROUP
+    values = dequantized_run_sum(codes_ptr, scales_ptr, pid * BLOCK, padded - pid * BLOCK,
+                                 num_chunks, chunk_numel, BLOCK, BITS, GROUP, BLOCK)
     if HADAMARD > 0:
         # numel and BLOCK are multiples of HADAMARD: every transform block is whole.
         # H^-1 = H / block, a multiplication by an exact power of two as in the reference.

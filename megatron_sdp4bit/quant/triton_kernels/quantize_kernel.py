@@ -17,6 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megatron_sdp4bit.quant.triton_kernels.code_runs import dequantized_run_sum
 from megatron_sdp4bit.quant.triton_kernels.noise import RUN, uniform_noise
 from megatron_sdp4bit.quant.triton_kernels.tile_math import (
     dequantized_chunk_sum,
@@ -29,13 +30,19 @@ SOURCE_CHUNKS = 1
 
 
 @triton.jit
-def _source_values(elem, mask,
+def _source_values(elem, mask, run_first, run_valid,
                    x_ptr, y_ptr, multiplier,
                    src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
                    SOURCE: tl.constexpr, X_BF16: tl.constexpr, HAS_Y: tl.constexpr,
                    Y_BF16: tl.constexpr, SCALED: tl.constexpr, SRC_BITS: tl.constexpr,
-                   SRC_GROUP: tl.constexpr):
-    """fp32 values to quantize at flat indices ``elem`` (0 where masked: the zero padding)."""
+                   SRC_GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                   GROUP: tl.constexpr):
+    """fp32 values to quantize at flat indices ``elem`` (0 where masked: the zero padding).
+
+    ``run_first`` and ``run_valid``: the tile's first flat index and how many of
+    its elements lie before the end of the source, used when the tile is one
+    contiguous run (its rows are whole adjacent groups, or it has one row).
+    """
     if SOURCE == 0:  # SOURCE_TENSOR
         values = load_f32(x_ptr, elem, mask, X_BF16)
         if HAS_Y:
@@ -43,8 +50,18 @@ def _source_values(elem, mask,
         if SCALED:  # a multiplier of 1.0 would change nothing, NaN included: skipped
             values = values * multiplier
     else:
-        values = dequantized_chunk_sum(src_codes_ptr, src_scales_ptr, elem, mask,
-                                       num_chunks, chunk_numel, SRC_BITS, SRC_GROUP)
+        # run_first is a multiple of GROUP (whole groups per program) or of
+        # gcd(GROUP, BLOCK) (a slice of a group, BLOCK >= 256): for the divisors that
+        # matter below (8 / SRC_BITS, 4, 16) both mean "GROUP is a multiple of them".
+        ALIGN: tl.constexpr = GROUP
+        if (BLOCK == GROUP or ROWS == 1) and ALIGN % (8 // SRC_BITS) == 0:
+            run = dequantized_run_sum(src_codes_ptr, src_scales_ptr, run_first, run_valid,
+                                      num_chunks, chunk_numel, ROWS * BLOCK, SRC_BITS,
+                                      SRC_GROUP, ALIGN)
+            values = tl.reshape(run, [ROWS, BLOCK])
+        else:  # rows with masked columns between them, or odd alignment: per element
+            values = dequantized_chunk_sum(src_codes_ptr, src_scales_ptr, elem, mask,
+                                           num_chunks, chunk_numel, SRC_BITS, SRC_GROUP)
     return values
 
 
@@ -171,9 +188,17 @@ def quantize_kernel(
     if BLOCK >= GROUP:  # one pass: the whole group stays in registers
         elem = rows[:, None] * GROUP + cols[None, :]
         load_ok = _load_mask(row_ok, row_len, cols, GROUP, BLOCK, TAIL)
-        values = _source_values(elem, load_ok, x_ptr, y_ptr, multiplier,
+        run_first = pid * GROUPS_PER_PROGRAM * GROUP
+        # A received chunk is whole groups of the source (triton_ops checks it), so
+        # numel // SRC_GROUP * SRC_GROUP is numel itself; written so, it tells the
+        # compiler the mask is group-aligned. Only SOURCE_CHUNKS reads it.
+        run_valid = numel // SRC_GROUP * SRC_GROUP - run_first
+        if GROUPS_PER_PROGRAM == 1:
+            run_valid = tl.minimum(run_valid, GROUP)
+        values = _source_values(elem, load_ok, run_first, run_valid, x_ptr, y_ptr, multiplier,
                                 src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
-                                SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP)
+                                SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP,
+                                GROUPS_PER_PROGRAM, BLOCK, GROUP)
         values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
         scale, inv = _scale_of(_row_absmax(values), BITS)
         _store_codes(values, inv, elem, rows, row_ok, 0, codes_ptr, seed_ptr,
@@ -183,18 +208,28 @@ def quantize_kernel(
         for first in range(0, GROUP, BLOCK):
             elem = rows[:, None] * GROUP + (first + cols)[None, :]
             load_ok = _load_mask(row_ok, row_len, first + cols, GROUP, BLOCK, TAIL)
-            values = _source_values(elem, load_ok, x_ptr, y_ptr, multiplier,
+            run_first = pid * GROUP + first  # sliced groups: one group per program
+            # Up to the end of the source or of this group, whichever comes first (a
+            # last slice may reach past the group: GROUP need not be a multiple of BLOCK).
+            run_valid = tl.minimum(numel // SRC_GROUP * SRC_GROUP - run_first, GROUP - first)
+            values = _source_values(elem, load_ok, run_first, run_valid, x_ptr, y_ptr, multiplier,
                                     src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
-                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP)
+                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP,
+                                    GROUPS_PER_PROGRAM, BLOCK, GROUP)
             values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
             absmax = _max_keeping_nan(absmax, _row_absmax(values))
         scale, inv = _scale_of(absmax, BITS)
         for first in range(0, GROUP, BLOCK):
             elem = rows[:, None] * GROUP + (first + cols)[None, :]
             load_ok = _load_mask(row_ok, row_len, first + cols, GROUP, BLOCK, TAIL)
-            values = _source_values(elem, load_ok, x_ptr, y_ptr, multiplier,
+            run_first = pid * GROUP + first  # sliced groups: one group per program
+            # Up to the end of the source or of this group, whichever comes first (a
+            # last slice may reach past the group: GROUP need not be a multiple of BLOCK).
+            run_valid = tl.minimum(numel // SRC_GROUP * SRC_GROUP - run_first, GROUP - first)
+            values = _source_values(elem, load_ok, run_first, run_valid, x_ptr, y_ptr, multiplier,
                                     src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
-                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP)
+                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP,
+                                    GROUPS_PER_PROGRAM, BLOCK, GROUP)
             values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
             _store_codes(values, inv, elem, rows, row_ok, first, codes_ptr, seed_ptr,
                          BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
