@@ -23,6 +23,11 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def _is_bool(value) -> bool:
+    """bool is an int subclass; True is not a bit width or a group size."""
+    return isinstance(value, bool)
+
+
 @dataclass
 class SDP4BitConfig:
     """How weights and gradients are compressed on the wire."""
@@ -77,41 +82,51 @@ class SDP4BitConfig:
     """Iteration from which gradients are quantized (exact before it)."""
 
     def __post_init__(self) -> None:
+        """Every rule about a field lives here, and only here: a bad value fails where
+        the config is made, with the field's name and what it may be."""
         self._check_choice("weight_mode", WEIGHT_MODES)
         self._check_choice("grad_mode", GRAD_MODES)
         self._check_choice("rounding", ROUNDINGS)
         for name in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
-            if getattr(self, name) not in SUPPORTED_BITS:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is not supported; "
-                    f"use one of {SUPPORTED_BITS}"
-                )
-        for name in ("weight_group_size", "grad_group_size_intra", "grad_group_size_inter"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if not _is_power_of_two(self.hadamard_block) or not 2 <= self.hadamard_block <= 256:
-            raise ValueError(
-                f"hadamard_block={self.hadamard_block!r} must be a power of two in 2..256"
-            )
-        if self.grad_mode == "tlq-hs":
+            if _is_bool(value) or value not in SUPPORTED_BITS:
+                raise ValueError(f"{name}={value!r} is not supported; use one of {SUPPORTED_BITS}")
+        self._check_int("hadamard_block", minimum=2)
+        if not _is_power_of_two(self.hadamard_block) or self.hadamard_block > 256:
+            raise ValueError(f"hadamard_block={self.hadamard_block!r} must be a power of two "
+                             "in 2..256 (2, 4, ..., 256)")
+        # Codes are packed several to a byte, so a group must fill whole bytes.
+        for name, bits in (("weight_group_size", self.weight_bits),
+                           ("grad_group_size_intra", self.effective_grad_bits_intra),
+                           ("grad_group_size_inter", self.grad_bits_inter)):
+            self._check_int(name, minimum=1)
+            per_byte = 8 // bits
+            if getattr(self, name) % per_byte:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} must be a positive multiple of {per_byte} "
+                    f"({per_byte} {bits}-bit codes share a byte), e.g. "
+                    f"{max(per_byte, getattr(self, name) // per_byte * per_byte)}")
+        if self.use_hadamard:
             for name in ("grad_group_size_intra", "grad_group_size_inter"):
                 if getattr(self, name) % self.hadamard_block:
                     raise ValueError(
                         f"{name}={getattr(self, name)} is not a multiple of "
                         f"hadamard_block={self.hadamard_block}; pick a group size that "
-                        "is (e.g. 128 with block 32)"
-                    )
-        if self.ranks_per_node is not None and self.ranks_per_node <= 0:
-            raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be positive or None")
-        if self.pipeline_chunks < 1:
-            raise ValueError(f"pipeline_chunks={self.pipeline_chunks!r} must be >= 1")
-        if self.grad_start_iter < 0:
-            raise ValueError(f"grad_start_iter={self.grad_start_iter!r} must be >= 0")
+                        "is (e.g. 128 with block 32), or grad_mode='tlq' (no Hadamard)")
+        if self.ranks_per_node is not None:
+            self._check_int("ranks_per_node", minimum=1, hint=" or None (LOCAL_WORLD_SIZE)")
+        self._check_int("pipeline_chunks", minimum=1)
+        self._check_int("seed", minimum=0)
+        self._check_int("grad_start_iter", minimum=0)
 
     def _check_choice(self, name: str, choices: tuple) -> None:
         if getattr(self, name) not in choices:
             raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {choices}")
+
+    def _check_int(self, name: str, minimum: int, hint: str = "") -> None:
+        value = getattr(self, name)
+        if _is_bool(value) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{hint}")
 
     # --- derived views ------------------------------------------------------------
     @property

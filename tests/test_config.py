@@ -15,18 +15,45 @@ def parse(argv):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(weight_bits=3), "weight_bits"),
-        (dict(grad_mode="qsgd"), "grad_mode"),
-        (dict(weight_group_size=0), "weight_group_size"),
-        (dict(hadamard_block=24), "power of two"),
-        (dict(grad_group_size_intra=100), "multiple of hadamard_block"),
-        (dict(pipeline_chunks=0), "pipeline_chunks"),
-        (dict(rounding="up"), "rounding"),
+        (dict(weight_mode="exact"), r"weight_mode='exact'; choose one of \('diff', 'direct', 'off'\)"),
+        (dict(grad_mode="qsgd"), r"grad_mode='qsgd'; choose one of"),
+        (dict(rounding="up"), r"rounding='up'; choose one of \('stochastic', 'nearest'\)"),
+        (dict(weight_bits=3), r"weight_bits=3 is not supported; use one of \(2, 4, 8\)"),
+        (dict(weight_bits=True), r"weight_bits=True is not supported"),
+        (dict(grad_bits_intra=16), r"grad_bits_intra=16 is not supported; use one of"),
+        (dict(grad_bits_inter=1), r"grad_bits_inter=1 is not supported; use one of"),
+        (dict(weight_group_size=0), r"weight_group_size=0 must be an integer >= 1"),
+        (dict(weight_group_size=-64), r"weight_group_size=-64 must be an integer >= 1"),
+        (dict(weight_group_size=2048.0), r"weight_group_size=2048.0 must be an integer"),
+        (dict(weight_group_size=3), r"weight_group_size=3 must be a positive multiple of 2"),
+        (dict(weight_bits=2, weight_group_size=2050), r"weight_group_size=2050 must be a positive multiple of 4"),
+        (dict(grad_mode="tlq", grad_bits_inter=2, grad_group_size_inter=130),
+         r"grad_group_size_inter=130 must be a positive multiple of 4"),
+        (dict(grad_mode="tlq", grad_group_size_intra=0), r"grad_group_size_intra=0 must be an integer >= 1"),
+        (dict(hadamard_block=24), r"hadamard_block=24 must be a power of two in 2..256"),
+        (dict(hadamard_block=512), r"hadamard_block=512 must be a power of two in 2..256"),
+        (dict(hadamard_block=1), r"hadamard_block=1 must be an integer >= 2"),
+        (dict(grad_group_size_intra=100), r"grad_group_size_intra=100 is not a multiple of hadamard_block=32"),
+        (dict(grad_group_size_inter=48), r"grad_group_size_inter=48 is not a multiple of hadamard_block=32"),
+        (dict(ranks_per_node=0), r"ranks_per_node=0 must be an integer >= 1 or None"),
+        (dict(ranks_per_node="2"), r"ranks_per_node='2' must be an integer >= 1"),
+        (dict(pipeline_chunks=0), r"pipeline_chunks=0 must be an integer >= 1"),
+        (dict(seed=-1), r"seed=-1 must be an integer >= 0"),
+        (dict(grad_start_iter=-5), r"grad_start_iter=-5 must be an integer >= 0"),
     ],
 )
 def test_bad_values_say_what_to_change(changes, message):
     with pytest.raises(ValueError, match=message):
         SDP4BitConfig(**changes)
+
+
+def test_valid_edge_values_are_accepted():
+    # Without Hadamard the grad group sizes need only fill whole bytes.
+    SDP4BitConfig(grad_mode="tlq", grad_group_size_intra=100, grad_group_size_inter=2)
+    SDP4BitConfig(weight_bits=8, weight_group_size=3, hadamard_block=256,
+                  grad_group_size_intra=256, grad_group_size_inter=512)
+    SDP4BitConfig(hadamard_block=2, grad_group_size_intra=2, grad_group_size_inter=2,
+                  ranks_per_node=1, grad_start_iter=0, seed=0)
 
 
 def test_presets():
