@@ -1,7 +1,8 @@
 """Shared test set-up: import path and a deterministic hypothesis profile.
 
 - The repository root goes on sys.path, so ``pytest`` works from a checkout that
-  was not ``pip install -e``-ed.
+  was not ``pip install -e``-ed; so does tests/ itself, for the shared harnesses
+  that live there and not in the installed package (``megatron_harness``).
 - Hypothesis runs derandomized (the same examples every run: tests are
   deterministic), without a deadline (the CPU is shared, timings are noise) and
   without writing an example database into the tree. Select another profile
@@ -13,8 +14,10 @@ import os
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+TESTS_DIR = os.path.join(REPO_ROOT, "tests")
+for path in (TESTS_DIR, REPO_ROOT):
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 try:
     from hypothesis import settings

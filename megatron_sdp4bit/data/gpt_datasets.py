@@ -48,9 +48,18 @@ logger = logging.getLogger(__name__)
 
 HELPERS_ENV = "SDP4BIT_DATASET_HELPERS"
 """Set to ``numpy`` to use the NumPy helpers even where the compiled ones exist."""
-_HELPER_NAMES = ("build_sample_idx_int32", "build_sample_idx_int64",
-                 "build_blending_indices", "build_exhaustive_blending_indices")
-_CPP_MODULE = "megatron.core.datasets.helpers_cpp"
+
+
+def _helpers_of_this_release() -> Tuple[str, Tuple[str, ...]]:
+    """(module name of megatron's compiled helpers, the functions we have twins of),
+    from the patch layer's adapter for the installed megatron-core."""
+    from megatron_sdp4bit.megatron.adapters import current_adapter
+
+    adapter = current_adapter()
+    return adapter.dataset_helpers_module, adapter.dataset_helper_names
+
+
+_CPP_MODULE, _HELPER_NAMES = _helpers_of_this_release()
 
 Blend = Tuple[List[str], Optional[List[float]]]
 
@@ -64,20 +73,21 @@ def ensure_dataset_helpers(force_numpy: Optional[bool] = None) -> str:
     """
     if force_numpy is None:
         force_numpy = os.environ.get(HELPERS_ENV, "").lower() == "numpy"
+    cpp_module, helper_names = _CPP_MODULE, _HELPER_NAMES
     if not force_numpy:
         try:
-            __import__(_CPP_MODULE)
+            __import__(cpp_module)
             return "cpp"
         except ImportError as error:
             logger.warning("megatron-core's compiled dataset helpers are missing (%s); "
                            "using the equivalent NumPy helpers.", error)
-    module = types.ModuleType(_CPP_MODULE, "NumPy twins of helpers_cpp (megatron_sdp4bit)")
-    for name in _HELPER_NAMES:
+    module = types.ModuleType(cpp_module, "NumPy twins of helpers_cpp (megatron_sdp4bit)")
+    for name in helper_names:
         setattr(module, name, getattr(dataset_helpers, name))
-    sys.modules[_CPP_MODULE] = module
+    sys.modules[cpp_module] = module
     helpers = sys.modules.get("megatron.core.datasets.helpers")
     if helpers is not None:  # imported earlier: rebind the names it copied
-        for name in _HELPER_NAMES:
+        for name in helper_names:
             setattr(helpers, name, getattr(dataset_helpers, name))
     return "numpy"
 

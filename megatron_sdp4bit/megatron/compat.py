@@ -1,44 +1,20 @@
-"""Everything that depends on the megatron-core version, in one place.
+"""Version checks: which megatron-core is installed and whether an adapter fits it.
 
-The patch layer replaces methods whose bodies it mirrors (see patch.py), so it is
-tied to the versions it was written and tested against. An untested version is
-refused with a clear message unless the user forces it.
+The version-specific knowledge itself lives in ``adapters/`` (one module per
+supported minor release); this module only answers "which one, and may we".
 """
 from __future__ import annotations
 
-import os
+from megatron_sdp4bit.megatron.adapters import (FORCE_ENV, adapter_for, current_adapter,
+                                                megatron_version, minor_of, supported_minors,
+                                                tested_versions)
 
-TESTED_VERSIONS = ("0.16.1",)
-FORCE_ENV = "SDP4BIT_FORCE_MEGATRON_VERSION"
-
-
-def megatron_version() -> str:
-    try:
-        import megatron.core as mcore
-    except ImportError as exc:  # pragma: no cover - exercised only without megatron
-        raise ImportError(
-            "megatron-core is not installed: `pip install megatron-core==0.16.1` "
-            "(or run `make test` / `make train`, which install it)"
-        ) from exc
-    return getattr(mcore, "__version__", "unknown")
+__all__ = ["FORCE_ENV", "adapter_for", "current_adapter", "megatron_version", "minor_of",
+           "supported_minors", "tested_versions", "check_version"]
 
 
 def check_version(force: bool = False) -> str:
-    """Return the installed version; raise on an untested one unless forced."""
+    """Return the installed version; raise when no adapter supports it, unless forced."""
     version = megatron_version()
-    if version in TESTED_VERSIONS or force or os.environ.get(FORCE_ENV) == "1":
-        return version
-    raise RuntimeError(
-        f"megatron_sdp4bit was tested with megatron-core {', '.join(TESTED_VERSIONS)}, "
-        f"but {version} is installed. Install a tested version, or set {FORCE_ENV}=1 "
-        "(or install(config, force_version=True)) to try anyway."
-    )
-
-
-def patch_targets():
-    """The classes whose methods the patch layer replaces (megatron-core 0.16.x)."""
-    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return _ParamAndGradBucketGroup, DistributedOptimizer, DistributedDataParallel
+    adapter_for(version, force=force)
+    return version

@@ -1,4 +1,4 @@
-"""CPU backend for megatron-core 0.16.1: GPTModel + DDP + the distributed optimizer on gloo.
+"""CPU backend for megatron-core 0.16-0.19: GPTModel + DDP + the distributed optimizer on gloo.
 
 ``enable_cpu_backend()`` is an explicit, idempotent opt-in; ``disable_cpu_backend()``
 puts back every original it replaced. While enabled, megatron's own code path --
@@ -6,28 +6,29 @@ puts back every original it replaced. While enabled, megatron's own code path --
 buffers and bucket groups, ``get_megatron_optimizer`` (distributed or not), the
 ``forward_backward`` schedules, activation recomputation -- runs unchanged on CPU
 tensors over a gloo process group. Nothing of megatron is reimplemented: only the
-places that name CUDA are redirected. Every one is listed below with the reason; line
-numbers are in megatron-core 0.16.1, paths relative to ``megatron/core``. "Hit" means
+places that name CUDA are redirected. Which ones, per release, is the adapter's
+``cpu_backend_sites()`` (``adapters/``); every one is listed below with the reason,
+paths relative to ``megatron/core``. "Hit" means
 the tests in ``tests/megatron/test_cpu_backend.py`` go through it (traced).
 
 1. CUDA RNG tracker (``tensor_parallel/random.py``): module and class attributes
    swapped for CPU twins. The tracker's "CUDA generator" becomes the CPU default
    generator, which is what CPU dropout and CPU init draw from.
 
-   * ``CudaRNGStatesTracker.add`` (l.217; calls ``torch.cuda.get_rng_state`` and
-     ``torch.cuda.manual_seed`` at l.235-238) -> a named CPU generator state. Hit by
-     ``model_parallel_cuda_manual_seed`` l.423, l.426, l.429.
-   * ``CudaRNGStatesTracker.fork`` (l.243) -> the same bookkeeping on the CPU
+   * ``CudaRNGStatesTracker.add`` (calls ``torch.cuda.get_rng_state`` and
+     ``torch.cuda.manual_seed``) -> a named CPU generator state. Hit by
+     ``model_parallel_cuda_manual_seed``.
+   * ``CudaRNGStatesTracker.fork`` -> the same bookkeeping on the CPU
      generator, minus the original's "CPU RNG state changed within GPU RNG context"
-     warning (l.264), which on CPU would fire on every dropout since both generators
-     are one. Hit by weight init (``tensor_parallel/layers.py`` l.142) and attention
-     dropout (``transformer/dot_product_attention.py`` l.217).
-   * ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (l.41, l.72) ->
+     warning, which on CPU would fire on every dropout since both generators
+     are one. Hit by weight init (``tensor_parallel/layers.py``) and attention
+     dropout (``transformer/dot_product_attention.py``).
+   * ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` ->
      ``torch.get_rng_state`` / ``torch.set_rng_state``. Hit by activation
-     recomputation (``_get_all_rng_states`` l.447 / ``_set_all_rng_states`` l.457 in
+     recomputation (``_get_all_rng_states`` / ``_set_all_rng_states`` in
      ``CheckpointFunction``), which must replay the forward's dropout masks.
-   * ``model_parallel_cuda_manual_seed`` (l.378): its ``torch.cuda.manual_seed(seed)``
-     (l.422, the default "data-parallel" state) is a silent no-op on CPU torch; the
+   * ``model_parallel_cuda_manual_seed``: its ``torch.cuda.manual_seed(seed)``
+     (the default "data-parallel" state) is a silent no-op on CPU torch; the
      wrapper also seeds the CPU generator with ``seed``, so un-forked dropout is seeded
      as on GPU. Rebound in ``random`` and in ``tensor_parallel`` (its re-export).
 
@@ -41,30 +42,33 @@ the tests in ``tests/megatron/test_cpu_backend.py`` go through it (traced).
    module that holds them (``from x import f`` copies too); ``__init__``s on their class.
 
    * [type] ``optimizer/distrib_optimizer.py`` ``DistributedOptimizer.__init__``: the
-     checks at l.361 and l.420 (in ``_build_model_and_main_param_groups``) and l.582
+     checks and (in ``_build_model_and_main_param_groups``) and
      that send bf16/fp16 params to fp32 main shards and fp32 params to in-place shards
      (anything else raises ``TypeError``), all hit; via ``super()`` the literals of
-     ``MixedPrecisionOptimizer.__init__`` (``optimizer/optimizer.py`` l.481
-     ``_dummy_overflow_buf`` for fp32, l.485 ``_scale_one``, both hit; l.473
+     ``MixedPrecisionOptimizer.__init__`` (``optimizer/optimizer.py``
+     ``_dummy_overflow_buf`` for fp32 ``_scale_one``, both hit;
      ``found_inf`` with a grad scaler).
    * [type] ``optimizer/optimizer.py`` ``Float16OptimizerWithFloat16Params.__init__``
-     (checks l.671, l.690; same parent literals): bf16 without the distributed
-     optimizer, hit. ``FP32Optimizer.__init__`` (literal l.907): fp32 without it, hit.
-   * ``optimizer/clip_grads.py`` ``get_grad_norm_fp32`` (l.103 hit; l.90, l.115 other
-     norms / no grads; also ``utils.py`` ``local_multi_tensor_l2_norm`` l.1207, which
-     it calls, hit) and ``count_zeros_fp32`` (l.207, with ``log_num_zeros_in_grad``);
-     [type] ``clip_grad_by_total_norm_fp32`` (check l.167 and literal l.174, hit).
+     (checks; same parent literals): bf16 without the distributed
+     optimizer, hit. ``FP32Optimizer.__init__`` (literal): fp32 without it, hit.
+   * ``optimizer/grad_scaler.py`` ``MegatronGradScaler.__init__`` and
+     ``DynamicGradScaler.__init__`` (literals): a loss scale, which also turns on
+     megatron's Inf/NaN step skipping (the driver sets a constant 1.0).
+   * ``optimizer/clip_grads.py`` ``get_grad_norm_fp32`` (hit; other
+     norms / no grads; also ``utils.py`` ``local_multi_tensor_l2_norm``, which
+     it calls, hit) and ``count_zeros_fp32`` (with ``log_num_zeros_in_grad``);
+     [type] ``clip_grad_by_total_norm_fp32`` (check and literal, hit).
      ``clip_grad`` defaults to 1.0, so every optimizer step goes through these. Bound
      also in ``optimizer/optimizer.py`` (and ``layer_wise_optimizer.py`` if loaded).
    * ``pipeline_parallel/schedules.py`` ``forward_backward_no_pipelining`` (literal
-     l.596, hit), ``forward_backward_pipelining_with_interleaving`` (l.983) and
-     ``forward_backward_pipelining_without_interleaving`` (l.2138): the
+    , hit), ``forward_backward_pipelining_with_interleaving`` and
+     ``forward_backward_pipelining_without_interleaving``: the
      ``total_num_tokens`` counter. ``get_forward_backward_func`` looks these up at call
      time, so it returns the wrapped ones. The mode stays active for the whole
      schedule, hooks included, but there it only redirects CUDA ``device=`` requests.
-   * ``transformer/utils.py`` ``get_default_causal_mask`` (l.35, hit) and
-     ``get_sliding_window_causal_mask`` (l.40): the softmax's causal mask when
-     ``attention_mask`` is None (``fusions/fused_softmax.py`` l.327, l.322).
+   * ``transformer/utils.py`` ``get_default_causal_mask`` (hit) and
+     ``get_sliding_window_causal_mask``: the softmax's causal mask when
+     ``attention_mask`` is None (``fusions/fused_softmax.py``).
 
 3. ``torch.cuda`` functions, replaced process-wide while enabled by CPU twins. This is
    the one global change and it cannot be narrower: megatron uses
@@ -76,20 +80,20 @@ the tests in ``tests/megatron/test_cpu_backend.py`` go through it (traced).
 
    * ``current_device`` -> ``torch.cpu.current_device`` (returns ``'cpu'``, valid as
      ``device=``, in ``.to()`` and ``.cuda()``). Hit by the param/grad buffers
-     (``distributed/param_and_grad_buffer.py`` l.800, l.806), every weight and bias
-     allocation (``tensor_parallel/layers.py`` l.261, l.873, l.899, l.1197, l.1218)
-     and the attention's scratch buffer (``utils.py`` l.631, from
-     ``transformer/dot_product_attention.py`` l.189). Also covered, not on the tested
-     path: ``gpt_model.py`` l.415, ``transformer/attention.py`` l.430,
-     ``dot_product_attention.py`` l.123, ``transformer/module.py`` l.249,
+     (``distributed/param_and_grad_buffer.py``), every weight and bias
+     allocation (``tensor_parallel/layers.py``)
+     and the attention's scratch buffer (``utils.py``, from
+     ``transformer/dot_product_attention.py``). Also covered, not on the tested
+     path: ``gpt_model.py``, ``transformer/attention.py``,
+     ``dot_product_attention.py``, ``transformer/module.py``,
      ``tensor_parallel/mappings.py`` (sequence/tensor parallel buffers).
-   * ``synchronize`` -> no-op (``parallel_state.py`` l.198 ``update_pg_timeout``; DDP
-     ``offload_grad_buffers`` / ``restore_grad_buffers`` l.588, l.611): CPU ops and
+   * ``synchronize`` -> no-op (``parallel_state.py`` ``update_pg_timeout``; DDP
+     ``offload_grad_buffers`` / ``restore_grad_buffers``): CPU ops and
      waited gloo handles are complete.
    * ``Stream``, ``Event``, ``stream``, ``current_stream``, ``default_stream`` -> CPU
      stand-ins accepting the CUDA signatures: DDP's ``communication_stream``
-     (``distributed/distributed_data_parallel.py`` l.230) and its use in
-     ``param_and_grad_buffer.py`` l.417, l.422, l.529, all only with
+     (``distributed/distributed_data_parallel.py``) and its use in
+     ``param_and_grad_buffer.py``, all only with
      ``num_distributed_optimizer_instances > 1`` (not tested: that path needs
      ``einops``, which is not installed). CPU work runs in program order, so stream
      waits are no-ops.
@@ -104,7 +108,7 @@ runs exactly these calls on a live group and raises if a torch lacks one, instea
 letting training hang or diverge; the test harness calls it for every world.
 
 Not covered (these still fail as before): ``enable_autocast`` (``torch.autocast("cuda")``
-in ``schedules.py`` l.418), CUDA graphs, FP8/MXFP8 params, ``nccl_ub``, Transformer
+in ``schedules.py``), CUDA graphs, FP8/MXFP8 params, ``nccl_ub``, Transformer
 Engine specs, the ``rerun_state_machine``'s RNG save/restore, megatron FSDP, optimizer
 CPU offload.
 """
@@ -118,7 +122,7 @@ from typing import Any, Callable, Iterator, List, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_sdp4bit.megatron.compat import TESTED_VERSIONS, check_version
+from megatron_sdp4bit.megatron.adapters import current_adapter, supported_minors
 
 __all__ = [
     "enable_cpu_backend",
@@ -314,7 +318,7 @@ def _set(owner: Any, name: str, value: Any) -> None:
     if not hasattr(owner, name):
         raise RuntimeError(
             f"CPU backend: {getattr(owner, '__name__', owner)!r} has no attribute {name!r}; "
-            f"this backend was written for megatron-core {', '.join(TESTED_VERSIONS)}")
+            f"this backend supports megatron-core {', '.join(supported_minors())}")
     _saved.append((owner, name, vars(owner).get(name, _MISSING)))
     setattr(owner, name, value)
 
@@ -343,14 +347,9 @@ def _restore_all() -> None:
             setattr(owner, name, value)
 
 
-def _apply_patches() -> None:
-    # Import everything whose bindings we rewrite, so that _rebind_everywhere sees them.
-    import megatron.core.fusions.fused_softmax  # noqa: F401  (binds the causal masks)
-    from megatron.core import tensor_parallel  # noqa: F401
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
-    from megatron.core.pipeline_parallel import schedules
-    from megatron.core.tensor_parallel import random
-    from megatron.core.transformer import utils as transformer_utils
+def _apply_patches(adapter) -> None:
+    sites = adapter.cpu_backend_sites()  # imports what it names, so every binding is seen
+    random = sites["rng"]
 
     # 3. torch.cuda functions (see module docstring).
     for name, twin in _TORCH_CUDA_TWINS.items():
@@ -366,20 +365,24 @@ def _apply_patches() -> None:
     _rebind_everywhere(seed_fn, _seed_cpu_default_generator_too(seed_fn))
 
     # 2. Functions that name CUDA in device literals or type-name checks.
-    for cls in (distrib_optimizer.DistributedOptimizer,
-                optimizer.Float16OptimizerWithFloat16Params):
+    for cls in sites["type_named_inits"]:
         _set(cls, "__init__", _on_cpu(vars(cls)["__init__"], type_names=True))
-    _set(optimizer.FP32Optimizer, "__init__", _on_cpu(vars(optimizer.FP32Optimizer)["__init__"]))
-    _rebind_everywhere(clip_grads.clip_grad_by_total_norm_fp32,
-                       _on_cpu(clip_grads.clip_grad_by_total_norm_fp32, type_names=True))
-    for fn in (clip_grads.get_grad_norm_fp32,
-               clip_grads.count_zeros_fp32,
-               schedules.forward_backward_no_pipelining,
-               schedules.forward_backward_pipelining_with_interleaving,
-               schedules.forward_backward_pipelining_without_interleaving,
-               transformer_utils.get_default_causal_mask,
-               transformer_utils.get_sliding_window_causal_mask):
+    for cls in sites["inits"]:
+        _set(cls, "__init__", _on_cpu(vars(cls)["__init__"]))
+    for fn in sites["type_named_functions"]:
+        _rebind_everywhere(fn, _on_cpu(fn, type_names=True))
+    for fn in sites["functions"]:
         _rebind_everywhere(fn, _on_cpu(fn))
+    for owner, name in sites.get("methods", ()):
+        _set(owner, name, _on_cpu_method(vars(owner)[name], type_names=False))
+
+
+def _on_cpu_method(descriptor, type_names: bool):
+    """``_on_cpu`` for a class attribute that may be a staticmethod or classmethod."""
+    for kind in (staticmethod, classmethod):
+        if isinstance(descriptor, kind):
+            return kind(_on_cpu(descriptor.__func__, type_names))
+    return _on_cpu(descriptor, type_names)
 
 
 # ------------------------------------------------------------------------- public API
@@ -390,15 +393,15 @@ def enable_cpu_backend() -> None:
 
     Call it before building the model and optimizer (it is safe to call before or after
     ``torch.distributed.init_process_group('gloo', ...)``). Undo with
-    ``disable_cpu_backend()``. An untested megatron-core version is refused (see
-    ``compat.check_version``), since the sites it redirects may have moved.
+    ``disable_cpu_backend()``. A megatron-core release without an adapter is refused
+    (``adapters.current_adapter``), since the sites it redirects may have moved.
     """
     global _enabled
     if _enabled:
         return
-    check_version()  # the sites listed above are those of megatron-core 0.16.1
+    adapter = current_adapter()  # refuses a megatron-core release it has no sites for
     try:
-        _apply_patches()
+        _apply_patches(adapter)
     except BaseException:
         _restore_all()
         raise

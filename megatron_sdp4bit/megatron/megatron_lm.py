@@ -4,9 +4,13 @@ Two routes, one set of helpers:
 - the launcher (``python -m megatron_sdp4bit.launch pretrain_gpt.py ...``) wraps
   Megatron-LM's ``parse_args`` with ``wrap_parse_args`` and needs no edit of the
   user's tree;
-- the patch in ``patches/`` edits ``pretrain_gpt.py`` to pass
-  ``extra_args_provider=extend_args_provider(...)`` and to build the model through
-  ``install_before_model(model_provider)``.
+- the patch in ``patches/`` (one per Megatron-LM tag) edits ``pretrain_gpt.py`` to
+  pass ``extra_args_provider=extend_args_provider(...)`` and to install the layer:
+  through ``install_before_model(model_provider)`` where the script hands
+  ``pretrain`` a model provider (core_v0.16.1, core_v0.17.1), with
+  ``install_from_args(args)`` right after ``parse_and_validate_args`` where it
+  does not (core_v0.18.2, core_v0.19.0; the first DDP construction then runs the
+  cross-rank config check).
 
 Either way the SDP4Bit flags are parsed by Megatron-LM's own parser (they show
 in ``args`` and in checkpoints' saved args) and the patch layer is installed

@@ -1,11 +1,15 @@
-"""Cheap, sampled measures of how much the quantizers change what they send.
+"""Sampled measures of how much the quantizers change what they send.
 
-Both are relative L2 errors on a slice of at most ``SAMPLE`` elements (still
-thousands of groups), so logging them every step costs little.
+Both are relative L2 errors on a slice of at most ``SAMPLE`` elements. They are
+computed only on the iterations the caller asks for (``QuantErrorMetrics``: the
+last step of every ``interval`` steps; none by default) and kept as device
+tensors, so a training step never waits for the device because of them: the
+conversion to floats happens when they are read.
 """
 from __future__ import annotations
 
 import math
+from typing import Dict
 
 import torch
 
@@ -15,20 +19,49 @@ from megatron_sdp4bit.config import SDP4BitConfig
 SAMPLE = 1 << 16
 
 
-def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """||approx - exact|| / ||exact|| (0 when exact is all zeros)."""
+class QuantErrorMetrics:
+    """When to sample, and the latest samples (device tensors until read)."""
+
+    def __init__(self) -> None:
+        self.interval = 0
+        self._latest: Dict[str, torch.Tensor] = {}
+
+    def set_interval(self, interval: int) -> None:
+        """Sample on the last step of every ``interval`` steps; 0 turns sampling off."""
+        if not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"metrics interval must be an integer >= 0, got {interval!r}")
+        self.interval = interval
+
+    def sample_now(self, iteration: int) -> bool:
+        """Whether the step that completes ``iteration + 1`` steps is sampled."""
+        return self.interval > 0 and (iteration + 1) % self.interval == 0
+
+    def record(self, values: Dict[str, torch.Tensor]) -> None:
+        self._latest.update(values)
+
+    def read(self) -> Dict[str, float]:
+        """The latest samples as floats (this is where the device is waited for)."""
+        return {name: float(value) for name, value in self._latest.items()}
+
+
+def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """||approx - exact|| / ||exact|| as a 0-d tensor on their device (0 when exact is 0).
+
+    No host synchronisation: the zero case is a ``torch.where``, not an ``if``.
+    """
     exact = exact.float()
     norm = exact.norm()
-    return float((approx.float() - exact).norm() / norm) if norm > 0 else 0.0
+    error = (approx.float() - exact).norm()
+    return torch.where(norm > 0, error / torch.where(norm > 0, norm, 1.0), 0.0)
 
 
-def grad_quantization_errors(grad_data: torch.Tensor, config: SDP4BitConfig) -> dict:
+def grad_quantization_errors(grad_data: torch.Tensor, config: SDP4BitConfig) -> Dict[str, torch.Tensor]:
     """Relative error of each gradient hop's quantizer on a slice of local gradients.
 
     A local estimate (no communication): hop 1 quantizes the (Hadamard-rotated)
     local gradients, hop 2 partial sums in the same rotated domain, whose
-    statistics are alike. Returns ``{"grad_intra": e1, "grad_inter": e2}`` (empty
-    when the buffer is smaller than one group).
+    statistics are alike. Returns ``{"grad_intra": e1, "grad_inter": e2}`` as
+    device tensors (empty when the buffer is smaller than one group).
     """
     block = config.hadamard_block if config.use_hadamard else None
     align = math.lcm(config.grad_group_size_intra, config.grad_group_size_inter, block or 1)

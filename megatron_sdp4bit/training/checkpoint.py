@@ -87,23 +87,12 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _param_state(opt) -> dict:
-    """This rank's shards in megatron's "dp_reshardable" form.
+def _adapter():
+    """megatron-core's checkpoint quirks are version-specific: the patch layer's
+    adapter for the installed release knows them."""
+    from megatron_sdp4bit.megatron.adapters import current_adapter
 
-    megatron-core 0.16.1's loader reads a ``padding`` flag per entry that its own
-    ``get_parameter_state_dp_reshardable`` does not write; entries are real params.
-    Optimizers that are not distributed keep everything in ``state_dict()``: None.
-    """
-    if not hasattr(opt, "get_parameter_state_dp_reshardable"):
-        return None
-    state = opt.get_parameter_state_dp_reshardable()
-    for key, per_dtype in state.items():
-        if isinstance(key, int):
-            for buckets in per_dtype.values():
-                for bucket in buckets:
-                    for entry in bucket:
-                        entry.setdefault("padding", False)
-    return state
+    return current_adapter()
 
 
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler,
@@ -120,7 +109,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler,
         "iteration": iteration,
         "model": model.state_dict() if rank == 0 else None,
         "optimizer": [opt.state_dict() for opt in _sub_optimizers(optimizer)],
-        "param_state": [_param_state(opt) for opt in _sub_optimizers(optimizer)],
+        "param_state": [_adapter().parameter_state_for_save(opt) for opt in _sub_optimizers(optimizer)],
         "scheduler": scheduler.state_dict(),
         "rng": rng_state(),
         "extra": extra or {},
@@ -152,21 +141,6 @@ def latest_iteration(load_dir: str) -> Optional[int]:
     return int(text)
 
 
-def _unshare_adam_steps(opt) -> None:
-    """Give every param its own Adam ``step`` tensor.
-
-    megatron-core 0.16.1's ``DistributedOptimizer.load_state_dict`` stores one
-    ``step`` tensor object for all params of torch's AdamW; AdamW increments it in
-    place once per param, so after a resume every param but the first would see
-    a wrong bias correction (the run would not continue the same curve).
-    """
-    inner = getattr(opt, "optimizer", None)
-    for state in getattr(inner, "state", {}).values():
-        step = state.get("step")
-        if torch.is_tensor(step):
-            state["step"] = step.clone()
-
-
 def load_checkpoint(load_dir: str, model, optimizer, scheduler) -> Optional[dict]:
     """Restore everything saved by ``save_checkpoint``; None when LOAD has no checkpoint."""
     iteration = latest_iteration(load_dir)
@@ -189,7 +163,7 @@ def load_checkpoint(load_dir: str, model, optimizer, scheduler) -> Optional[dict
         opt.load_state_dict(opt_state)
         if param_state is not None:
             opt.load_parameter_state_from_dp_reshardable(param_state)
-        _unshare_adam_steps(opt)
+        _adapter().after_optimizer_load(opt)
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return state

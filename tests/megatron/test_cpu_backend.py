@@ -22,7 +22,7 @@ import time
 import pytest
 import torch
 
-from megatron_sdp4bit.megatron.testing import (
+from megatron_harness import (
     RankFailed,
     TinyGPTSpec,
     TinyGPTTrainer,
@@ -54,7 +54,7 @@ def _patch_points():
     """Every (owner, attribute) the backend must swap, named independently of cpu.py."""
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.tensor_parallel as tensor_parallel
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer import utils as transformer_utils
@@ -68,6 +68,8 @@ def _patch_points():
                (distrib_optimizer.DistributedOptimizer, "__init__"),
                (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
                (optimizer.FP32Optimizer, "__init__"),
+               (grad_scaler.MegatronGradScaler, "__init__"),
+               (grad_scaler.DynamicGradScaler, "__init__"),
                (clip_grads, "get_grad_norm_fp32"), (optimizer, "get_grad_norm_fp32"),
                (clip_grads, "clip_grad_by_total_norm_fp32"),
                (optimizer, "clip_grad_by_total_norm_fp32"),

@@ -1,8 +1,10 @@
 """The Megatron-LM routes: the launcher and the pretrain_gpt.py patch.
 
-Tests that need a Megatron-LM checkout (tag core_v0.16.1, with its Python
+Tests that need a Megatron-LM checkout (one of the patched tags, with its Python
 requirements installed) read its path from MEGATRON_LM_PATH and skip without it;
-nothing from Megatron-LM is part of this repository.
+nothing from Megatron-LM is part of this repository. The patch selection is tested
+on synthetic trees: a package_info.py with a version, and a pretrain_gpt.py made of
+the lines each patch expects (the patch tool finds hunks at any offset).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ APPLY = os.path.join(ROOT, "scripts", "apply_patches.sh")
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 needs_megatron_lm = pytest.mark.skipif(
     not MEGATRON_LM or not os.path.isfile(os.path.join(MEGATRON_LM or "", "pretrain_gpt.py")),
-    reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1) to run this test",
+    reason="set MEGATRON_LM_PATH to a Megatron-LM checkout (core_v0.16.1, core_v0.17.1, "
+           "core_v0.18.2 or core_v0.19.0) to run this test",
 )
 
 PROBE = textwrap.dedent("""
@@ -36,13 +39,71 @@ def _run(cmd, **kwargs):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, **kwargs)
 
 
-def test_apply_patches_refuses_a_tree_it_does_not_fit(tmp_path):
-    (tmp_path / "megatron" / "training").mkdir(parents=True)
-    (tmp_path / "pretrain_gpt.py").write_text("print('not the script the patch was made for')\n")
-    result = _run(["bash", APPLY, str(tmp_path)])
+# package_info.py version -> tag of the patch that must be chosen.
+PATCHED_VERSIONS = {"0.16.1": "core_v0.16.1", "0.17.1": "core_v0.17.1",
+                    "0.18.2": "core_v0.18.2", "0.19.1": "core_v0.19.0"}
+
+
+def _tree(tmp_path, version, script):
+    (tmp_path / "megatron" / "training").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "megatron" / "core").mkdir(parents=True, exist_ok=True)
+    if version is not None:
+        major, minor, patch_level = version.split(".")
+        (tmp_path / "megatron" / "core" / "package_info.py").write_text(
+            f"MAJOR = {major}\nMINOR = {minor}\nPATCH = {patch_level}\nPRE_RELEASE = ''\n")
+    (tmp_path / "pretrain_gpt.py").write_text(script)
+    return tmp_path
+
+
+def _old_side(patch_file):
+    """The lines a patch expects (context and removed lines), hunk after hunk."""
+    lines = []
+    for line in open(patch_file).read().splitlines()[2:]:
+        if line.startswith("@@"):
+            lines.append("# filler between hunks")
+        elif line.startswith((" ", "-")):
+            lines.append(line[1:])
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("version", sorted(PATCHED_VERSIONS))
+def test_apply_patches_picks_the_patch_of_the_checkouts_version(tmp_path, version):
+    tag = PATCHED_VERSIONS[version]
+    patch_file = os.path.join(ROOT, "patches", f"megatron-lm-{tag}-pretrain_gpt.patch")
+    tree = _tree(tmp_path, version, _old_side(patch_file))
+    first = _run(["bash", APPLY, str(tree)])
+    assert first.returncode == 0, first.stderr
+    assert f"applied: megatron-lm-{tag}-pretrain_gpt.patch" in first.stdout
+    patched = (tree / "pretrain_gpt.py").read_text()
+    assert "from megatron_sdp4bit.megatron.megatron_lm import extend_args_provider" in patched
+    again = _run(["bash", APPLY, str(tree)])
+    assert again.returncode == 0 and "already applied" in again.stdout
+    assert (tree / "pretrain_gpt.py").read_text() == patched
+    # A version whose patch edits other lines (0.16/0.17 wrap the model provider,
+    # 0.18/0.19 install after parse_and_validate_args) does not fit: refused, unchanged.
+    other = "0.19.1" if tag in ("core_v0.16.1", "core_v0.17.1") else "0.16.1"
+    wrong = _tree(tmp_path / "wrong", other, _old_side(patch_file))
+    refused = _run(["bash", APPLY, str(wrong)])
+    assert refused.returncode == 1 and "does not fit" in refused.stderr
+    assert PATCHED_VERSIONS[other] in refused.stderr and "Nothing was changed" in refused.stderr
+    assert (wrong / "pretrain_gpt.py").read_text() == _old_side(patch_file)
+
+
+@pytest.mark.parametrize("version", ["0.15.0", "0.16.0", "0.19.2", "0.20.0"])
+def test_apply_patches_refuses_any_other_version_changing_nothing(tmp_path, version):
+    script = _old_side(os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1-pretrain_gpt.patch"))
+    tree = _tree(tmp_path, version, script)
+    result = _run(["bash", APPLY, str(tree)])
     assert result.returncode == 1
-    assert "does not fit" in result.stderr and "core_v0.16.1" in result.stderr
-    assert (tmp_path / "pretrain_gpt.py").read_text().startswith("print(")  # unchanged
+    assert f"is Megatron-LM {version}" in result.stderr and "Nothing was changed" in result.stderr
+    assert (tree / "pretrain_gpt.py").read_text() == script
+
+
+def test_apply_patches_refuses_a_tree_without_package_info(tmp_path):
+    tree = _tree(tmp_path, None, "print('no version file')\n")
+    result = _run(["bash", APPLY, str(tree)])
+    assert result.returncode == 1 and "package_info.py is missing" in result.stderr
+    assert (tree / "pretrain_gpt.py").read_text() == "print('no version file')\n"
 
 
 def test_apply_patches_refuses_a_non_megatron_directory(tmp_path):
@@ -78,11 +139,15 @@ def test_launcher_refuses_a_missing_script():
 def test_apply_patches_on_megatron_lm(tmp_path):
     tree = tmp_path / "Megatron-LM"
     (tree / "megatron" / "training").mkdir(parents=True)
+    (tree / "megatron" / "core").mkdir(parents=True)
     shutil.copy(os.path.join(MEGATRON_LM, "pretrain_gpt.py"), tree / "pretrain_gpt.py")
+    shutil.copy(os.path.join(MEGATRON_LM, "megatron", "core", "package_info.py"),
+                tree / "megatron" / "core" / "package_info.py")
     first = _run(["bash", APPLY, str(tree)])
     assert first.returncode == 0 and "applied:" in first.stdout, first.stderr
     patched = (tree / "pretrain_gpt.py").read_text()
-    assert "install_before_model(partial(model_provider, gpt_builder))" in patched
+    assert ("install_before_model(partial(model_provider, gpt_builder))" in patched
+            or "install_from_args(args)" in patched)
     assert "extend_args_provider(" in patched
     again = _run(["bash", APPLY, str(tree)])
     assert again.returncode == 0 and "already applied" in again.stdout

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_sdp4bit.config import preset
-from megatron_sdp4bit.megatron.testing import TinyGPTSpec, spawn_ranks
+from megatron_harness import TinyGPTSpec, spawn_ranks
 
 WORLD = 4
 STEPS = 20
@@ -24,8 +24,8 @@ LOSS_TOLERANCE = 0.05
 
 def _train(spec: TinyGPTSpec, config, steps: int):
     from megatron_sdp4bit import comm
+    from megatron_harness import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
-    from megatron_sdp4bit.megatron.testing import TinyGPTTrainer
 
     patch.uninstall()
     comm.reset_generators()
@@ -130,10 +130,10 @@ def test_several_buckets_were_exercised(matrix_runs):
 def test_install_twice_and_uninstall_restore_megatron():
     from megatron_sdp4bit.megatron import compat, patch
 
-    classes = compat.patch_targets()
+    classes = list(compat.current_adapter().patch_targets().values())
     before = [dict(vars(cls)) for cls in classes]
-    patch.install(SDP)
-    patch.install(SDP.replace(seed=5))  # second install replaces the config only
+    first = patch.install(SDP)
+    assert patch.install(SDP.replace(seed=5)) is first  # a second install replaces the config only
     assert patch.current_config().seed == 5
     bucket_group_cls = classes[0]
     assert bucket_group_cls.start_grad_sync is not before[0]["start_grad_sync"]
@@ -172,8 +172,8 @@ def test_mismatched_configs_raise_on_every_rank():
 
 
 def _no_distributed_optimizer(rank, world_size):
+    from megatron_harness import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
-    from megatron_sdp4bit.megatron.testing import TinyGPTTrainer
 
     patch.install(SDP)
     try:
@@ -190,11 +190,11 @@ def test_plain_ddp_is_refused_with_a_clear_error():
     assert all(m is not None and "--use-distributed-optimizer" in m for m in messages)
 
 
-def test_untested_megatron_version_is_refused(monkeypatch):
+def test_unsupported_megatron_version_is_refused(monkeypatch):
     from megatron_sdp4bit.megatron import compat
 
     monkeypatch.setattr(compat, "megatron_version", lambda: "0.99.0")
     monkeypatch.delenv(compat.FORCE_ENV, raising=False)
-    with pytest.raises(RuntimeError, match="tested with megatron-core"):
+    with pytest.raises(RuntimeError, match="supports megatron-core 0.16, 0.17, 0.18, 0.19"):
         compat.check_version()
     assert compat.check_version(force=True) == "0.99.0"

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_sdp4bit.megatron.testing import spawn_ranks
+from megatron_harness import spawn_ranks
 from megatron_sdp4bit.training.metrics import TRAIN_FIELDS, read_metrics
 
 STEPS = 20

@@ -1,4 +1,5 @@
-"""Test harness: train a tiny megatron-core GPT across gloo ranks on CPU.
+"""Test harness (tests only, not installed): train a tiny megatron-core GPT across
+gloo ranks on CPU.
 
 Two halves:
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import multiprocessing
 import os
 import pickle
@@ -36,6 +36,8 @@ import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from megatron_sdp4bit.megatron.consistency import weights_sha256
 
 __all__ = [
     "RankFailed",
@@ -244,15 +246,6 @@ def synthetic_batch(spec: TinyGPTSpec, step: int, dp_rank: int,
             "position_ids": position_ids.contiguous()}
 
 
-def weights_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 over the bytes of every parameter, in ``named_parameters`` order."""
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def _strip_wrappers(name: str) -> str:
     while name.startswith("module."):
         name = name[len("module."):]
@@ -318,7 +311,7 @@ class TinyGPTTrainer:
 
         if not torch.distributed.is_initialized():
             raise RuntimeError("TinyGPTTrainer needs torch.distributed initialised with gloo "
-                               "(run it under megatron_sdp4bit.megatron.testing.spawn_ranks)")
+                               "(run it under megatron_harness.spawn_ranks)")
         enable_cpu_backend()
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,

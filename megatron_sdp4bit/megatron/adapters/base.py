@@ -1,0 +1,169 @@
+"""The one interface between the patch layer and megatron-core's internals.
+
+Everything the layer needs to know about a megatron-core release -- which
+classes and methods it replaces, the fields of bucket groups, buckets and the
+distributed optimizer, the work megatron does around its own collectives, the
+checkpoint quirks, the CPU-backend sites and the dataset helpers -- is a method
+or attribute of a ``MegatronAdapter``. One subclass per supported minor release
+lives next to this file (``v0_16.py`` ... ``v0_19.py``), each written as the
+difference to the release before it. The rest of ``megatron_sdp4bit.megatron``
+talks to megatron only through this interface.
+
+Adding a release = one new module with a subclass of the newest adapter, its
+entry in ``adapters/__init__.py`` and its tests (see docs/megatron.md).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Optional, Tuple
+
+import torch
+
+# Methods the layer swaps: (owner key, attribute name). The owner keys name the
+# classes ``patch_targets`` returns.
+SWAPPED_METHODS = (
+    ("bucket_group", "start_grad_sync"),
+    ("bucket_group", "start_param_sync"),
+    ("optimizer", "_copy_main_params_to_model_params"),
+    ("optimizer", "step_with_ready_grads"),
+    ("ddp", "__init__"),
+)
+
+
+class MegatronAdapter:
+    """Version-specific access to megatron-core. Subclasses override what changed."""
+
+    minor: str = ""
+    """The ``major.minor`` this adapter is for, e.g. ``"0.16"``."""
+
+    tested_versions: Tuple[str, ...] = ()
+    """Full versions the test suite runs against (others of the minor are accepted)."""
+
+    # ------------------------------------------------------------------ classes
+
+    def patch_targets(self) -> dict:
+        """``{"bucket_group": cls, "optimizer": cls, "ddp": cls}``: the classes whose
+        methods are swapped (see ``SWAPPED_METHODS``)."""
+        raise NotImplementedError
+
+    def swap_methods(self, replacements: dict) -> dict:
+        """Put ``{(owner key, name): function}`` onto megatron's classes; return the
+        originals, as found in each class's own ``__dict__``, for ``restore_methods``."""
+        targets = self.patch_targets()
+        originals = {}
+        for (owner, name), function in replacements.items():
+            cls = targets[owner]
+            originals[(owner, name)] = vars(cls)[name]
+            setattr(cls, name, function)
+        return originals
+
+    def restore_methods(self, originals: dict) -> None:
+        targets = self.patch_targets()
+        for (owner, name), function in originals.items():
+            setattr(targets[owner], name, function)
+
+    def installed_layer(self):
+        """The layer whose methods are on megatron's classes now, or None.
+
+        The swapped methods carry their layer (``__sdp4bit_layer__``), so the classes
+        themselves are the one record of what is installed: no module global.
+        """
+        method = vars(self.patch_targets()["bucket_group"]).get("start_grad_sync")
+        return getattr(method, "__sdp4bit_layer__", None)
+
+    # ------------------------------------------------------------- DDP config
+
+    def unsupported_ddp_features(self, ddp_config) -> List[str]:
+        """Human-readable names of enabled DDP options the layer cannot quantize."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- bucket groups
+
+    def collective_group(self, bucket_group) -> Tuple[Any, int, int]:
+        """(process group, size, this rank's index) of the group's reduce-scatter."""
+        raise NotImplementedError
+
+    def grad_buffers(self, bucket_group) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def param_buffers(self, bucket_group) -> List[Optional[torch.Tensor]]:
+        """Each bucket's ``param_data`` (None where a release has no param buffer)."""
+        raise NotImplementedError
+
+    def ddp_bucket_groups(self, ddp) -> List[Any]:
+        """The bucket groups of a DDP model chunk whose collectives the layer handles."""
+        raise NotImplementedError
+
+    def param_shard(self, bucket, size: int, rank: int) -> torch.Tensor:
+        """This rank's 1/size slice of the bucket's param buffer."""
+        raise NotImplementedError
+
+    def grad_sync_already_dispatched(self, bucket_group) -> bool:
+        """True when megatron would make this ``start_grad_sync`` a no-op."""
+        raise NotImplementedError
+
+    def before_grad_reduce(self, bucket_group) -> None:
+        """What megatron does to the gradients before its collective, in order:
+        waits, copies into the buffer, NaN/large-gradient checks and scaling."""
+        raise NotImplementedError
+
+    def set_grad_reduce_handle(self, bucket_group, handle) -> None:
+        raise NotImplementedError
+
+    def param_gather_in_flight(self, bucket_group) -> bool:
+        raise NotImplementedError
+
+    def finish_pending_param_gather(self, bucket_group) -> None:
+        """``start_param_sync(force_sync=True)`` with a gather in flight: wait, and
+        whatever megatron runs after a finished gather."""
+        raise NotImplementedError
+
+    def set_param_gather_handle(self, bucket_group, handle, force_sync: bool) -> None:
+        """Store the gather's handle (None when it already finished) and mark it
+        dispatched, plus whatever megatron runs after a synchronous gather."""
+        raise NotImplementedError
+
+    # -------------------------------------------------------- distributed optimizer
+
+    def optimizer_buckets(self, optimizer) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def optimizer_group(self, optimizer) -> Tuple[int, int]:
+        """(this rank's index, size) of the optimizer's data-parallel group."""
+        raise NotImplementedError
+
+    def main_param_ranges(self, optimizer) -> Iterator[Tuple[Any, int, int, torch.Tensor]]:
+        """For every bf16/fp16 param's fp32 main shard: (bucket, start of the shard in
+        the bucket, its size, the fp32 main tensor)."""
+        raise NotImplementedError
+
+    def sub_optimizers(self, optimizer) -> List[Any]:
+        """The distributed optimizers inside a (possibly chained) optimizer."""
+        raise NotImplementedError
+
+    def buffer_buckets(self, optimizer) -> Iterator[Tuple[Tuple[int, int], Any]]:
+        """((buffer index, bucket index), bucket) for a distributed optimizer."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def parameter_state_for_save(self, optimizer) -> Optional[dict]:
+        """This rank's shards in megatron's "dp_reshardable" form, loadable again."""
+        raise NotImplementedError
+
+    def after_optimizer_load(self, optimizer) -> None:
+        """Fix-ups megatron needs after ``load_state_dict`` to continue the same run."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- CPU backend
+
+    def cpu_backend_sites(self) -> dict:
+        """What the CPU backend redirects in this release (see ``cpu.py``)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ dataset helpers
+
+    dataset_helpers_module: str = ""
+    """Module name of megatron's compiled dataset helpers."""
+
+    dataset_helper_names: Tuple[str, ...] = ()
+    """Functions of that module that ``data/dataset_helpers.py`` has NumPy twins of."""

@@ -1,0 +1,184 @@
+"""megatron-core 0.16: the first supported release; later adapters subclass this."""
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Optional, Tuple
+
+import torch
+
+from megatron_sdp4bit.megatron.adapters.base import MegatronAdapter
+
+
+class Adapter(MegatronAdapter):
+    minor = "0.16"
+    tested_versions = ("0.16.1",)
+
+    dataset_helpers_module = "megatron.core.datasets.helpers_cpp"
+    dataset_helper_names = ("build_sample_idx_int32", "build_sample_idx_int64",
+                            "build_blending_indices", "build_exhaustive_blending_indices")
+
+    # ------------------------------------------------------------------ classes
+
+    def patch_targets(self) -> dict:
+        from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        return {"bucket_group": _ParamAndGradBucketGroup, "optimizer": DistributedOptimizer,
+                "ddp": DistributedDataParallel}
+
+    # ------------------------------------------------------------- DDP config
+
+    def unsupported_ddp_features(self, ddp_config) -> List[str]:
+        found = []
+        if ddp_config.num_distributed_optimizer_instances > 1:
+            found.append("num_distributed_optimizer_instances > 1")
+        for flag in ("use_megatron_fsdp", "reuse_grad_buf_for_mxfp8_param_ag",
+                     "reduce_scatter_with_fp32_accumulation", "fp8_param_gather",
+                     "fp4_param_gather"):
+            if getattr(ddp_config, flag, False):
+                found.append(flag)
+        return found
+
+    # -------------------------------------------------------------- bucket groups
+
+    def collective_group(self, bucket_group) -> Tuple[Any, int, int]:
+        return (bucket_group.intra_distributed_optimizer_instance_group,
+                bucket_group.intra_distributed_optimizer_instance_size,
+                bucket_group.intra_distributed_optimizer_instance_rank)
+
+    def grad_buffers(self, bucket_group) -> List[torch.Tensor]:
+        return [bucket.grad_data for bucket in bucket_group.buckets]
+
+    def param_buffers(self, bucket_group) -> List[Optional[torch.Tensor]]:
+        return [bucket.param_data for bucket in bucket_group.buckets]
+
+    def ddp_bucket_groups(self, ddp) -> List[Any]:
+        return list(ddp.bucket_groups)
+
+    def param_shard(self, bucket, size: int, rank: int) -> torch.Tensor:
+        shard = bucket.param_data.numel() // size
+        return bucket.param_data[rank * shard:(rank + 1) * shard]
+
+    def grad_sync_already_dispatched(self, bucket_group) -> bool:
+        return bucket_group.is_first_batch and bucket_group.grad_reduce_handle is not None
+
+    def before_grad_reduce(self, bucket_group) -> None:
+        assert bucket_group.grad_reduce_handle is None, (
+            "Should not have multiple communication calls outstanding at once")
+        self._check_and_scale_grads(bucket_group)
+
+    def _check_and_scale_grads(self, bucket_group) -> None:
+        ddp_config = bucket_group.ddp_config
+        if ddp_config.check_for_nan_in_grad or ddp_config.check_for_large_grads:
+            bucket_group.check_grads(check_for_nan_or_inf=ddp_config.check_for_nan_in_grad,
+                                     check_for_large=ddp_config.check_for_large_grads)
+        with torch.no_grad():
+            for bucket in bucket_group.buckets:
+                if bucket.gradient_scaling_factor != 1.0:
+                    bucket.grad_data *= bucket.gradient_scaling_factor
+
+    def set_grad_reduce_handle(self, bucket_group, handle) -> None:
+        bucket_group.grad_reduce_handle = handle
+
+    def param_gather_in_flight(self, bucket_group) -> bool:
+        return bucket_group.param_gather_handle is not None
+
+    def finish_pending_param_gather(self, bucket_group) -> None:
+        bucket_group.param_gather_handle.wait()
+        bucket_group.param_gather_handle = None
+
+    def set_param_gather_handle(self, bucket_group, handle, force_sync: bool) -> None:
+        bucket_group.param_gather_handle = handle
+        bucket_group.param_gather_dispatched = True
+
+    # -------------------------------------------------------- distributed optimizer
+
+    def optimizer_buckets(self, optimizer) -> Iterator[Any]:
+        for buffer in optimizer.buffers:
+            yield from buffer.buckets
+
+    def optimizer_group(self, optimizer) -> Tuple[int, int]:
+        group = optimizer.data_parallel_group
+        return group.rank(), group.size()
+
+    def main_param_ranges(self, optimizer) -> Iterator[Tuple[Any, int, int, torch.Tensor]]:
+        for main_group, model_group in zip(optimizer.shard_fp32_from_float16_groups,
+                                           optimizer.model_float16_groups):
+            for main_param, model_param in zip(main_group, model_group):
+                world_range = optimizer._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                gbuf_index, _, bucket_id = optimizer.model_param_gbuf_map[model_param]
+                bucket = optimizer.buffers[gbuf_index].buckets[bucket_id]
+                yield bucket, world_range.start, world_range.size, main_param
+
+    def sub_optimizers(self, optimizer) -> List[Any]:
+        return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+    def buffer_buckets(self, optimizer) -> Iterator[Tuple[Tuple[int, int], Any]]:
+        for b_index, buffer in enumerate(getattr(optimizer, "buffers", [])):
+            for k, bucket in enumerate(buffer.buckets):
+                yield (b_index, k), bucket
+
+    # ----------------------------------------------------------------- checkpoints
+
+    def parameter_state_for_save(self, optimizer) -> Optional[dict]:
+        """megatron-core's dp_reshardable loader reads a ``padding`` flag per entry that
+        its own ``get_parameter_state_dp_reshardable`` does not write; entries are real
+        params. Optimizers that are not distributed keep everything in
+        ``state_dict()``: None."""
+        if not hasattr(optimizer, "get_parameter_state_dp_reshardable"):
+            return None
+        state = optimizer.get_parameter_state_dp_reshardable()
+        for key, per_dtype in state.items():
+            if isinstance(key, int):
+                for buckets in per_dtype.values():
+                    for bucket in buckets:
+                        for entry in bucket:
+                            entry.setdefault("padding", False)
+        return state
+
+    def after_optimizer_load(self, optimizer) -> None:
+        """``DistributedOptimizer.load_state_dict`` stores one ``step`` tensor object for
+        all params of torch's AdamW, which increments it in place once per param: after
+        a resume every param but the first would see a wrong bias correction. Give each
+        param its own."""
+        inner = getattr(optimizer, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            step = state.get("step")
+            if torch.is_tensor(step):
+                state["step"] = step.clone()
+
+    # ----------------------------------------------------------------- CPU backend
+
+    def cpu_backend_sites(self) -> dict:
+        """Every place megatron-core names CUDA on the path the CPU backend runs.
+
+        ``type_named_inits``: classes whose ``__init__`` compares ``param.type()`` with
+        CUDA type names (and holds ``device='cuda'`` literals); ``inits``: literals only;
+        ``type_named_functions`` / ``functions``: module functions, rebound wherever
+        loaded ``megatron.core`` modules hold them; ``methods``: (class, name) pairs of
+        methods with literals (later releases). ``rng``: the tensor-parallel random
+        module. ``imports``: modules to load first so that every binding is seen.
+        """
+        import megatron.core.fusions.fused_softmax  # noqa: F401  (binds the causal masks)
+        from megatron.core import tensor_parallel  # noqa: F401
+        from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
+        from megatron.core.pipeline_parallel import schedules
+        from megatron.core.tensor_parallel import random
+        from megatron.core.transformer import utils as transformer_utils
+
+        return {
+            "rng": random,
+            "type_named_inits": [distrib_optimizer.DistributedOptimizer,
+                                 optimizer.Float16OptimizerWithFloat16Params],
+            # The grad scalers' tensors (a loss scale, also a constant 1.0, turns on
+            # megatron's Inf/NaN step skipping).
+            "inits": [optimizer.FP32Optimizer, grad_scaler.MegatronGradScaler,
+                      grad_scaler.DynamicGradScaler],
+            "type_named_functions": [clip_grads.clip_grad_by_total_norm_fp32],
+            "functions": [clip_grads.get_grad_norm_fp32, clip_grads.count_zeros_fp32,
+                          schedules.forward_backward_no_pipelining,
+                          schedules.forward_backward_pipelining_with_interleaving,
+                          schedules.forward_backward_pipelining_without_interleaving,
+                          transformer_utils.get_default_causal_mask,
+                          transformer_utils.get_sliding_window_causal_mask],
+        }

@@ -1,0 +1,44 @@
+"""megatron-core 0.19: what changed since 0.18 at the layer's seams.
+
+- ``start_grad_sync`` waits for CUDA-graph replays (``param._cudagraph_wgrad_ready_event``)
+  before it reads, scales or reduces gradients; the layer's reduce-scatter does too.
+- CPU backend: ``MegatronOptimizer.has_grad_norm_group`` (new) allocates its
+  flag with a ``device='cuda'`` literal on every optimizer step.
+- DDP's ``reset_param_sync_dispatch_state()`` asserts that no parameter all-gather
+  is in flight: the layer's gather handle lives where megatron's does
+  (``param_gather_handle``) and is cleared when waited, so the check holds.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_sdp4bit.megatron.adapters.v0_18 import Adapter as Adapter018
+
+
+class Adapter(Adapter018):
+    minor = "0.19"
+    tested_versions = ("0.19.2",)
+
+    def before_grad_reduce(self, bucket_group) -> None:
+        self._drain_previous_grad_reduce(bucket_group)
+        assert bucket_group.grad_reduce_handle is None, (
+            "Should not have multiple communication calls outstanding at once")
+        self._wait_for_cuda_graph_grads(bucket_group)
+        self._copy_extra_main_grads_in(bucket_group)
+        self._check_and_scale_grads(bucket_group)
+
+    def _wait_for_cuda_graph_grads(self, bucket_group) -> None:
+        waited = set()
+        for bucket in bucket_group.buckets:
+            for param in bucket.params_list:
+                event = getattr(param, "_cudagraph_wgrad_ready_event", None)
+                if event is not None and id(event) not in waited:
+                    torch.cuda.current_stream().wait_event(event)
+                    waited.add(id(event))
+
+    def cpu_backend_sites(self) -> dict:
+        from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+        sites = super().cpu_backend_sites()
+        sites["methods"] = sites.get("methods", []) + [(MegatronOptimizer, "has_grad_norm_group")]
+        return sites

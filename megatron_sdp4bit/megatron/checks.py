@@ -1,0 +1,37 @@
+"""Refusals: configurations the layer cannot quantize, and ranks that disagree.
+
+Both run at install or DDP construction (once), never inside a training step.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_sdp4bit.config import SDP4BitConfig
+
+
+def check_same_config_on_all_ranks(config: SDP4BitConfig) -> None:
+    """All ranks must quantize alike; a mismatch raises on every rank (no hang)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor([config.fingerprint(), -config.fingerprint()], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
+    highest, lowest = mine.tolist()  # one-time check at set-up, not per step
+    if highest != config.fingerprint() or -lowest != config.fingerprint():
+        raise RuntimeError(
+            "SDP4Bit configuration differs across ranks; every rank must be launched with the "
+            f"same --sdp4bit* flags (this rank: {config.to_dict()})")
+
+
+def check_ddp_config(adapter, ddp_config) -> None:
+    """Raise when megatron is set up in a way the layer cannot quantize."""
+    if not ddp_config.use_distributed_optimizer:
+        raise RuntimeError(
+            "SDP4Bit quantizes the distributed optimizer's reduce-scatter and all-gather: "
+            "enable it with --use-distributed-optimizer (DistributedDataParallelConfig("
+            "use_distributed_optimizer=True)), or drop the --sdp4bit flags")
+    unsupported = adapter.unsupported_ddp_features(ddp_config)
+    if unsupported:
+        raise RuntimeError(
+            f"SDP4Bit does not support {', '.join(unsupported)} yet: turn "
+            f"{'it' if len(unsupported) == 1 else 'them'} off, or drop the --sdp4bit flags")

@@ -1,0 +1,55 @@
+"""Gradient sync: each bucket's reduce-scatter becomes SDP4Bit's quantized one.
+
+Replaces ``_ParamAndGradBucketGroup.start_grad_sync``. Megatron's own method runs
+whenever nothing is quantized (quantization off, before ``grad_start_iter``, a
+forced all-reduce, or a one-rank group, where a reduce-scatter is a copy); the
+version-specific work megatron does before its collective comes from the adapter.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_sdp4bit import comm
+from megatron_sdp4bit.megatron import quant_metrics
+from megatron_sdp4bit.megatron.accounting import record_exact
+from megatron_sdp4bit.megatron.checks import check_ddp_config
+from megatron_sdp4bit.megatron.handles import Handles
+
+
+def _exact(layer, bucket_group, force_all_reduce):
+    adapter = layer.adapter
+    ddp_config = bucket_group.ddp_config
+    if (ddp_config.use_distributed_optimizer and not force_all_reduce
+            and not adapter.grad_sync_already_dispatched(bucket_group)):
+        record_exact(layer, bucket_group, "reduce_scatter", adapter.grad_buffers(bucket_group))
+    return layer.original("bucket_group", "start_grad_sync")(
+        bucket_group, force_all_reduce=force_all_reduce)
+
+
+def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = False):
+    state, adapter = layer.state, layer.adapter
+    if not state.grads_quantized_now() or force_all_reduce:
+        return _exact(layer, bucket_group, force_all_reduce)
+    check_ddp_config(adapter, bucket_group.ddp_config)
+    group, size, rank = adapter.collective_group(bucket_group)
+    if size == 1:
+        return _exact(layer, bucket_group, force_all_reduce)
+    if adapter.grad_sync_already_dispatched(bucket_group):
+        return  # already dispatched during the first batch (as megatron does)
+    adapter.before_grad_reduce(bucket_group)
+    grads = adapter.grad_buffers(bucket_group)
+    if state.metrics.sample_now(state.iteration) and state.grad_errors_sampled_at != state.iteration:
+        state.grad_errors_sampled_at = state.iteration
+        state.metrics.record(quant_metrics.grad_quantization_errors(grads[0], state.config))
+    ddp_config = bucket_group.ddp_config
+    op = torch.distributed.ReduceOp.AVG if ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
+    async_op = bool(ddp_config.overlap_grad_reduce)
+    handles = []
+    for grad_data in grads:
+        shard = grad_data.numel() // size
+        local_view = grad_data[rank * shard:(rank + 1) * shard]
+        handles.append(comm.quantized_reduce_scatter(
+            local_view, grad_data, op=op, group=group, config=state.config, async_op=async_op))
+    adapter.set_grad_reduce_handle(bucket_group, Handles(handles) if async_op else None)

@@ -1,0 +1,118 @@
+"""The installed patch layer: its state, its adapter, and the methods it swaps.
+
+``SDP4BitLayer.install(config)`` puts five replacements onto megatron-core's
+classes (see ``adapters.base.SWAPPED_METHODS``); each is a thin function that
+hands the call, with this layer, to the module of its concern:
+
+- gradient sync (``grad_sync.py``): ``start_grad_sync``;
+- parameter sync (``param_sync.py``): ``start_param_sync``,
+  ``_copy_main_params_to_model_params``, ``step_with_ready_grads``;
+- set-up (here): ``DistributedDataParallel.__init__``, the one point every rank
+  reaches in the same order, where the config agreement check and the
+  intra/inter-node groups of every data-parallel group are made.
+
+The layer object is reachable from the swapped methods (``__sdp4bit_layer__``),
+which is how ``patch.py`` finds it: there is no module-global state.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megatron_sdp4bit import comm
+from megatron_sdp4bit.config import SDP4BitConfig
+from megatron_sdp4bit.megatron import grad_sync, param_sync
+from megatron_sdp4bit.megatron.checks import check_ddp_config, check_same_config_on_all_ranks
+from megatron_sdp4bit.megatron.state import LayerState
+
+logger = logging.getLogger(__name__)
+
+
+def _all_data_parallel_rank_lists(group) -> list:
+    """Rank lists of every rank's group, identical on all ranks (a world collective)."""
+    mine = torch.distributed.get_process_group_ranks(group)
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return sorted({tuple(ranks) for ranks in everyone})
+
+
+class SDP4BitLayer:
+    def __init__(self, config: SDP4BitConfig, adapter):
+        self.adapter = adapter
+        self.state = LayerState(config=config)
+        self._originals: dict = {}
+
+    # ---------------------------------------------------------------- swapping
+
+    def original(self, owner: str, name: str):
+        return self._originals[(owner, name)]
+
+    def _bound(self, function):
+        layer = self
+
+        def method(megatron_self, *args, **kwargs):
+            return function(layer, megatron_self, *args, **kwargs)
+
+        method.__name__ = function.__name__
+        method.__qualname__ = f"SDP4BitLayer.{function.__name__}"
+        method.__sdp4bit_layer__ = layer
+        return method
+
+    def install(self) -> None:
+        self._originals = self.adapter.swap_methods({
+            ("bucket_group", "start_grad_sync"): self._bound(grad_sync.start_grad_sync),
+            ("bucket_group", "start_param_sync"): self._bound(param_sync.start_param_sync),
+            ("optimizer", "_copy_main_params_to_model_params"):
+                self._bound(param_sync.copy_main_params_to_model_params),
+            ("optimizer", "step_with_ready_grads"): self._bound(param_sync.step_with_ready_grads),
+            ("ddp", "__init__"): self._bound(_ddp_init),
+        })
+        logger.info("SDP4Bit installed (megatron-core %s adapter): %s",
+                    self.adapter.minor, self.state.config.to_dict())
+
+    def uninstall(self) -> None:
+        self.adapter.restore_methods(self._originals)
+        self._originals = {}
+
+    # -------------------------------------------------------------- checkpoints
+
+    def state_dict(self, optimizer) -> dict:
+        """What a resume needs beyond megatron's own checkpoint: the step count, this
+        rank's quantizer RNG streams and, for fp32 params, the exact main shards
+        (megatron saves the reconstructed weights as its main params there)."""
+        main_shards = {}
+        for opt in self.adapter.sub_optimizers(optimizer):
+            for key, bucket in self.adapter.buffer_buckets(opt):
+                kept = self.state.buckets.get(bucket)
+                if kept is not None and kept.main_shard is not None \
+                        and bucket.param_data.dtype == torch.float32:
+                    main_shards[key] = kept.main_shard.clone()
+        return {"iteration": self.state.iteration, "rng": comm.generator_states(),
+                "main_shards": main_shards}
+
+    def load_state_dict(self, saved: dict, optimizer) -> None:
+        if not saved:
+            return
+        self.state.iteration = saved["iteration"]
+        comm.set_generator_states(saved["rng"])
+        for opt in self.adapter.sub_optimizers(optimizer):
+            for key, bucket in self.adapter.buffer_buckets(opt):
+                main = saved["main_shards"].get(key)
+                if main is not None:
+                    self.state.bucket(bucket).main_shard = main.to(bucket.param_data.device)
+
+
+def _ddp_init(layer, ddp, *args, **kwargs):
+    layer.original("ddp", "__init__")(ddp, *args, **kwargs)
+    state = layer.state
+    if not state.config.enabled:
+        return
+    check_ddp_config(layer.adapter, ddp.ddp_config)
+    if not state.config_checked:
+        check_same_config_on_all_ranks(state.config)
+        state.config_checked = True
+    for bucket_group in layer.adapter.ddp_bucket_groups(ddp):
+        group, _size, _rank = layer.adapter.collective_group(bucket_group)
+        comm.build_topologies(_all_data_parallel_rank_lists(group), state.config.ranks_per_node)
+        break  # all bucket groups of a model chunk share one group

@@ -1,0 +1,122 @@
+"""Parameter sync: the all-gather of new weights becomes qWD (or qW).
+
+Three of megatron's methods cooperate, all swapped by the layer:
+
+- ``DistributedOptimizer.step_with_ready_grads``: counts steps; for fp32 params,
+  whose main weights megatron keeps in the model buffer itself, lets the optimizer
+  step the exact main shard (kept aside by the layer) rather than the quantized
+  reconstruction every rank shares.
+- ``DistributedOptimizer._copy_main_params_to_model_params``: the new fp32 main
+  shard goes into the layer's per-bucket buffer of 1/DP the bucket's size instead
+  of into the model weights, which qWD needs intact to take its difference against.
+- ``_ParamAndGradBucketGroup.start_param_sync``: when a bucket has fresh main
+  weights, ``comm.quantized_all_gather_weights`` adds the dequantized differences
+  into every shard, the owner's included (sync, or an async handle megatron waits
+  on as usual).
+
+With one rank in the group nothing is quantized: megatron's own methods run.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_sdp4bit import comm
+from megatron_sdp4bit.megatron import quant_metrics
+from megatron_sdp4bit.megatron.accounting import record_exact
+from megatron_sdp4bit.megatron.checks import check_ddp_config
+from megatron_sdp4bit.megatron.handles import Handles
+
+
+def _weights_quantized(layer, optimizer) -> bool:
+    return layer.state.config.quantize_weights and layer.adapter.optimizer_group(optimizer)[1] > 1
+
+
+def step_with_ready_grads(layer, optimizer) -> bool:
+    state, adapter = layer.state, layer.adapter
+    if _weights_quantized(layer, optimizer):
+        rank, size = adapter.optimizer_group(optimizer)
+        for bucket in adapter.optimizer_buckets(optimizer):
+            model_shard = adapter.param_shard(bucket, size, rank)
+            if model_shard.dtype != torch.float32:
+                continue
+            # fp32 params: megatron's main weights are this very buffer shard. Save the
+            # reconstructed weights every rank shares, and let the optimizer step the
+            # exact main weights (kept from the previous step) instead.
+            kept = state.bucket(bucket)
+            kept.reconstructed = model_shard.clone()
+            if kept.main_shard is not None and kept.main_shard.numel() == model_shard.numel():
+                model_shard.copy_(kept.main_shard)
+    state.in_optimizer_step = True
+    try:
+        success = layer.original("optimizer", "step_with_ready_grads")(optimizer)
+    finally:
+        state.in_optimizer_step = False
+    state.iteration += 1
+    return success
+
+
+def copy_main_params_to_model_params(layer, optimizer):
+    """Write new fp32 main shards into the layer's per-bucket buffers."""
+    state, adapter = layer.state, layer.adapter
+    if not (state.in_optimizer_step and _weights_quantized(layer, optimizer)):
+        return layer.original("optimizer", "_copy_main_params_to_model_params")(optimizer)
+    check_ddp_config(adapter, optimizer.ddp_config)
+    rank, size = adapter.optimizer_group(optimizer)
+    sample = state.metrics.sample_now(state.iteration)
+    for bucket in adapter.optimizer_buckets(optimizer):
+        model_shard = adapter.param_shard(bucket, size, rank)
+        kept = state.bucket(bucket)
+        if kept.main_shard is None or kept.main_shard.numel() != model_shard.numel():
+            kept.main_shard = torch.empty(model_shard.numel(), dtype=torch.float32,
+                                          device=model_shard.device)
+        # Padding and anything no main param covers keep the model's value (diff 0).
+        kept.main_shard.copy_(model_shard)
+        if model_shard.dtype == torch.float32:
+            # fp32 params: the optimizer stepped the exact main weights in the buffer
+            # itself; they are kept above. Put the shared reconstruction back.
+            model_shard.copy_(kept.reconstructed)
+        kept.fresh = True
+        kept.sample_error = sample
+    for bucket, start, numel, main_param in adapter.main_param_ranges(optimizer):
+        main_shard = state.bucket(bucket).main_shard
+        offset = start - rank * main_shard.numel()
+        main_shard[offset:offset + numel].copy_(main_param.view(-1))
+
+
+def start_param_sync(layer, bucket_group, force_sync: bool = False):
+    state, adapter = layer.state, layer.adapter
+    buckets = bucket_group.buckets
+    fresh = all(b in state.buckets and state.buckets[b].fresh for b in buckets)
+    if not state.config.quantize_weights or not fresh:
+        if not (force_sync and adapter.param_gather_in_flight(bucket_group)):
+            record_exact(layer, bucket_group, "all_gather", adapter.param_buffers(bucket_group))
+        return layer.original("bucket_group", "start_param_sync")(bucket_group, force_sync=force_sync)
+    if force_sync and adapter.param_gather_in_flight(bucket_group):
+        adapter.finish_pending_param_gather(bucket_group)
+        return
+    assert not adapter.param_gather_in_flight(bucket_group)
+    async_op = bool(bucket_group.ddp_config.overlap_param_gather) and not force_sync
+    group, size, rank = adapter.collective_group(bucket_group)
+    kept = [state.bucket(b) for b in buckets]
+    handles = []
+    for param_data, bucket_state in zip(adapter.param_buffers(bucket_group), kept):
+        handles.append(comm.quantized_all_gather_weights(
+            param_data, bucket_state.main_shard, group=group, config=state.config,
+            async_op=async_op))
+        bucket_state.fresh = False
+    first_bucket, first = buckets[0], kept[0]
+
+    def record_weight_error():
+        if not first.sample_error:
+            return
+        first.sample_error = False
+        n = min(quant_metrics.SAMPLE, first.main_shard.numel())
+        shard = adapter.param_shard(first_bucket, size, rank)
+        state.metrics.record({"weight": quant_metrics.relative_error(shard[:n], first.main_shard[:n])})
+
+    gather = Handles(handles, on_done=record_weight_error)
+    if async_op:
+        adapter.set_param_gather_handle(bucket_group, gather, force_sync)
+    else:
+        gather.wait()
+        adapter.set_param_gather_handle(bucket_group, None, force_sync)

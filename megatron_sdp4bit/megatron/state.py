@@ -1,0 +1,57 @@
+"""The patch layer's state: one object, owned by the installed layer.
+
+Per-bucket state is kept here, keyed weakly by megatron's bucket objects, rather
+than as attributes stuck onto them: megatron's objects stay as megatron made them,
+and a bucket that megatron drops takes its state with it.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megatron_sdp4bit.config import SDP4BitConfig
+from megatron_sdp4bit.megatron.quant_metrics import QuantErrorMetrics
+
+
+@dataclass
+class BucketState:
+    """What the layer keeps for one of megatron's buckets."""
+
+    main_shard: Optional[torch.Tensor] = None
+    """This rank's exact fp32 main weights of the bucket (1/DP of it): qWD's target."""
+
+    reconstructed: Optional[torch.Tensor] = None
+    """fp32 params only: the shared reconstructed weights, set aside while the
+    optimizer steps the exact ones in megatron's buffer."""
+
+    fresh: bool = False
+    """The optimizer wrote new main weights that no all-gather has sent yet."""
+
+    sample_error: bool = False
+    """Measure this gather's weight quantization error (a metrics iteration)."""
+
+
+@dataclass
+class LayerState:
+    config: SDP4BitConfig
+    iteration: int = 0
+    """Optimizer steps done (for ``grad_start_iter`` and the metrics interval)."""
+    in_optimizer_step: bool = False
+    config_checked: bool = False
+    """All ranks were checked to share ``config`` (a collective, done once)."""
+    grad_errors_sampled_at: int = -1
+    """One gradient-error sample per iteration, not one per bucket group."""
+    metrics: QuantErrorMetrics = field(default_factory=QuantErrorMetrics)
+    buckets: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+
+    def bucket(self, bucket) -> BucketState:
+        state = self.buckets.get(bucket)
+        if state is None:
+            state = self.buckets[bucket] = BucketState()
+        return state
+
+    def grads_quantized_now(self) -> bool:
+        return self.config.quantize_grads and self.iteration >= self.config.grad_start_iter
