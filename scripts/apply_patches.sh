@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Apply megatron_sdp4bit's patches to a Megatron-LM checkout (tag core_v0.16.1):
+# Apply megatron_sdp4bit's patch to a Megatron-LM checkout:
 #   scripts/apply_patches.sh /path/to/Megatron-LM
-# Refuses, changing nothing, when a patch does not fit the tree; re-running on an
-# already patched tree is a no-op.
+# The patch is chosen by the version in the checkout's megatron/core/package_info.py
+# (one patch per supported Megatron-LM tag in patches/). Any other version, or a
+# tree the chosen patch does not fit, is refused and nothing is changed; running it
+# again on a patched tree is a no-op.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 if [ $# -ne 1 ]; then
@@ -14,19 +16,38 @@ if [ ! -f "$tree/pretrain_gpt.py" ] || [ ! -d "$tree/megatron/training" ]; then
   echo "error: $tree does not look like a Megatron-LM checkout (no pretrain_gpt.py or megatron/training)" >&2
   exit 1
 fi
+info="$tree/megatron/core/package_info.py"
+if [ ! -f "$info" ]; then
+  echo "error: $info is missing: cannot tell which Megatron-LM version $tree is" >&2
+  exit 1
+fi
+field() { sed -n "s/^$1 *= *['\"]\{0,1\}\([0-9A-Za-z]*\)['\"]\{0,1\}.*/\1/p" "$info" | head -n 1; }
+version="$(field MAJOR).$(field MINOR).$(field PATCH)$(field PRE_RELEASE)"
+# package_info.py version -> the Megatron-LM tag whose patch fits. (The tag
+# core_v0.19.0 says 0.19.1 in its package_info.py.)
+case "$version" in
+  0.16.1) tag=core_v0.16.1 ;;
+  0.17.1) tag=core_v0.17.1 ;;
+  0.18.2) tag=core_v0.18.2 ;;
+  0.19.1) tag=core_v0.19.0 ;;
+  *)
+    echo "error: $tree is Megatron-LM $version; patches exist for the tags core_v0.16.1," \
+         "core_v0.17.1, core_v0.18.2 and core_v0.19.0 only. Check out one of them, use the" \
+         "launcher route (python -m megatron_sdp4bit.launch), or make the few edits by hand" \
+         "(see docs/megatron.md). Nothing was changed." >&2
+    exit 1 ;;
+esac
 command -v patch >/dev/null || { echo "error: the patch tool is missing (apt-get install patch)" >&2; exit 1; }
-status=0
-for p in "$here"/patches/*.patch; do
-  name="$(basename "$p")"
-  if patch --dry-run -R -p1 -s -f -d "$tree" < "$p" >/dev/null 2>&1; then
-    echo "already applied: $name"
-  elif patch --dry-run -p1 -s -f -d "$tree" < "$p" >/dev/null 2>&1; then
-    patch -p1 -s -f -d "$tree" < "$p"
-    echo "applied: $name"
-  else
-    echo "error: $name does not fit $tree (made for Megatron-LM core_v0.16.1);" \
-         "check out that tag or apply its few lines by hand (see docs/megatron.md)" >&2
-    status=1
-  fi
-done
-exit $status
+p="$here/patches/megatron-lm-$tag-pretrain_gpt.patch"
+name="$(basename "$p")"
+if patch --dry-run -R -p1 -F0 -s -f -d "$tree" < "$p" >/dev/null 2>&1; then
+  echo "already applied: $name"
+elif patch --dry-run -p1 -F0 -s -f -d "$tree" < "$p" >/dev/null 2>&1; then
+  patch -p1 -F0 -s -f -d "$tree" < "$p"
+  echo "applied: $name (Megatron-LM $version, tag $tag)"
+else
+  echo "error: $name does not fit $tree (made for Megatron-LM $tag, which $version is);" \
+       "is pretrain_gpt.py edited? Apply its few lines by hand (see docs/megatron.md)." \
+       "Nothing was changed." >&2
+  exit 1
+fi
