@@ -3,9 +3,17 @@
 # installs nothing (the stamp file records the last successful install).
 
 PYTHON ?= python3
+# MCORE=<version> (e.g. `make test MCORE=0.19.2`) runs everything against that
+# megatron-core release in its own virtualenv, .venv-mcore-<version>; without it
+# the default .venv gets the release setup.py picks (0.16.1 on Python 3.11).
+MCORE  ?=
+ifeq ($(MCORE),)
 VENV   ?= .venv
+else
+VENV   ?= .venv-mcore-$(MCORE)
+endif
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.sdp4bit-installed
+STAMP  := $(VENV)/.sdp4bit-installed$(if $(MCORE),-$(MCORE))
 # torch is installed only when it is not importable, and then pinned to the CPU
 # build that lies on this kind of machine: an unpinned torch pulls a CUDA build
 # of several GB, and a user's GPU box keeps the torch it has.
@@ -20,11 +28,15 @@ setup: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv --system-site-packages $(VENV) || $(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) setup.py pyproject.toml
+$(STAMP): $(PY) setup.py pyproject.toml scripts/mcore_venv.sh
 	@$(PY) -c "import torch" 2>/dev/null \
 	  && echo "torch found: $$($(PY) -c 'import torch; print(torch.__version__)') (kept)" \
 	  || $(PY) -m pip install -q "$(TORCH_PIN)"
+ifeq ($(MCORE),)
 	$(PY) -m pip install -q -e ".[test,plots]"
+else
+	bash scripts/mcore_venv.sh $(PY) $(MCORE)
+endif
 	@touch $(STAMP)
 
 test: $(STAMP)

@@ -5,15 +5,12 @@ pip pull a multi-GB CUDA build on machines that have none, and on a user's GPU
 box it would replace the torch they already have. ``make test`` / ``make train``
 install ``torch==2.13.0`` only when torch is not importable.
 """
-import sys
-
 from setuptools import find_packages, setup
 
-# megatron-core releases after 0.16 need Python 3.12; 0.16.1 is what 3.11 gets.
-if sys.version_info < (3, 12):
-    megatron_core = "megatron-core==0.16.1"
-else:
-    megatron_core = "megatron-core>=0.16.1,<0.17"
+# The layer has one adapter per megatron-core minor release, 0.16 to 0.19
+# (megatron_sdp4bit/megatron/adapters/). Releases after 0.16 declare Python >=3.12,
+# so on 3.11 pip picks 0.16.1 by itself.
+megatron_core = "megatron-core>=0.16.1,<0.20"
 
 setup(
     name="megatron_sdp4bit",
