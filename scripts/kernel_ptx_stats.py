@@ -20,6 +20,15 @@ predicts the speed of a memory-bound kernel:
     cvt         ttg.convert_layout ops in the TTGIR that were not optimised away
     philox/elem mul.hi.u32 per element (Philox-4x32-10 uses up to 20 per call)
     shared B    shared memory per program
+    B/elem      bytes the kernel must move per element of its tile (inputs read +
+                outputs written, as scripts/bench_quant.py counts them: packed codes,
+                one fp32 scale per group, every received chunk)
+    SASS/B      SASS/elem / B/elem: instructions per byte moved
+    issue TB/s  the bandwidth at which instruction issue alone would saturate an
+                H200: 132 SMs x 4 schedulers x 32 lanes x 1.98 GHz = 3.35e13
+                thread-instructions/s, divided by SASS/B. An upper bound (perfect
+                issue, no stalls); a kernel needs it well above its clone bandwidth
+                to stay memory-bound
 
 Counts are static. The chunk loop of the dequantize-sum variants is compiled for
 4 chunks (num_chunks made a compile-time constant, as for 4 ranks; ``--chunks``
@@ -47,6 +56,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from megatron_sdp4bit.quant.triton_kernels import compile_check
 
+from megatron_sdp4bit.quant.triton_kernels.dequantize_kernel import dequantize_kernel
 from megatron_sdp4bit.quant.triton_kernels.quantize_kernel import quantize_kernel
 
 _DECLARATION = re.compile(r"^\s*(\.|//|\}|\{|\$|@?\s*$)")
@@ -64,7 +74,29 @@ BENCH_VARIANTS = [
      dict(GROUP=2048, BLOCK=2048, GROUPS_PER_PROGRAM=2)),
     ("bench: hadamard 8-bit fp32 G=128 H=32 stochastic", quantize_kernel, {"codes_ptr": "*i8"},
      dict(BITS=8, HADAMARD=32, STOCHASTIC=True, SCALED=True)),
+    ("bench: dequantize 4-bit G=2048 -> fp32", dequantize_kernel, {}, dict(GROUP=2048)),
+    # The other bench rows launch compile_check variants as they are: "weight diff fp32 -
+    # bf16", "dequantize_add_ 4-bit into bf16", "dequantize-sum-requantize 8->4 bits",
+    # "dequantize_sum 4-bit + inverse hadamard".
 ]
+H200_THREAD_INSTRUCTIONS_PER_S = 132 * 4 * 32 * 1.98e9
+_POINTER_BYTES = {"*fp32": 4, "*i16": 2, "*fp16": 2, "*bf16": 2}
+
+
+def bytes_per_element(kernel, arg_types, constexprs) -> float:
+    """Bytes read + written per element of the tile (per output element)."""
+    c = constexprs
+    chunks = c.get("num_chunks", 1)
+    if kernel is quantize_kernel:
+        if c["SOURCE"] == 0:
+            moved = _POINTER_BYTES[arg_types["x_ptr"]]
+            if c["HAS_Y"]:
+                moved += _POINTER_BYTES[arg_types["y_ptr"]]
+        else:
+            moved = chunks * (c["SRC_BITS"] / 8 + 4 / c["SRC_GROUP"])
+        return moved + c["BITS"] / 8 + 4 / c["GROUP"]
+    out = _POINTER_BYTES[arg_types["out_ptr"]] * (2 if c["ACCUMULATE"] else 1)
+    return chunks * (c["BITS"] / 8 + 4 / c["GROUP"]) + out
 _CHUNKED_VARIANTS = ("dequantize-sum-requantize", "dequantize_sum")
 
 
@@ -138,6 +170,7 @@ def stats(name, kernel, types, consts, arch, chunks=4):
     sass = sass_instructions(listing)
     if has_loop(listing):
         name += " *"
+    per_byte = len(sass) / per_thread / bytes_per_element(kernel, arg_types, constexprs)
     return dict(
         name=name,
         tile=tile,
@@ -153,6 +186,9 @@ def stats(name, kernel, types, consts, arch, chunks=4):
                  for m in map(_GLOBAL_ACCESS.search, instructions) if m), default=0),
         philox=sum(bool(_PHILOX_MUL.search(i)) for i in instructions) / per_thread,
         smem=compiled.metadata.shared,
+        bytes=bytes_per_element(kernel, arg_types, constexprs),
+        per_byte=per_byte,
+        issue_tbps=H200_THREAD_INSTRUCTIONS_PER_S / per_byte / 1e12,
     )
 
 
@@ -167,13 +203,14 @@ def main() -> int:
         print("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
         return 2
     print(f"sm_{args.arch}, per element of a program's tile (* = a loop body counted once)")
-    print("| variant | tile | warps | SASS/elem | SASS LDS+STS/elem | LDG/elem | PTX/elem | PTX shared/elem | bar | cvt | philox mul/elem | vec | shared B |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| variant | tile | warps | SASS/elem | SASS LDS+STS/elem | LDG/elem | PTX/elem | PTX shared/elem | bar | cvt | philox mul/elem | vec | shared B | B/elem | SASS/B | issue TB/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for variant in BENCH_VARIANTS + compile_check.VARIANTS:
         s = stats(*variant, args.arch, args.chunks)
         print(f"| {s['name']} | {s['tile']} | {s['warps']} | {s['sass']:.1f} | {s['sass_shared']:.2f} | "
               f"{s['ldg']:.2f} | {s['instr']:.1f} | "
-              f"{s['shared']:.3f} | {s['bar']} | {s['cvt']} | {s['philox']:.2f} | {s['vec']} | {s['smem']} |")
+              f"{s['shared']:.3f} | {s['bar']} | {s['cvt']} | {s['philox']:.2f} | {s['vec']} | {s['smem']} | "
+              f"{s['bytes']:.3f} | {s['per_byte']:.1f} | {s['issue_tbps']:.1f} |")
     return 0
 
 

@@ -2,6 +2,9 @@
 
 - ``tile_math``: @triton.jit helpers shared by the kernels (fp32 loads/stores
   with exact bf16 rounding, the Hadamard butterfly, code unpacking).
+- ``code_runs``: dequantize and chunk-sum of a contiguous run of elements
+  (16-byte code loads, one scale load per 16 elements).
+- ``noise``: stochastic rounding's uniforms (Philox-2x32-10, 16 bits per element).
 - ``quantize_kernel``: one kernel for every op that produces a QuantizedTensor.
 - ``dequantize_kernel``: one kernel for every op that consumes one.
 - ``launch``: tile sizes, grids and the host-side views the kernels read.
