@@ -28,6 +28,37 @@ def _is_bool(value) -> bool:
     return isinstance(value, bool)
 
 
+class ConfigError(ValueError):
+    """A field of ``SDP4BitConfig`` has a value it may not have.
+
+    ``field`` names it, so a command-line front end can name its flag instead.
+    """
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+ALLOWED = {
+    "weight_mode": f"one of {', '.join(WEIGHT_MODES)}",
+    "grad_mode": f"one of {', '.join(GRAD_MODES)}",
+    "rounding": f"one of {', '.join(ROUNDINGS)}",
+    "weight_bits": "2, 4 or 8",
+    "grad_bits_intra": "2, 4 or 8",
+    "grad_bits_inter": "2, 4 or 8",
+    "weight_group_size": "a positive multiple of 8 / weight_bits (codes fill whole bytes)",
+    "grad_group_size_intra": "a positive multiple of 8 / its bits and, for tlq-hs, of hadamard_block",
+    "grad_group_size_inter": "a positive multiple of 8 / its bits and, for tlq-hs, of hadamard_block",
+    "hadamard_block": "a power of two in 2..256",
+    "ranks_per_node": "an integer >= 1 (default: LOCAL_WORLD_SIZE)",
+    "pipeline_chunks": "an integer >= 1",
+    "seed": "an integer >= 0",
+    "grad_start_iter": "an integer >= 0",
+}
+"""What each field may be, in words: for error messages and ``--help``. The rules
+themselves are in ``SDP4BitConfig.__post_init__``."""
+
+
 @dataclass
 class SDP4BitConfig:
     """How weights and gradients are compressed on the wire."""
@@ -90,11 +121,11 @@ class SDP4BitConfig:
         for name in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
             value = getattr(self, name)
             if _is_bool(value) or value not in SUPPORTED_BITS:
-                raise ValueError(f"{name}={value!r} is not supported; use one of {SUPPORTED_BITS}")
+                raise ConfigError(name, f"{name}={value!r} is not supported; use one of {SUPPORTED_BITS}")
         self._check_int("hadamard_block", minimum=2)
         if not _is_power_of_two(self.hadamard_block) or self.hadamard_block > 256:
-            raise ValueError(f"hadamard_block={self.hadamard_block!r} must be a power of two "
-                             "in 2..256 (2, 4, ..., 256)")
+            raise ConfigError("hadamard_block", f"hadamard_block={self.hadamard_block!r} must be "
+                              "a power of two in 2..256 (2, 4, ..., 256)")
         # Codes are packed several to a byte, so a group must fill whole bytes.
         for name, bits in (("weight_group_size", self.weight_bits),
                            ("grad_group_size_intra", self.effective_grad_bits_intra),
@@ -102,14 +133,14 @@ class SDP4BitConfig:
             self._check_int(name, minimum=1)
             per_byte = 8 // bits
             if getattr(self, name) % per_byte:
-                raise ValueError(
+                raise ConfigError(name,
                     f"{name}={getattr(self, name)!r} must be a positive multiple of {per_byte} "
                     f"({per_byte} {bits}-bit codes share a byte), e.g. "
                     f"{max(per_byte, getattr(self, name) // per_byte * per_byte)}")
         if self.use_hadamard:
             for name in ("grad_group_size_intra", "grad_group_size_inter"):
                 if getattr(self, name) % self.hadamard_block:
-                    raise ValueError(
+                    raise ConfigError(name,
                         f"{name}={getattr(self, name)} is not a multiple of "
                         f"hadamard_block={self.hadamard_block}; pick a group size that "
                         "is (e.g. 128 with block 32), or grad_mode='tlq' (no Hadamard)")
@@ -121,12 +152,12 @@ class SDP4BitConfig:
 
     def _check_choice(self, name: str, choices: tuple) -> None:
         if getattr(self, name) not in choices:
-            raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {choices}")
+            raise ConfigError(name, f"{name}={getattr(self, name)!r}; choose one of {choices}")
 
     def _check_int(self, name: str, minimum: int, hint: str = "") -> None:
         value = getattr(self, name)
         if _is_bool(value) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{hint}")
+            raise ConfigError(name, f"{name}={value!r} must be an integer >= {minimum}{hint}")
 
     # --- derived views ------------------------------------------------------------
     @property

@@ -402,7 +402,9 @@ def main(argv: Optional[list] = None) -> int:
     try:
         args = parse_args(argv)
     except ArgumentError as exc:
-        print(f"sdp4bit-pretrain: error: {exc}", file=sys.stderr)
+        # Every rank of a torchrun job parses the same flags: one of them says why.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"sdp4bit-pretrain: error: {exc}", file=sys.stderr)
         return 2
     from megatron_sdp4bit.training import checkpoint
     from megatron_sdp4bit.training.distributed import shutdown

@@ -21,24 +21,18 @@ import argparse
 import dataclasses
 from typing import Optional
 
-from megatron_sdp4bit.config import (
-    GRAD_MODES,
-    PRESETS,
-    ROUNDINGS,
-    SUPPORTED_BITS,
-    WEIGHT_MODES,
-    SDP4BitConfig,
-)
+from megatron_sdp4bit.config import ALLOWED, PRESETS, ConfigError, SDP4BitConfig
 
-# Field -> extra argparse keywords (type/choices); every field gets a flag.
-_FIELD_KW = {
-    "weight_mode": dict(choices=WEIGHT_MODES),
-    "grad_mode": dict(choices=GRAD_MODES),
-    "rounding": dict(choices=ROUNDINGS),
-    "weight_bits": dict(type=int, choices=SUPPORTED_BITS),
-    "grad_bits_intra": dict(type=int, choices=SUPPORTED_BITS),
-    "grad_bits_inter": dict(type=int, choices=SUPPORTED_BITS),
-}
+# String fields take their value as it is; every other field is an integer. What
+# each may be is checked once, by SDP4BitConfig; ``config_from_args`` names the flag.
+_STRING_FIELDS = ("weight_mode", "grad_mode", "rounding")
+
+
+class SDP4BitFlagError(ValueError):
+    """An ``--sdp4bit*`` flag (or a reference-fork alias) has a value SDP4Bit refuses.
+
+    The message names the flag, its value and what it may be: one line for a user.
+    """
 
 # The reference fork's flags: alias name -> (dest, kwargs). Destinations are
 # private names read by config_from_args; they never clash with Megatron's own.
@@ -61,6 +55,19 @@ def _flag(field_name: str) -> str:
     return "--sdp4bit-" + field_name.replace("_", "-")
 
 
+def _integer(flag: str):
+    """argparse type: an integer, with an error that says so (ranges: SDP4BitConfig)."""
+
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expects an integer, got {text!r}") from None
+
+    parse.__name__ = "integer"
+    return parse
+
+
 def add_sdp4bit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the SDP4Bit flags to ``parser`` (a Megatron-LM parser or any other)."""
     group = parser.add_argument_group("sdp4bit", "4-bit communication (SDP4Bit)")
@@ -75,17 +82,17 @@ def add_sdp4bit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="Start from a named configuration (overrides --sdp4bit's preset).",
     )
     for field in dataclasses.fields(SDP4BitConfig):
-        kwargs = dict(_FIELD_KW.get(field.name, {}))
-        if "type" not in kwargs and "choices" not in kwargs:
-            kwargs["type"] = int
         group.add_argument(
             _flag(field.name), dest="sdp4bit_" + field.name, default=None,
-            help=f"{field.name} (overrides the preset; preset sdp4bit: {field.default!r})",
-            **kwargs,
+            type=str if field.name in _STRING_FIELDS else _integer(_flag(field.name)),
+            metavar="MODE" if field.name in _STRING_FIELDS else "N",
+            help=f"{ALLOWED[field.name]} (overrides the preset; preset sdp4bit: {field.default!r})",
         )
     for alias, (dest, kwargs) in _REFERENCE_ALIASES.items():
+        if "type" in kwargs:
+            kwargs = dict(kwargs, type=_integer(alias), default=None, metavar="N")
         group.add_argument(alias, dest=dest, help=f"alias of the SDP4Bit reference fork's {alias}",
-                           **({"default": None} if "type" in kwargs else {}), **kwargs)
+                           **kwargs)
     return parser
 
 
@@ -105,8 +112,19 @@ def _reference_overrides(args: argparse.Namespace) -> dict:
     return out
 
 
+def _alias_of(field_name: str) -> Optional[str]:
+    """The reference fork's flag that sets ``field_name``, if there is one."""
+    for alias, (dest, _) in _REFERENCE_ALIASES.items():
+        if dest == "sdp4bit_ref_" + field_name:
+            return alias
+    return None
+
+
 def config_from_args(args: argparse.Namespace) -> Optional[SDP4BitConfig]:
-    """The configuration the flags ask for, or None when they ask for nothing."""
+    """The configuration the flags ask for, or None when they ask for nothing.
+
+    Raises ``SDP4BitFlagError`` naming the flag when the configuration is invalid.
+    """
     explicit = {
         f.name: getattr(args, "sdp4bit_" + f.name)
         for f in dataclasses.fields(SDP4BitConfig)
@@ -120,7 +138,17 @@ def config_from_args(args: argparse.Namespace) -> Optional[SDP4BitConfig]:
         return None
     # Reference-fork flags describe the whole configuration from a baseline.
     base = PRESETS[preset_name or "baseline"]
-    return base.replace(**{**reference, **explicit})
+    try:
+        return base.replace(**{**reference, **explicit})
+    except ConfigError as error:
+        field = error.field
+        if field in explicit:
+            where = f"{_flag(field)} {explicit[field]}"
+        elif field in reference and _alias_of(field):
+            where = f"{_alias_of(field)} {reference[field]}"
+        else:  # the preset's value, in conflict with another flag
+            where = f"{_flag(field)} (preset {preset_name or 'baseline'}: {getattr(base, field)!r})"
+        raise SDP4BitFlagError(f"{where}: {error}") from None
 
 
 def config_to_argv(config: SDP4BitConfig) -> list[str]:

@@ -37,9 +37,24 @@ def _patch_megatron_lm_parser() -> None:
     initialize.parse_args = wrap_parse_args(initialize.parse_args)
 
 
+def _help() -> str:
+    """The usage line and the SDP4Bit flags with their allowed values (Megatron-LM's
+    own flags are listed by ``pretrain_gpt.py --help`` through the launcher)."""
+    import argparse
+
+    from megatron_sdp4bit.megatron.args import add_sdp4bit_args
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_sdp4bit.launch", usage=USAGE[len("usage: "):],
+                                     add_help=False)
+    return add_sdp4bit_args(parser).format_help()
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    if argv and argv[0] in ("-h", "--help"):
+        print(_help())
+        raise SystemExit(0)
+    if not argv:
         raise SystemExit(USAGE)
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):

@@ -19,8 +19,10 @@ before the model is wrapped in DistributedDataParallel.
 from __future__ import annotations
 
 import functools
+import os
+import sys
 
-from megatron_sdp4bit.megatron.args import add_sdp4bit_args, config_from_args
+from megatron_sdp4bit.megatron.args import SDP4BitFlagError, add_sdp4bit_args, config_from_args
 
 
 def extend_args_provider(extra_args_provider=None):
@@ -35,8 +37,17 @@ def extend_args_provider(extra_args_provider=None):
 
 
 def install_from_args(args):
-    """Install the patch layer if the parsed args ask for SDP4Bit; return the config."""
-    config = config_from_args(args)
+    """Install the patch layer if the parsed args ask for SDP4Bit; return the config.
+
+    A bad ``--sdp4bit*`` value ends the process as a bad flag does in argparse: one
+    line (from rank 0 only, every rank parses the same flags) and exit code 2.
+    """
+    try:
+        config = config_from_args(args)
+    except SDP4BitFlagError as error:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     if config is not None and config.enabled:
         from megatron_sdp4bit.megatron.patch import install
 

@@ -7,11 +7,12 @@ flags, unknown YAML keys and contradictory values are errors that name the flag.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Optional, Sequence
 
-from megatron_sdp4bit.megatron.args import add_sdp4bit_args, config_from_args
+from megatron_sdp4bit.megatron.args import SDP4BitFlagError, add_sdp4bit_args, config_from_args
 
 
 class ArgumentError(ValueError):
@@ -23,41 +24,75 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(message)
 
 
+def _number(kind, low=None, high=None, low_open=False, high_open=False):
+    """argparse type: a finite ``kind`` (int or float) in a range; its error says which.
+
+    ``nan`` and ``inf`` parse as floats but are never a learning rate or a size.
+    """
+    bounds = []
+    if low is not None:
+        bounds.append(f"{'>' if low_open else '>='} {low}")
+    if high is not None:
+        bounds.append(f"{'<' if high_open else '<='} {high}")
+    wanted = f"{'an integer' if kind is int else 'a finite number'}{' ' if bounds else ''}{' and '.join(bounds)}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        if (not math.isfinite(value)
+                or (low is not None and (value < low or (low_open and value == low)))
+                or (high is not None and (value > high or (high_open and value == high)))):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+_POSITIVE_INT = _number(int, 1)
+_NON_NEGATIVE_INT = _number(int, 0)
+_POSITIVE = _number(float, 0, low_open=True)
+_NON_NEGATIVE = _number(float, 0)
+_PROBABILITY = _number(float, 0, 1, high_open=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sdp4bit-pretrain", allow_abbrev=False,
                 description="GPT pre-training on megatron-core with SDP4Bit communication.")
     p.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
 
     m = p.add_argument_group("model")
-    m.add_argument("--num-layers", type=int, default=2)
-    m.add_argument("--hidden-size", type=int, default=128)
-    m.add_argument("--num-attention-heads", type=int, default=4)
-    m.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
-    m.add_argument("--seq-length", type=int, default=128)
-    m.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
-    m.add_argument("--hidden-dropout", type=float, default=0.0)
-    m.add_argument("--attention-dropout", type=float, default=0.0)
-    m.add_argument("--init-method-std", type=float, default=0.02)
+    m.add_argument("--num-layers", type=_POSITIVE_INT, default=2)
+    m.add_argument("--hidden-size", type=_POSITIVE_INT, default=128)
+    m.add_argument("--num-attention-heads", type=_POSITIVE_INT, default=4)
+    m.add_argument("--ffn-hidden-size", type=_POSITIVE_INT, default=None, help="default 4 x hidden size")
+    m.add_argument("--seq-length", type=_POSITIVE_INT, default=128)
+    m.add_argument("--max-position-embeddings", type=_POSITIVE_INT, default=None, help="default --seq-length")
+    m.add_argument("--hidden-dropout", type=_PROBABILITY, default=0.0)
+    m.add_argument("--attention-dropout", type=_PROBABILITY, default=0.0)
+    m.add_argument("--init-method-std", type=_POSITIVE, default=0.02)
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     m.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="layer spec: Transformer Engine when installed (auto), or megatron's local one")
 
     t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=int, default=4)
-    t.add_argument("--global-batch-size", type=int, default=None, help="default micro-batch x DP")
-    t.add_argument("--train-iters", type=int, default=100)
-    t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--min-lr", type=float, default=None, help="default lr / 10")
+    t.add_argument("--micro-batch-size", type=_POSITIVE_INT, default=4)
+    t.add_argument("--global-batch-size", type=_POSITIVE_INT, default=None, help="default micro-batch x DP")
+    t.add_argument("--train-iters", type=_POSITIVE_INT, default=100)
+    t.add_argument("--lr", type=_POSITIVE, default=6e-4)
+    t.add_argument("--min-lr", type=_NON_NEGATIVE, default=None, help="default lr / 10")
     t.add_argument("--lr-decay-style", choices=("cosine", "linear", "constant"), default="cosine")
-    t.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
-    t.add_argument("--lr-warmup-fraction", type=float, default=0.01)
-    t.add_argument("--lr-warmup-iters", type=int, default=0)
-    t.add_argument("--weight-decay", type=float, default=0.1)
-    t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.95)
-    t.add_argument("--adam-eps", type=float, default=1e-8)
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--max-consecutive-skipped-iters", type=int, default=3,
+    t.add_argument("--lr-decay-iters", type=_POSITIVE_INT, default=None, help="default --train-iters")
+    t.add_argument("--lr-warmup-fraction", type=_number(float, 0, 1), default=0.01)
+    t.add_argument("--lr-warmup-iters", type=_NON_NEGATIVE_INT, default=0)
+    t.add_argument("--weight-decay", type=_NON_NEGATIVE, default=0.1)
+    t.add_argument("--adam-beta1", type=_PROBABILITY, default=0.9)
+    t.add_argument("--adam-beta2", type=_PROBABILITY, default=0.95)
+    t.add_argument("--adam-eps", type=_POSITIVE, default=1e-8)
+    t.add_argument("--clip-grad", type=_NON_NEGATIVE, default=1.0)
+    t.add_argument("--max-consecutive-skipped-iters", type=_POSITIVE_INT, default=3,
                    help="stop (exit 3, saving nothing) after this many consecutive iterations "
                         "whose loss or gradients were not finite and were skipped")
     t.add_argument("--bf16", action="store_true")
@@ -65,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shard optimizer state (required by --sdp4bit; implied by it)")
     t.add_argument("--overlap-grad-reduce", action="store_true")
     t.add_argument("--overlap-param-gather", action="store_true")
-    t.add_argument("--bucket-size", type=int, default=None, help="elements per DDP bucket")
-    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--bucket-size", type=_POSITIVE_INT, default=None, help="elements per DDP bucket")
+    t.add_argument("--seed", type=_NON_NEGATIVE_INT, default=1234)
     t.add_argument("--tensor-model-parallel-size", type=int, default=1)
     t.add_argument("--pipeline-model-parallel-size", type=int, default=1)
 
@@ -82,16 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--merge-file", default=None)
     d.add_argument("--tokenizer-model", default=None)
     d.add_argument("--data-cache-path", default=None)
-    d.add_argument("--default-corpus-mb", type=float, default=None,
+    d.add_argument("--default-corpus-mb", type=_POSITIVE, default=None,
                    help="cap the embedded corpus at this many MB of text (default: all of it)")
 
     e = p.add_argument_group("logging, evaluation, checkpoints")
-    e.add_argument("--log-interval", type=int, default=10)
-    e.add_argument("--eval-interval", type=int, default=50)
-    e.add_argument("--eval-iters", type=int, default=5)
+    e.add_argument("--log-interval", type=_POSITIVE_INT, default=10)
+    e.add_argument("--eval-interval", type=_POSITIVE_INT, default=50)
+    e.add_argument("--eval-iters", type=_NON_NEGATIVE_INT, default=5)
     e.add_argument("--save", default=None, help="checkpoint directory")
     e.add_argument("--load", default=None, help="checkpoint directory to resume from")
-    e.add_argument("--save-interval", type=int, default=None)
+    e.add_argument("--save-interval", type=_POSITIVE_INT, default=None)
     e.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, the loss plot and TensorBoard events go "
                    "(default runs/<timestamp>)")
@@ -154,12 +189,6 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
         bad(f"--lr-warmup-iters/--lr-warmup-fraction give {warmup} warm-up iterations, not fewer "
             f"than --lr-decay-iters {args.lr_decay_iters} (default --train-iters); shorten the "
             "warm-up or lengthen the decay")
-    for name in ("train_iters", "micro_batch_size", "log_interval", "eval_interval", "seq_length",
-                 "max_consecutive_skipped_iters"):
-        if getattr(args, name) <= 0:
-            bad(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.save_interval is not None and args.save_interval <= 0:
-        bad(f"--save-interval must be positive, got {args.save_interval}")
     if args.save_interval is not None and not args.save:
         bad("--save-interval needs --save DIR")
     if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
@@ -168,7 +197,10 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
             "megatron_sdp4bit.launch for TP/PP)")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         bad("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
-    args.sdp4bit_config = config_from_args(args)
+    try:
+        args.sdp4bit_config = config_from_args(args)
+    except SDP4BitFlagError as error:
+        bad(str(error))
     if args.sdp4bit_config is not None and args.sdp4bit_config.enabled:
         args.use_distributed_optimizer = True
     if args.overlap_param_gather and not args.use_distributed_optimizer:

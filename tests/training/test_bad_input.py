@@ -27,11 +27,68 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"
     (["--tensor-model-parallel-size", "2"], "data parallelism only"),
     (["--save-interval", "5"], "--save"),
     (["--lr-warmup-iters", "2"], "--lr-decay-iters 2"),
-    (["--sdp4bit", "--sdp4bit-weight-bits", "3"], "invalid choice"),
+    (["--sdp4bit", "--sdp4bit-weight-bits", "3"], r"--sdp4bit-weight-bits 3: .*use one of \(2, 4, 8\)"),
 ])
 def test_flag_errors_name_the_flag(argv, message):
     with pytest.raises(ArgumentError, match=message):
         parse_args(TINY + argv)
+
+
+# Every value issue 12 found accepted (or caught late): refused by the parser, the
+# message naming the flag, its value and what it may be.
+@pytest.mark.parametrize("argv, message", [
+    (["--sdp4bit-hadamard-block", "48"], r"--sdp4bit-hadamard-block 48: .*power of two in 2\.\.256"),
+    (["--sdp4bit-hadamard-block", "512"], r"--sdp4bit-hadamard-block 512: .*power of two"),
+    (["--sdp4bit-grad-group-size-intra", "100"], r"--sdp4bit-grad-group-size-intra 100: .*multiple of hadamard_block=32"),
+    (["--sdp4bit-grad-group-size-inter", "48"], r"--sdp4bit-grad-group-size-inter 48: .*multiple of hadamard_block=32"),
+    (["--sdp4bit-pipeline-chunks", "0"], r"--sdp4bit-pipeline-chunks 0: .*integer >= 1"),
+    (["--sdp4bit-weight-group-size", "0"], r"--sdp4bit-weight-group-size 0: .*integer >= 1"),
+    (["--sdp4bit-weight-group-size", "-2"], r"--sdp4bit-weight-group-size -2: .*integer >= 1"),
+    (["--sdp4bit-weight-group-size", "3"], r"--sdp4bit-weight-group-size 3: .*multiple of 2"),
+    (["--sdp4bit-ranks-per-node", "0"], r"--sdp4bit-ranks-per-node 0: .*integer >= 1"),
+    (["--sdp4bit-grad-start-iter", "-5"], r"--sdp4bit-grad-start-iter -5: .*integer >= 0"),
+    (["--sdp4bit-weight-group-size", "2k"], r"--sdp4bit-weight-group-size: expects an integer, got '2k'"),
+    (["--sdp4bit-hadamard-block", "256"], r"--sdp4bit-grad-group-size-intra \(preset sdp4bit: 128\): .*hadamard_block=256"),
+    (["--wq-group-size", "3"], r"--wq-group-size 3: .*multiple of 2"),
+    (["--lr", "nan"], r"argument --lr: must be a finite number > 0, got 'nan'"),
+    (["--lr", "-1"], r"argument --lr: must be a finite number > 0, got '-1'"),
+    (["--lr", "inf"], r"argument --lr: must be a finite number > 0"),
+    (["--min-lr=-1e-5"], r"argument --min-lr: must be a finite number >= 0"),
+    (["--adam-beta2", "1"], r"argument --adam-beta2: must be a finite number >= 0 and < 1"),
+    (["--hidden-dropout", "1.5"], r"argument --hidden-dropout"),
+    (["--num-layers", "0"], r"argument --num-layers: must be an integer >= 1, got '0'"),
+    (["--train-iters", "ten"], r"argument --train-iters: must be an integer >= 1, got 'ten'"),
+    (["--save-interval", "0", "--save", "x"], r"argument --save-interval: must be an integer >= 1"),
+])
+def test_bad_values_are_refused_by_the_parser(argv, message):
+    with pytest.raises(ArgumentError, match=message):
+        parse_args(TINY + ["--sdp4bit"] + argv)
+
+
+def test_help_exits_0_and_shows_allowed_values():
+    for module in ("megatron_sdp4bit.pretrain", "megatron_sdp4bit.launch"):
+        result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                                text=True, timeout=120, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        assert result.returncode == 0, (module, result.stderr)
+        text = " ".join(result.stdout.split())
+        assert "--sdp4bit-hadamard-block N a power of two in 2..256" in text, module
+        assert "--sdp4bit-grad-mode MODE one of tlq-hs, tlq, ulq, off" in text, module
+
+
+def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0_and_exit_2(tmp_path):
+    """Before any process group exists: no traceback, no second copy from rank 1."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--monitor-interval", "0.1", "-m", "megatron_sdp4bit.pretrain", *TINY,
+               "--sdp4bit", "--sdp4bit-weight-group-size", "3"]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("sdp4bit-pretrain:")]
+    assert ours == ["sdp4bit-pretrain: error: --sdp4bit-weight-group-size 3: weight_group_size=3 must be "
+                    "a positive multiple of 2 (2 4-bit codes share a byte), e.g. 2"], result.stderr
+    # The one traceback is torchrun's own report (ChildFailedError), with each rank's exit code.
+    assert result.stderr.count("Traceback") <= 1 and "megatron_sdp4bit/" not in result.stderr
+    assert "exitcode  : 2" in result.stderr
 
 
 def test_yaml_config_with_flags_overriding(tmp_path):
