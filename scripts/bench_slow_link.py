@@ -20,11 +20,26 @@ the veth actually carried per step (kernel counters, both directions), and the
 speedup over the exact collectives at the same rate. Prints a markdown table
 and the command that produced it.
 
+Presets: ``baseline`` (exact collectives; gloo's reduce_scatter is a ring
+*all-reduce*, twice a ring reduce-scatter's bytes), ``baseline-a2a`` (exact,
+with the reduce-scatter as an all-to-all plus local sum,
+``comm/exact_alltoall.py`` via ``scripts/pretrain_exact_alltoall.py``: the
+bytes per rank of a ring reduce-scatter), ``sdp4bit``, ``zeropp``.
+
+Before the runs of each rate, a single TCP stream measures the goodput of the
+inter-node link (node 0 -> node 1) and of a node's loopback (``--probe``).
+With ``--estimate``, the measured step times are compared with
+``megatron_sdp4bit.estimate`` at those goodputs: compute per step is
+calibrated once, from the first preset at ``loopback`` (its measured step
+minus the estimator's communication and kernel time there), and every other
+(rate, preset) is predicted from it. ``--json FILE`` writes every number.
+
 Needs root and iproute2; the namespaces are removed at the end, on errors and
 on Ctrl-C. Nothing talks to any address outside the two namespaces.
 
     sudo .venv/bin/python scripts/bench_slow_link.py                       # loopback, 1000, 100 Mbit/s
     sudo .venv/bin/python scripts/bench_slow_link.py --rates 100 --repeats 3 --presets baseline,sdp4bit,zeropp
+    sudo .venv/bin/python scripts/bench_slow_link.py --rates loopback,300 --presets baseline-a2a,baseline,sdp4bit --estimate
 """
 from __future__ import annotations
 
@@ -55,19 +70,28 @@ LR_WARMUP_ITERS = 2  # megatron's scheduler needs more training iterations than 
 MODEL_FLAGS = [
     "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
     "--seq-length", str(SEQ_LENGTH), "--micro-batch-size", "4",
-    "--global-batch-size", str(GLOBAL_BATCH), "--bf16",
+    "--global-batch-size", str(GLOBAL_BATCH),
     "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", str(LR_WARMUP_ITERS),
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--split", "969,30,1",
     "--log-interval", "1", "--eval-interval", "100000", "--eval-iters", "1", "--no-progress-bar",
 ]
 PRESET_FLAGS = {
     "baseline": ["--sdp4bit-preset", "baseline", "--use-distributed-optimizer"],
+    "baseline-a2a": ["--sdp4bit-preset", "baseline", "--use-distributed-optimizer"],
     "sdp4bit": ["--sdp4bit"],
     "zeropp": ["--sdp4bit-preset", "zeropp"],
 }
-PRESET_LABELS = {"baseline": "exact (bf16 all-gather, fp32 reduce-scatter)",
+PRESET_LABELS = {"baseline": "exact (gloo reduce_scatter, fp32)",
+                 "baseline-a2a": "exact, reduce-scatter as all-to-all (fp32)",
                  "sdp4bit": "SDP4Bit (qWD 4-bit, TLq-HS 8/4)",
                  "zeropp": "ZeRO++ (qW 4-bit, ULq 4/4)"}
+# What each rank runs: the driver, or the driver with the all-to-all exact reduce-scatter.
+PRESET_ENTRY = {"baseline-a2a": ["scripts/pretrain_exact_alltoall.py"]}
+DRIVER_ENTRY = ["-m", "megatron_sdp4bit.pretrain"]
+# How the estimator sees each preset: (variant, exact reduce-scatter algorithm).
+PRESET_ESTIMATE = {"baseline": ("baseline", "allreduce"), "baseline-a2a": ("baseline", "alltoall"),
+                   "sdp4bit": ("sdp4bit", "ring"), "zeropp": ("zeropp", "ring")}
+PROBE_PORT = 29590
 FIRST_PORT = 29600  # inside the private namespaces every port is free
 
 
@@ -132,6 +156,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=600.0, help="seconds before a run is killed")
     p.add_argument("--out-dir", default=None, help="where run logs go (default runs/slow-link-TIME)")
     p.add_argument("--python", default=sys.executable, help="interpreter for the ranks")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="model weights (gradients are reduced in fp32 either way); fp32 on CPUs "
+                        "without native bf16 matmuls (AVX2 only), where bf16 steps take seconds")
+    p.add_argument("--slow-start-after-idle", choices=("0", "1"), default="1",
+                   help="the namespaces' net.ipv4.tcp_slow_start_after_idle (kernel default 1): 0 "
+                        "keeps TCP's window between a step's messages, as RDMA links have none")
+    p.add_argument("--probe", choices=("on", "off"), default="on",
+                   help="measure each link's single-stream TCP goodput before its runs")
+    p.add_argument("--estimate", action="store_true",
+                   help="compare with megatron_sdp4bit.estimate (needs --probe on and 'loopback' "
+                        "in --rates, where compute is calibrated on the first preset)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="--estimate: first run the first preset once with no limit, to calibrate "
+                        "compute (instead of needing 'loopback' in --rates)")
+    p.add_argument("--compute-s", type=float, default=None,
+                   help="--estimate: compute seconds per step (e.g. calibrated by an earlier run) "
+                        "instead of calibrating at loopback")
+    p.add_argument("--json", default=None, help="write every measured number to this file")
     args = p.parse_args(argv)
     try:
         args.rate_list = parse_rates(args.rates)
@@ -147,6 +189,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--iters must be above {LR_WARMUP_ITERS} (the runs' learning-rate warm-up)")
     if not 0 <= args.warmup < args.iters:
         p.error(f"--warmup ({args.warmup}) must be >= 0 and below --iters ({args.iters})")
+    if args.estimate and (args.probe == "off" or (None not in args.rate_list and not args.calibrate
+                                                  and args.compute_s is None)):
+        p.error("--estimate needs --probe on, and 'loopback' in --rates or --calibrate (compute "
+                "is calibrated with no limit) or --compute-s")
+    if args.calibrate and (not args.estimate or args.compute_s is not None
+                           or None in args.rate_list):
+        p.error("--calibrate needs --estimate, no --compute-s and no 'loopback' in --rates")
+    if args.compute_s is not None and not args.compute_s > 0:
+        p.error(f"--compute-s must be positive, got {args.compute_s}")
     return args
 
 
@@ -160,8 +211,13 @@ def node_command(args, node: int, port: int, preset: str, run_dir: str) -> List[
             "--nnodes", str(NUM_NODES), "--node-rank", str(node),
             "--nproc-per-node", str(RANKS_PER_NODE),
             "--master-addr", ADDRESSES[0], "--master-port", str(port),
-            "-m", "megatron_sdp4bit.pretrain", *MODEL_FLAGS, *PRESET_FLAGS[preset],
+            *PRESET_ENTRY.get(preset, DRIVER_ENTRY), *MODEL_FLAGS, *dtype_flags(args),
+            *PRESET_FLAGS[preset],
             "--train-iters", str(args.iters), "--run-dir", run_dir]
+
+
+def dtype_flags(args) -> List[str]:
+    return ["--bf16"] if args.dtype == "bf16" else []
 
 
 def _train_rows(path: str) -> List[dict]:
@@ -264,6 +320,112 @@ def run_once(args, nodes: EmulatedNodes, preset: str, port: int, run_dir: str) -
     )
 
 
+# --- link goodput ---------------------------------------------------------------------
+
+_PROBE_SERVER = """import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
+c, _ = s.accept(); n = 0; t0 = None
+while True:
+    b = c.recv(1 << 20)
+    if t0 is None: t0 = time.perf_counter()
+    if not b: break
+    n += len(b)
+print(n, time.perf_counter() - t0, flush=True)
+"""
+_PROBE_CLIENT = """import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); block = bytes(1 << 20)
+left = int(sys.argv[3])
+while left > 0:
+    c.sendall(block[:min(left, len(block))]); left -= len(block)
+c.close()
+"""
+
+
+def probe_goodput(args, src: int, dst: int, nbytes: int) -> float:
+    """Gbit/s of one TCP stream from node ``src`` to node ``dst`` (same node: its loopback),
+    timed at the receiver from the first byte to the end."""
+    server = subprocess.Popen([*EmulatedNodes.exec_prefix(dst), args.python, "-c", _PROBE_SERVER,
+                               ADDRESSES[dst], str(PROBE_PORT)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if server.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"link probe server did not start: {server.stderr.read()[-500:]}")
+        subprocess.run([*EmulatedNodes.exec_prefix(src), args.python, "-c", _PROBE_CLIENT,
+                        ADDRESSES[dst], str(PROBE_PORT), str(nbytes)], check=True, timeout=120)
+        received, seconds = server.stdout.readline().split()
+        return int(received) * 8 / float(seconds) / 1e9
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+
+
+def probe_bytes(rate: Optional[float]) -> int:
+    """About two seconds at the rate (256 MiB without a limit)."""
+    return 256 * 2**20 if rate is None else int(rate * 1e6 / 8 * 2)
+
+
+# --- the estimator --------------------------------------------------------------------
+
+def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps: float) -> dict:
+    """The estimator's step time for every (rate, preset), compute calibrated at loopback
+    (or ``--compute-s``)."""
+    from megatron_sdp4bit.estimate.kernels import KernelModel
+    from megatron_sdp4bit.estimate.model import load_model_shape
+    from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate
+
+    shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
+    param_bytes = 2 if args.dtype == "bf16" else 4
+    ranks = NUM_NODES * RANKS_PER_NODE
+    kernels = KernelModel("cpu", cores_per_rank=(os.cpu_count() or 1) / ranks)
+
+    def overhead(rate, preset) -> float:  # predicted step minus compute
+        variant, exact = PRESET_ESTIMATE[preset]
+        cluster = Cluster(NUM_NODES, RANKS_PER_NODE, 1, 1, loopback_gbps, goodput[rate])
+        work = Workload(shape=shape, global_batch=GLOBAL_BATCH, micro_batch=shape.micro_batch_size,
+                        compute_s=0.0, exact_reduce_scatter=exact, param_element_size=param_bytes)
+        return estimate(cluster, work, kernels, ["baseline", variant] if variant != "baseline"
+                        else ["baseline"]).variants[variant].step_s
+
+    reference = args.preset_list[0]
+    if args.compute_s is not None:
+        compute = args.compute_s
+    else:  # the no-limit run of the first preset (in the grid, or the --calibrate run)
+        compute = cells[(None, reference)].median_step() - overhead(None, reference)
+    rows = []
+    for rate in args.rate_list:
+        for preset in args.preset_list:
+            measured = cells[(rate, preset)].median_step()
+            predicted = compute + overhead(rate, preset)
+            rows.append({"rate": rate, "preset": preset, "goodput_gbps": goodput[rate],
+                         "measured_s": measured, "predicted_s": predicted,
+                         "error": predicted / measured - 1,
+                         "calibration": (rate is None and preset == reference
+                                         and args.compute_s is None)})
+    return {"compute_s": compute, "kernel_cores_per_rank": kernels.cores_per_rank,
+            "loopback_gbps": loopback_gbps, "rows": rows}
+
+
+def estimate_table(args, est: dict) -> str:
+    reference = args.preset_list[0]
+    by = {(r["rate"], r["preset"]): r for r in est["rows"]}
+    lines = [f"| link (goodput, Gbit/s) | collectives | measured step s | predicted step s | error "
+             f"| measured speedup vs {reference} | predicted speedup |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for rate in args.rate_list:
+        ref = by[(rate, reference)]
+        for preset in args.preset_list:
+            r = by[(rate, preset)]
+            error = "calibration" if r["calibration"] else f"{100 * r['error']:+.0f}%"
+            lines.append(
+                f"| {rate_label(rate)} ({r['goodput_gbps']:.3g}) | {PRESET_LABELS[preset]} "
+                f"| {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {error} "
+                f"| {ref['measured_s'] / r['measured_s']:.2f}x "
+                f"| {ref['predicted_s'] / r['predicted_s']:.2f}x |")
+    return "\n".join(lines)
+
+
 # --- the table ------------------------------------------------------------------------
 
 def _mib(n: float) -> str:
@@ -310,16 +472,42 @@ def main(argv=None) -> int:
     command = " ".join(["sudo .venv/bin/python scripts/bench_slow_link.py"] + [
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
     cells = {(rate, preset): Cell() for rate in args.rate_list for preset in args.preset_list}
+    goodput: Dict[Optional[float], float] = {}
+    loopback_gbps = None
     port = FIRST_PORT
     t0 = time.monotonic()
     try:
         with EmulatedNodes(delay_ms=args.delay_ms) as nodes:
+            for ns in NAMESPACES:
+                subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                                f"net.ipv4.tcp_slow_start_after_idle={args.slow_start_after_idle}"],
+                               check=True)
+            if args.probe == "on":
+                loopback_gbps = probe_goodput(args, 0, 0, probe_bytes(None))
+                print(f"node loopback goodput (one TCP stream): {loopback_gbps:.3g} Gbit/s",
+                      flush=True)
+            if args.calibrate:
+                nodes.set_link(None)
+                goodput[None] = probe_goodput(args, 0, 1, probe_bytes(None))
+                reference = args.preset_list[0]
+                result = run_once(args, nodes, reference, port,
+                                  os.path.join(out_dir, f"calibration-{reference}"))
+                port += 1
+                cells[(None, reference)] = Cell([result])
+                print(f"[{time.monotonic() - t0:6.0f} s] calibration, no limit (goodput "
+                      f"{goodput[None]:.3g} Gbit/s), {reference}: median step "
+                      f"{statistics.median(result.step_times):.3f} s, load {result.load:.1f}",
+                      flush=True)
             for repeat in range(args.repeats):
                 for rate in args.rate_list:
                     nodes.set_link(rate)
                     if repeat == 0:
                         print(f"link {rate_label(rate)}: {nodes.describe_link() or 'no qdisc'}",
                               flush=True)
+                        if args.probe == "on":
+                            goodput[rate] = probe_goodput(args, 0, 1, probe_bytes(rate))
+                            print(f"  goodput node 0 -> node 1 (one TCP stream): "
+                                  f"{goodput[rate]:.3g} Gbit/s", flush=True)
                     for preset in args.preset_list:
                         run_dir = os.path.join(out_dir, f"{'loopback' if rate is None else f'{rate:g}mbit'}"
                                                         f"-{preset}-{repeat}")
@@ -340,14 +528,47 @@ def main(argv=None) -> int:
     print()
     print(markdown_table(args, cells))
     print()
+    est = None
+    if args.estimate:
+        est = estimate_rows(args, cells, goodput, loopback_gbps)
+        where = ("given (--compute-s)" if args.compute_s is not None
+                 else f"calibrated on {args.preset_list[0]} at no limit")
+        print(f"Estimator (megatron_sdp4bit.estimate) at the measured goodputs; compute "
+              f"{est['compute_s']:.3f} s per step {where}; kernels: CPU table at "
+              f"{est['kernel_cores_per_rank']:g} core per rank:")
+        print()
+        print(estimate_table(args, est))
+        print()
+        if args.calibrate:
+            cal = cells[(None, args.preset_list[0])]
+            print(f"Calibration run (no limit, {args.preset_list[0]}): median step "
+                  f"{cal.median_step():.3f} s, load {cal.runs[0].load:.1f}; predicted "
+                  f"communication + kernels there {cal.median_step() - est['compute_s']:.3f} s.")
+            print()
     print(f"{NUM_NODES} emulated nodes x {RANKS_PER_NODE} gloo CPU ranks; GPT 4 layers x 256 "
-          f"(5.3 M params), global batch {GLOBAL_BATCH} x {SEQ_LENGTH} tokens, bf16; "
+          f"(5.3 M params), global batch {GLOBAL_BATCH} x {SEQ_LENGTH} tokens, {args.dtype}; "
           f"{args.iters} iterations per run, first {args.warmup} not measured, {args.repeats} "
           f"interleaved runs per row; tbf on both veth ends"
           + (f", netem delay {args.delay_ms:g} ms" if args.delay_ms else "")
+          + f", tcp_slow_start_after_idle={args.slow_start_after_idle}"
           + f"; {os.cpu_count()} CPUs; total {time.monotonic() - t0:.0f} s.")
     print(f"command: {command}")
     print(f"logs: {out_dir}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"command": command, "loopback_goodput_gbps": loopback_gbps,
+                       "goodput_gbps": {rate_label(r): g for r, g in goodput.items()},
+                       "cells": [{"rate": rate, "preset": preset,
+                                  "step_times": [t for r in cell.runs for t in r.step_times],
+                                  "median_step_s": cell.median_step(),
+                                  "run_medians_s": cell.run_medians(),
+                                  "sent_per_step": [r.sent_per_step for r in cell.runs],
+                                  "sent_inter_per_step": [r.sent_inter_per_step for r in cell.runs],
+                                  "link_per_step": [r.link_per_step for r in cell.runs],
+                                  "load": [r.load for r in cell.runs]}
+                                 for (rate, preset), cell in cells.items()],
+                       "estimate": est}, f, indent=1)
+        print(f"json: {args.json}")
     return 0
 
 

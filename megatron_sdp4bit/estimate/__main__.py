@@ -1,0 +1,5 @@
+import sys
+
+from megatron_sdp4bit.estimate.cli import main
+
+sys.exit(main())

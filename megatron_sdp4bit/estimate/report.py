@@ -1,0 +1,115 @@
+"""Text and JSON forms of an ``Estimate``."""
+from __future__ import annotations
+
+from megatron_sdp4bit.estimate.kernels import OPS
+from megatron_sdp4bit.estimate.model import total_params
+from megatron_sdp4bit.estimate.timing import Estimate
+from megatron_sdp4bit.estimate.volume import EXACT_REDUCE_SCATTERS
+
+OVERLAP_TEXT = {
+    "none": "none: compute + quantization kernels + reduce-scatter + all-gather, one after another",
+    "grads": "grads: each bucket's reduce-scatter hidden under the backward pass that follows it "
+             "(2/3 of compute); all-gather and kernels exposed",
+    "full": "full: reduce-scatter under the backward pass (2/3 of compute), all-gather under the "
+            "next forward pass (1/3); kernels exposed",
+}
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.3f}"
+
+
+def format_report(e: Estimate) -> str:
+    c, w, s = e.cluster, e.workload, e.workload.shape
+    params = total_params(s)
+    lines = [
+        f"model: {s.name}: {s.num_layers} layers x {s.hidden_size} (FFN {s.ffn_hidden_size}, "
+        f"{s.num_attention_heads} heads), vocab {s.vocab_size} padded to {s.padded_vocab(c.tp)}, "
+        f"{params / 1e9:.3f} B parameters, seq {s.seq_length}",
+        f"batch: global {w.global_batch} sequences = {w.global_batch * s.seq_length:,} tokens per "
+        f"step; micro-batch {w.micro_batch}, {e.microbatches} micro-batch(es) per DP rank",
+        f"cluster: {c.nodes} nodes x {c.gpus_per_node} GPUs = {c.world}; TP {c.tp}, PP {c.pp}, "
+        f"DP {c.dp}; {e.layout_note}",
+        f"links (each direction): intra-node {c.intra_gbps:g} Gbit/s per GPU, inter-node "
+        f"{c.inter_gbps:g} Gbit/s per node",
+        f"compute: {e.compute_s:.4g} s per step ({e.compute_source}; FLOPs = 6 x N x tokens"
+        + (" + attention 12 x layers x seq x hidden x tokens" if w.attention_flops else "") + ")",
+        "buckets per DP rank: " + "; ".join(
+            f"stage {stage}: {len(b)} of {', '.join(f'{n:,}' for n in b[:4])}"
+            + (" ..." if len(b) > 4 else "") + " elements" for stage, b in e.buckets.items()),
+        f"exact reduce-scatter modelled as: {EXACT_REDUCE_SCATTERS[w.exact_reduce_scatter]}; "
+        "all-gathers as rings; quantized hops as direct sends",
+        f"overlap: {OVERLAP_TEXT[w.overlap]}"
+        + ("" if w.overlap == "none" else
+           ("; the quantized reduce-scatter's inter-node hop overlapped too (--async-inter-hop)"
+            if w.async_inter_hop else "; the quantized reduce-scatter's inter-node hop exposed "
+            "(it starts in wait(), after the backward pass)")),
+        f"kernels: {e.kernels.describe()}",
+        "",
+        "Bytes per step. sent/rank: what one rank sends (the wire accounting of "
+        "megatron_sdp4bit.comm, MiB); node link: what the busiest node sends over its network "
+        "link, GB, one direction.",
+        "",
+        "| variant | sent/rank intra MiB | sent/rank inter MiB | vs exact collectives "
+        "| node link GB | GPU intra GB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    base = e.variants["baseline"]
+    for v in e.variants.values():
+        exact = v.sent.exact_intra + v.sent.exact_inter
+        ratio = ("-" if not v.sent.total else "1.00x" if v.name == "baseline"
+                 else f"{exact / v.sent.total:.2f}x less")
+        lines.append(f"| {v.label} | {_mib(v.sent.intra)} | {_mib(v.sent.inter)} | {ratio} "
+                     f"| {_gb(v.node_inter_bytes)} | {_gb(v.gpu_intra_bytes)} |")
+    lines += [
+        "",
+        "Step time, seconds. comm = time of the collectives on the links; exposed = what "
+        "the step waits for after overlap.",
+        "",
+        "| variant | compute | kernels | grad comm (exposed) | weight comm (exposed) | step "
+        "| TFLOP/s/GPU | speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in e.variants.items():
+        lines.append(
+            f"| {v.label} | {v.compute_s:.4f} | {v.kernel_s:.4f} | {v.grad_comm_s:.4f} "
+            f"({v.grad_exposed_s:.4f}) | {v.weight_comm_s:.4f} ({v.weight_exposed_s:.4f}) "
+            f"| {v.step_s:.4f} | {e.tflops_per_gpu(name):.1f} | {base.step_s / v.step_s:.2f}x |")
+    kernel_lines = []
+    for v in e.variants.values():
+        for op, sec in v.kernel_ops.items():
+            row, note = OPS[op]
+            kernel_lines.append(f"  {v.name}: {op} = {sec * 1e3:.2f} ms (table row "
+                                f"'{row}'{'; ' + note if note else ''})")
+    if kernel_lines:
+        lines += ["", "kernel costs per step (one rank):"] + kernel_lines
+    return "\n".join(lines)
+
+
+def to_json(e: Estimate) -> dict:
+    c, w = e.cluster, e.workload
+    return {
+        "model": w.shape.name, "parameters": total_params(w.shape),
+        "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "tp": c.tp, "pp": c.pp, "dp": c.dp,
+        "intra_gbps": c.intra_gbps, "inter_gbps": c.inter_gbps,
+        "global_batch": w.global_batch, "flops_per_step": e.flops, "compute_s": e.compute_s,
+        "overlap": w.overlap, "exact_reduce_scatter": w.exact_reduce_scatter,
+        "kernels": e.kernels.describe(), "buckets": {str(k): v for k, v in e.buckets.items()},
+        "variants": {
+            name: {
+                "label": v.label,
+                "sent_intra_bytes": v.sent.intra, "sent_inter_bytes": v.sent.inter,
+                "exact_intra_bytes": v.sent.exact_intra, "exact_inter_bytes": v.sent.exact_inter,
+                "grad_sent_bytes": v.grad_sent.total, "weight_sent_bytes": v.weight_sent.total,
+                "node_inter_bytes": v.node_inter_bytes, "gpu_intra_bytes": v.gpu_intra_bytes,
+                "grad_comm_s": v.grad_comm_s, "weight_comm_s": v.weight_comm_s,
+                "grad_exposed_s": v.grad_exposed_s, "weight_exposed_s": v.weight_exposed_s,
+                "kernel_s": v.kernel_s, "kernel_ops_s": v.kernel_ops, "step_s": v.step_s,
+                "tflops_per_gpu": e.tflops_per_gpu(name), "speedup": e.speedup(name),
+            } for name, v in e.variants.items()
+        },
+    }

@@ -1,0 +1,81 @@
+"""The all-to-all exact reduce-scatter (benchmark baseline) against torch's, on real gloo ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from comm_harness import run_world
+from megatron_sdp4bit.comm.exact_alltoall import alltoall_reduce_scatter
+
+
+def _cases(rank: int, world: int) -> dict:
+    """Every check of this file in one world (spawning worlds is the slow part)."""
+    out = {}
+    shard = 37
+    # Integer-valued fp32: every sum is exact, so any summation order gives the same bits.
+    ints = torch.randint(-50, 50, (world * shard,), generator=torch.Generator().manual_seed(rank))
+    ints = ints.float()
+    for op_name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+        ours, ref = torch.empty(shard), torch.empty(shard)
+        alltoall_reduce_scatter(ours, ints.clone(), op=op)
+        dist.reduce_scatter_tensor(ref, ints.clone(), op=op)
+        out[f"int_{op_name}_equal"] = torch.equal(ours, ref)
+    # Random fp32 and bf16: equal up to the order of the additions.
+    x = torch.randn(world * 300, generator=torch.Generator().manual_seed(10 + rank))
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        ours, ref = torch.empty(300, dtype=dtype), torch.empty(300, dtype=dtype)
+        alltoall_reduce_scatter(ours, xs.clone(), op=dist.ReduceOp.SUM)
+        # shard `rank` of every rank's input, summed in fp32
+        exact = torch.stack([t.to(dtype).float().view(world, 300)[rank]
+                             for t in _all_inputs(world)]).sum(dim=0)
+        dist.reduce_scatter_tensor(ref, xs.clone(), op=dist.ReduceOp.SUM)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        out[f"{dtype}_close"] = bool(torch.allclose(ours.float(), exact, atol=tol, rtol=tol))
+        out[f"{dtype}_close_to_torch"] = bool(torch.allclose(ours.float(), ref.float(),
+                                                             atol=tol * 4, rtol=tol * 4))
+    # Output a view of the input (megatron passes the bucket's own shard); async handle.
+    buf = ints.clone()
+    view = buf[rank * shard:(rank + 1) * shard]
+    handle = alltoall_reduce_scatter(view, buf, op=dist.ReduceOp.SUM, async_op=True)
+    handle.wait()
+    ref = torch.empty(shard)
+    dist.reduce_scatter_tensor(ref, ints.clone(), op=dist.ReduceOp.SUM)
+    out["view_async_equal"] = torch.equal(view, ref)
+    # Inside megatron's coalescing manager, synchronously, as param_and_grad_buffer calls it.
+    from torch.distributed import _coalescing_manager
+
+    coalesced = torch.empty(shard)
+    with _coalescing_manager(dist.group.WORLD, async_ops=False):
+        alltoall_reduce_scatter(coalesced, ints.clone(), op=dist.ReduceOp.SUM,
+                                group=dist.group.WORLD, async_op=False)
+    out["coalesced_equal"] = torch.equal(coalesced, ref)
+    return out
+
+
+def _all_inputs(world):
+    """Every rank's random input, regenerated locally from the seeds the ranks use."""
+    return [torch.randn(world * 300, generator=torch.Generator().manual_seed(10 + r))
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_alltoall_reduce_scatter_matches_torch(world):
+    for rank, result in enumerate(run_world(_cases, world)):
+        failed = [name for name, ok in result.items() if not ok]
+        assert not failed, f"rank {rank}: {failed}"
+
+
+def test_alltoall_reduce_scatter_rejects_bad_calls():
+    from unittest import mock
+
+    with mock.patch.object(dist, "get_world_size", return_value=2):
+        with pytest.raises(ValueError, match="ReduceOp.SUM or ReduceOp.AVG"):
+            alltoall_reduce_scatter(torch.empty(2), torch.empty(4), op=dist.ReduceOp.MAX,
+                                    group=object())
+        with pytest.raises(ValueError, match="group size"):
+            alltoall_reduce_scatter(torch.empty(3), torch.empty(4), group=object())
+        with pytest.raises(ValueError, match="share a dtype"):
+            alltoall_reduce_scatter(torch.empty(2, dtype=torch.bfloat16), torch.empty(4),
+                                    group=object())

@@ -1,0 +1,53 @@
+"""Real collectives whose recorded bytes the estimator must reproduce (run on gloo ranks)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_sdp4bit.comm import (get_wire_stats, quantized_all_gather_weights,
+                                   quantized_reduce_scatter, reset_wire_stats)
+from megatron_sdp4bit.config import preset
+
+# (name, config overrides) of the collectives measured; shard sizes and dtypes below.
+CONFIGS = {
+    "baseline": ("baseline", {}),
+    "zeropp": ("zeropp", {}),
+    "sdp4bit": ("sdp4bit", {}),
+    "sdp4bit-3chunks": ("sdp4bit", {"pipeline_chunks": 3}),
+    "tlq-g256": ("sdp4bit", {"grad_mode": "tlq", "grad_group_size_intra": 256,
+                             "grad_group_size_inter": 64, "weight_group_size": 512}),
+}
+SHARDS = (1, 37, 4096 + 5)
+RANKS_PER_NODE = (1, 2, 3, 4)  # 4 ranks: 4 nodes, 2 x 2, uneven 3 + 1 (flat fallback), 1 node
+
+
+def cases():
+    """(config name, ranks per node, shard, dtype): every config in fp32, two in bf16 too."""
+    for rpn in RANKS_PER_NODE:
+        for name in CONFIGS:
+            for shard in SHARDS:
+                yield name, rpn, shard, torch.float32
+                if name in ("baseline", "sdp4bit"):
+                    yield name, rpn, shard, torch.bfloat16
+
+
+def _counters() -> dict:
+    stats = get_wire_stats()
+    return {(c, lv): (stats.sent_bytes(c, lv), stats.exact_bytes(c, lv))
+            for c in ("reduce_scatter", "all_gather") for lv in ("intra", "inter")}
+
+
+def measure(rank: int, world: int) -> dict:
+    """{(config, rpn, shard, dtype name): {(collective, level): (sent, exact)}} on this rank."""
+    out = {}
+    for name, rpn, shard, dtype in cases():
+        base, overrides = CONFIGS[name]
+        config = preset(base, ranks_per_node=rpn, **overrides)
+        grads = torch.randn(world * shard).to(dtype)
+        reset_wire_stats()
+        quantized_reduce_scatter(torch.empty(shard, dtype=dtype), grads,
+                                 op=dist.ReduceOp.AVG, config=config)
+        model = torch.zeros(world * shard, dtype=dtype)
+        quantized_all_gather_weights(model, torch.randn(shard), config=config)
+        out[(name, rpn, shard, str(dtype))] = _counters()
+    return out

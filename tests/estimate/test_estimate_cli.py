@@ -1,0 +1,92 @@
+"""The ``sdp4bit-estimate`` command line: every config runs, bad flags exit 2 with one line."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_sdp4bit.estimate import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = sorted(f for f in os.listdir(os.path.join(REPO, "configs")) if f.startswith("gpt_"))
+BASE = ["--nodes", "4", "--gpus-per-node", "8", "--intra-gbps", "1600", "--inter-gbps", "200",
+        "--tflops", "150"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_runs_on_every_config(config, capsys):
+    argv = ["--config", os.path.join(REPO, "configs", config), *BASE]
+    if config == "gpt_125m.yaml":
+        argv += ["--overlap", "full"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ASSUMED" in out  # no GPU kernel table: the output says so
+    for label in ("exact", "ZeRO++", "SDP4Bit"):
+        assert label in out
+    assert out.count("x |") >= 3  # a speedup per variant
+
+
+def test_json_output_and_the_cpu_table(capsys):
+    assert cli.main(["--config", os.path.join(REPO, "configs", "gpt_350m.yaml"), "--nodes", "2",
+                     "--gpus-per-node", "2", "--intra-gbps", "14", "--inter-gbps", "0.1",
+                     "--compute-s", "0.5", "--kernels", "cpu", "--cpu-cores-per-rank", "0.5",
+                     "--global-batch-size", "32", "--param-dtype", "fp32", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["dp"] == 4 and data["compute_s"] == 0.5 and "measured" in data["kernels"]
+    v = data["variants"]
+    assert v["baseline"]["speedup"] == 1.0 and v["sdp4bit"]["speedup"] > 1
+    assert v["sdp4bit"]["node_inter_bytes"] < v["baseline"]["node_inter_bytes"]
+
+
+BAD = [
+    (["--nodes", "0"], "--nodes"),
+    (["--nodes", "two"], "--nodes"),
+    (["--inter-gbps", "-1"], "--inter-gbps"),
+    (["--tflops", "nan"], "--tflops"),
+    (["--tp", "3"], "--tp"),
+    (["--tp", "8", "--pp", "3", "--nodes", "6"], "--pp"),         # 32 layers: PP 3 does not divide
+    (["--dp", "7"], "--dp"),
+    (["--config", "configs/nope.yaml"], "--config"),
+    (["--compute-s", "1"], "--compute-s"),                          # with --tflops: one of them
+    (["--variants", "baseline,fsdp"], "--variants"),
+    (["--global-batch-size", "100"], "--global-batch-size"),
+    (["--kernel-gbps", "100", "--kernels", "cpu"], "--kernel-gbps"),
+    (["--overlap", "sometimes"], "--overlap"),
+    (["--frobnicate"], "--frobnicate"),
+]
+
+
+@pytest.mark.parametrize("extra,flag", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_bad_flags_exit_2_with_one_line_naming_the_flag(extra, flag, capsys):
+    config = "gpt_6.7b.yaml" if flag == "--pp" else "gpt_1.3b.yaml"
+    argv = ["--config", os.path.join(REPO, "configs", config), *BASE, *extra]
+    if flag == "--config":
+        argv = [*BASE, *extra]
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and captured.out == ""
+    assert len(lines) == 1 and lines[0].startswith("sdp4bit-estimate: error:"), lines
+    assert flag in lines[0], lines[0]
+
+
+def test_missing_flags_are_named():
+    proc = subprocess.run([sys.executable, "-m", "megatron_sdp4bit.estimate", "--nodes", "2"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("sdp4bit-estimate: error:")
+    assert "--gpus-per-node" in line and "--inter-gbps" in line
+
+
+def test_command_line_constants_match_the_modules():
+    from megatron_sdp4bit.estimate import timing, volume
+
+    assert tuple(volume.EXACT_REDUCE_SCATTERS) == cli.EXACT_REDUCE_SCATTERS
+    assert tuple(timing.VARIANTS) == cli.VARIANT_NAMES

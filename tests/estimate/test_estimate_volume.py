@@ -1,0 +1,83 @@
+"""The estimator's byte counts against what the real collectives record, and link volumes."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "comm"))
+
+from comm_harness import run_world  # noqa: E402
+from estimate_cases import CONFIGS, cases, measure  # noqa: E402
+from megatron_sdp4bit.comm.layout import plan_node_layout  # noqa: E402
+from megatron_sdp4bit.config import preset  # noqa: E402
+from megatron_sdp4bit.estimate import volume  # noqa: E402
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """The accounting of every case, from 4 real gloo ranks (one world for all cases)."""
+    return run_world(measure, WORLD)
+
+
+def test_sent_bytes_equal_the_accounting_of_real_collectives(recorded):
+    mismatches = []
+    for name, rpn, shard, dtype in cases():
+        layout = plan_node_layout(range(WORLD), rpn)
+        base, overrides = CONFIGS[name]
+        config = preset(base, ranks_per_node=rpn, **overrides)
+        elt = torch.empty(0, dtype=dtype).element_size()
+        for rank in range(WORLD):
+            rs = volume.reduce_scatter_sent(shard, elt, layout, rank, config)
+            ag = volume.all_gather_sent(shard, elt, layout, rank, config)
+            ours = {("reduce_scatter", "intra"): (rs.intra, rs.exact_intra),
+                    ("reduce_scatter", "inter"): (rs.inter, rs.exact_inter),
+                    ("all_gather", "intra"): (ag.intra, ag.exact_intra),
+                    ("all_gather", "inter"): (ag.inter, ag.exact_inter)}
+            real = recorded[rank][(name, rpn, shard, str(dtype))]
+            if ours != real:
+                mismatches.append((name, rpn, shard, str(dtype), rank, ours, real))
+    assert not mismatches, mismatches[:3]
+
+
+def test_quantized_all_to_all_hops_send_what_they_account():
+    """Direct sends: the link bytes of each hop are the accounted bytes, rank by rank."""
+    layout = plan_node_layout(range(8), 4)  # 2 nodes x 4
+    config = preset("sdp4bit")
+    shard = 10_000
+    links = volume.reduce_scatter_links(shard, 4, layout, config, "ring")
+    assert [d for d, _ in links.phases] == ["intra all-to-all", "inter all-to-all"]
+    intra, inter = (lk for _, lk in links.phases)
+    for rank in range(8):
+        sent = volume.reduce_scatter_sent(shard, 4, layout, rank, config)
+        assert intra.gpu_intra[rank] == sent.intra and sent.inter
+    assert inter.node_inter == {0: 4 * sent.inter, 1: 4 * sent.inter}
+
+
+def test_ring_volumes_of_the_exact_collectives():
+    """A ring crosses each node boundary once: (P - 1) chunks per node, per ring."""
+    layout = plan_node_layout(range(8), 4)
+    config = preset("baseline")
+    shard = 1000
+    ring = volume.reduce_scatter_links(shard, 4, layout, config, "ring").phases[0][1]
+    assert ring.node_inter == {0: 7 * shard * 4, 1: 7 * shard * 4}
+    assert ring.gpu_intra[0] == 7 * shard * 4 and 3 not in ring.gpu_intra  # 3 -> 4 leaves node 0
+    allreduce = volume.reduce_scatter_links(shard, 4, layout, config, "allreduce").phases[0][1]
+    assert allreduce.node_inter == {n: 2 * b for n, b in ring.node_inter.items()}
+    a2a = volume.reduce_scatter_links(shard, 4, layout, config, "alltoall").phases[0][1]
+    assert a2a.node_inter == {0: 4 * 4 * shard * 4, 1: 4 * 4 * shard * 4}  # 4 ranks x 4 remote peers
+    gather = volume.all_gather_links(shard, 2, layout, preset("sdp4bit")).phases[0][1]
+    chunk = volume.all_gather_chunk(shard, 2, preset("sdp4bit"))  # one group of 2048, padded
+    assert chunk == 2048 // 2 + 4 and gather.node_inter == {0: 7 * chunk, 1: 7 * chunk}
+
+
+def test_megatron_dp_groups_follow_tp_dp_pp_order():
+    groups = volume.megatron_dp_groups(16, tp=2, pp=2)
+    assert groups[0] == (0, [0, 2, 4, 6]) and groups[1] == (0, [1, 3, 5, 7])
+    assert groups[2] == (1, [8, 10, 12, 14])
+    layouts = volume.dp_layouts(4, 4, tp=2, pp=2)  # 4 nodes of 4: DP 4 over 2 nodes, 2 per node
+    assert all(lay.is_two_level and lay.members_per_node == 2 for _, lay in layouts)
