@@ -54,6 +54,7 @@ ALLOWED = {
     "pipeline_chunks": "an integer >= 1",
     "seed": "an integer >= 0",
     "grad_start_iter": "an integer >= 0",
+    "check_interval": "an integer >= 0 (0 = never)",
 }
 """What each field may be, in words: for error messages and ``--help``. The rules
 themselves are in ``SDP4BitConfig.__post_init__``."""
@@ -112,6 +113,10 @@ class SDP4BitConfig:
     grad_start_iter: int = 0
     """Iteration from which gradients are quantized (exact before it)."""
 
+    check_interval: int = 100
+    """Every this many optimizer steps, check that all data-parallel replicas hold
+    bit-identical weights (one small all-reduce and one host read; 0 = never)."""
+
     def __post_init__(self) -> None:
         """Every rule about a field lives here, and only here: a bad value fails where
         the config is made, with the field's name and what it may be."""
@@ -149,6 +154,7 @@ class SDP4BitConfig:
         self._check_int("pipeline_chunks", minimum=1)
         self._check_int("seed", minimum=0)
         self._check_int("grad_start_iter", minimum=0)
+        self._check_int("check_interval", minimum=0)
 
     def _check_choice(self, name: str, choices: tuple) -> None:
         if getattr(self, name) not in choices:

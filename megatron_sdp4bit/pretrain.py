@@ -406,6 +406,7 @@ def main(argv: Optional[list] = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"sdp4bit-pretrain: error: {exc}", file=sys.stderr)
         return 2
+    from megatron_sdp4bit.megatron.consistency import ReplicaMismatch
     from megatron_sdp4bit.training import checkpoint
     from megatron_sdp4bit.training.distributed import shutdown
 
@@ -421,6 +422,10 @@ def main(argv: Optional[list] = None) -> int:
         if torch.distributed.get_rank() == 0:  # every rank stops alike; one says why
             print(f"sdp4bit-pretrain: stopped: {exc}", file=sys.stderr)
         return 3
+    except ReplicaMismatch as exc:
+        if torch.distributed.get_rank() == 0:  # every rank stops alike; one says why
+            print(f"sdp4bit-pretrain: stopped: {exc}", file=sys.stderr)
+        return 4
     finally:
         shutdown()
     return 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from megatron_sdp4bit import comm
-from megatron_sdp4bit.megatron import quant_metrics
+from megatron_sdp4bit.megatron import consistency, quant_metrics
 from megatron_sdp4bit.megatron.accounting import record_exact
 from megatron_sdp4bit.megatron.checks import check_ddp_config
 from megatron_sdp4bit.megatron.handles import Handles
@@ -31,8 +31,23 @@ def _weights_quantized(layer, optimizer) -> bool:
     return layer.state.config.quantize_weights and layer.adapter.optimizer_group(optimizer)[1] > 1
 
 
+def _check_replicas(layer, optimizer) -> None:
+    """Every ``check_interval`` steps: the weights every rank trained on (gathered at
+    the end of the previous step, all waited for by the forward pass) must agree."""
+    state, adapter = layer.state, layer.adapter
+    interval = state.config.check_interval
+    if not interval or (state.iteration + 1) % interval:
+        return
+    if adapter.optimizer_group(optimizer)[1] == 1:
+        return
+    buffers = [(f"buffer {b} bucket {k}", bucket.param_data)
+               for (b, k), bucket in adapter.buffer_buckets(optimizer)]
+    consistency.check_replicas(buffers, adapter.optimizer_process_group(optimizer), state.iteration)
+
+
 def step_with_ready_grads(layer, optimizer) -> bool:
     state, adapter = layer.state, layer.adapter
+    _check_replicas(layer, optimizer)
     if _weights_quantized(layer, optimizer):
         rank, size = adapter.optimizer_group(optimizer)
         for bucket in adapter.optimizer_buckets(optimizer):

@@ -131,6 +131,10 @@ class MegatronAdapter:
         """(this rank's index, size) of the optimizer's data-parallel group."""
         raise NotImplementedError
 
+    def optimizer_process_group(self, optimizer):
+        """The process group over which the optimizer's shards are gathered."""
+        raise NotImplementedError
+
     def main_param_ranges(self, optimizer) -> Iterator[Tuple[Any, int, int, torch.Tensor]]:
         """For every bf16/fp16 param's fp32 main shard: (bucket, start of the shard in
         the bucket, its size, the fp32 main tensor)."""

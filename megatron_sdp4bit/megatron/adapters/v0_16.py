@@ -97,8 +97,11 @@ class Adapter(MegatronAdapter):
         for buffer in optimizer.buffers:
             yield from buffer.buckets
 
+    def optimizer_process_group(self, optimizer):
+        return optimizer.data_parallel_group
+
     def optimizer_group(self, optimizer) -> Tuple[int, int]:
-        group = optimizer.data_parallel_group
+        group = self.optimizer_process_group(optimizer)
         return group.rank(), group.size()
 
     def main_param_ranges(self, optimizer) -> Iterator[Tuple[Any, int, int, torch.Tensor]]:
