@@ -8,6 +8,12 @@ model, DDP, distributed optimizer, schedule and datasets are megatron-core's own
 parts (``training/model.py``, ``data/``); this file only runs the loop:
 forward/backward with megatron's schedule, optimizer step, LR schedule, logging,
 evaluation and checkpoints. Without a GPU it runs on gloo with the CPU backend.
+
+Tensor, pipeline and virtual-pipeline parallelism (``--tensor-model-parallel-size``,
+``--pipeline-model-parallel-size``, ``--num-layers-per-virtual-pipeline-stage``) use
+megatron's own schedules (``get_forward_backward_func``: 1F1B, interleaved with
+virtual stages); the model is then a list of chunks, one DDP each. SDP4Bit
+quantizes the data-parallel collectives of every chunk, as in the paper.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from typing import Optional
 import torch
 
 from megatron_sdp4bit.config import preset
-from megatron_sdp4bit.training.arguments import ArgumentError, check_parallel_sizes, parse_args
+from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
 
 
 def _log0(*args) -> None:
@@ -72,6 +78,17 @@ def _micro_batches(dataset, args, dp_rank, dp_size, consumed_samples):
                                  pin_memory=torch.cuda.is_available())
 
 
+def _data_iterators(dataset, args, layout, consumed_samples):
+    """This data-parallel rank's micro-batches: one iterator, or one per model chunk for
+    the interleaved schedule (each chunk reads every micro-batch, as in Megatron-LM)."""
+    from megatron.core import parallel_state
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    iterators = [_micro_batches(dataset, args, dp_rank, layout.data, consumed_samples)
+                 for _ in range(layout.model_chunks)]
+    return iterators if layout.virtual else iterators[0]
+
+
 def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
@@ -101,24 +118,44 @@ def forward_step(data_iterator, model):
 
 def _run_schedule(ddp, args, data_iterator, num_microbatches, forward_only) -> torch.Tensor:
     """The mean loss over the micro-batches, as a tensor on the model's device: reading
-    it (a host-device synchronisation) waits for the logging interval."""
+    it (a host-device synchronisation) waits for the logging interval. Pipeline stages
+    other than the last have no loss: zero there (``is_loss_rank`` says which count)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_sdp4bit.training.model import model_chunks
+
+    chunks = model_chunks(ddp)
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data_iterator, model=[ddp],
+        forward_step_func=forward_step, data_iterator=data_iterator, model=chunks,
         num_microbatches=num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, forward_only=forward_only,
     )
+    if not losses:
+        return torch.zeros((), dtype=torch.float32, device=_model_device(chunks[0]))
     return torch.stack([d["lm loss"].float() for d in losses]).mean()
 
 
 def wire_schedule_hooks(ddp, optimizer) -> None:
     """What megatron's schedule calls back into, as Megatron-LM's training loop sets it:
-    without ``finalize_model_grads_func`` the gradients would never be reduced."""
+    without ``finalize_model_grads_func`` the gradients would never be reduced. ``ddp``
+    is one DDP chunk or several (virtual pipeline stages): one callback per chunk."""
     from megatron.core.distributed import finalize_model_grads
 
-    config = ddp.config
-    config.no_sync_func = ddp.no_sync
+    from megatron_sdp4bit.training.model import model_chunks
+
+    chunks = model_chunks(ddp)
+    config = chunks[0].config  # one TransformerConfig for all chunks
+
+    def per_chunk(name):
+        functions = [getattr(chunk, name) for chunk in chunks]
+        return functions[0] if len(functions) == 1 else functions
+
+    config.no_sync_func = per_chunk("no_sync")
+    if chunks[0].ddp_config.overlap_grad_reduce:
+        # Megatron-LM's default (--align-grad-reduce): with pipeline stages, each chunk's
+        # reduce-scatter starts when the schedule has run its last backward (the schedule
+        # without pipelining does not use it).
+        config.grad_sync_func = per_chunk("start_grad_sync")
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
 
@@ -133,7 +170,10 @@ def train_step(ddp, optimizer, scheduler, args, data_iterator, num_microbatches)
     megatron's optimizer skips a step whose gradients hold Inf/NaN (on every rank
     alike: the check is all-reduced); the schedule then does not advance either.
     """
-    ddp.zero_grad_buffer()
+    from megatron_sdp4bit.training.model import model_chunks
+
+    for chunk in model_chunks(ddp):
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     loss = _run_schedule(ddp, args, data_iterator, num_microbatches, forward_only=False)
     ok, grad_norm, _ = optimizer.step()
@@ -150,16 +190,16 @@ def train_step(ddp, optimizer, scheduler, args, data_iterator, num_microbatches)
     return loss, grad_norm, ok
 
 
-def evaluate(ddp, args, valid, dp_rank, dp_size, num_microbatches) -> float:
-    from megatron_sdp4bit.training.distributed import all_reduce_mean
+def evaluate(ddp, args, valid, layout, num_microbatches) -> float:
+    from megatron_sdp4bit.training.distributed import all_reduce_mean, is_loss_rank
 
     ddp.eval()
-    it = _micro_batches(valid, args, dp_rank, dp_size, 0)  # the same batches at every eval
+    it = _data_iterators(valid, args, layout, 0)  # the same batches at every eval
     with torch.no_grad():
         losses = [_run_schedule(ddp, args, it, num_microbatches, forward_only=True)
                   for _ in range(args.eval_iters)]
     ddp.train()
-    return all_reduce_mean(torch.stack(losses).mean())
+    return all_reduce_mean(torch.stack(losses).mean(), weight=float(is_loss_rank()))
 
 
 # --- wire accounting ------------------------------------------------------------------
@@ -239,23 +279,25 @@ class TrainingWindow:
 # --- main ----------------------------------------------------------------------------
 
 def run(args, with_weights_hash: bool = False) -> dict:
+    from megatron_sdp4bit.megatron.consistency import weights_sha256
     from megatron_sdp4bit.training import checkpoint
-    from megatron_sdp4bit.training.distributed import (all_reduce_mean, init_distributed,
-                                                       init_model_parallel)
+    from megatron_sdp4bit.training.distributed import (all_reduce_mean, all_reduce_sum,
+                                                       init_distributed, init_model_parallel,
+                                                       is_loss_rank, parallel_layout, parallel_ranks)
     from megatron_sdp4bit.training.fusions import choose_fusions
     from megatron_sdp4bit.training.metrics import MetricsLogger, plot_losses
-    from megatron_sdp4bit.training.model import build_model, build_optimizer
+    from megatron_sdp4bit.training.model import ModelChunks, build_model, build_optimizer
 
     device = init_distributed()
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    check_parallel_sizes(args, world)
-    num_microbatches = args.global_batch_size // (args.micro_batch_size * world)
+    layout = parallel_layout(args, world)  # a bad TP/PP/VP layout stops here, naming the flag
+    num_microbatches = args.global_batch_size // (args.micro_batch_size * layout.data)
     if args.save:
         checkpoint.check_writable(args.save)
     _log0(f"device: {device} ({'nccl' if device == 'cuda' else 'gloo + CPU backend'}), "
-          f"{world} ranks, {num_microbatches} micro-batches of {args.micro_batch_size} per rank")
-    init_model_parallel(args.seed)
-    torch.manual_seed(args.seed)
+          f"{world} ranks{f' ({layout.describe()})' if world != layout.data else ''}, "
+          f"{num_microbatches} micro-batches of {args.micro_batch_size} per rank")
+    init_model_parallel(args.seed, layout)  # seeds torch and megatron's RNG tracker too
     config = args.sdp4bit_config
     from megatron_sdp4bit import comm
     from megatron_sdp4bit.megatron import patch
@@ -267,12 +309,22 @@ def run(args, with_weights_hash: bool = False) -> dict:
     patch.install(config)
     patch.set_metrics_interval(args.log_interval)  # sampled on logged steps only
     _log0(f"sdp4bit: {config.to_dict() if quantized else 'off (exact collectives)'}")
-    tokenizer, train_ds, valid_ds = build_data(args, rank, world)
+    from megatron.core import parallel_state
+
+    tokenizer, train_ds, valid_ds = build_data(args, parallel_state.get_data_parallel_rank(), layout.data)
     fusions = choose_fusions(device)
-    ddp, _ = build_model(args, tokenizer.vocab_size, device, fusions)
-    optimizer, scheduler = build_optimizer(args, ddp)
+    model, _ = build_model(args, tokenizer.vocab_size, device, fusions)  # DDP chunks
+    # One module for what sees the whole rank's model (checkpoints, weight hashes).
+    ddp = model[0] if len(model) == 1 else ModelChunks(model)
+    optimizer, scheduler = build_optimizer(args, model)
     wire_schedule_hooks(ddp, optimizer)
-    n_params = sum(p.numel() for p in ddp.parameters())
+    # Summed over the model-parallel ranks: parameters that tensor-parallel ranks replicate
+    # counted on the first, the last stage's copy of tied embeddings not at all.
+    tp_first = parallel_state.get_tensor_model_parallel_rank() == 0
+    n_params = all_reduce_sum(
+        sum(p.numel() for p in ddp.parameters() if not getattr(p, "shared", False)
+            and (tp_first or getattr(p, "tensor_model_parallel", False))),
+        group=parallel_state.get_model_parallel_group())
     _log0(f"model: GPT {args.num_layers} layers x {args.hidden_size}, {n_params / 1e6:.2f} M params, "
           f"{args.transformer_impl_used} layer spec, vocab {tokenizer.vocab_size}")
     _log0(fusions.describe())
@@ -291,7 +343,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
     logger = MetricsLogger(run_dir, enabled=rank == 0, total_iters=args.train_iters,
                            progress_bar=not args.no_progress_bar, tensorboard_dir=args.tensorboard_dir)
     meter = WireMeter()
-    train_iter = _micro_batches(train_ds, args, rank, world, iteration * args.global_batch_size)
+    train_iter = _data_iterators(train_ds, args, layout, iteration * args.global_batch_size)
     tokens_per_step = args.global_batch_size * args.seq_length
     last_loss = last_valid = math.nan
     window = TrainingWindow(device)
@@ -304,15 +356,19 @@ def run(args, with_weights_hash: bool = False) -> dict:
 
     window.start()
     consecutive_skipped = 0
+    step_hashes = []
     while iteration < args.train_iters:
         loss, grad_norm, ok = train_step(ddp, optimizer, scheduler, args, train_iter, num_microbatches)
         iteration += 1
+        if with_weights_hash:
+            step_hashes.append(weights_sha256(ddp))
         window.add(loss, ok)
         consecutive_skipped = 0 if ok else consecutive_skipped + 1
         diverged = consecutive_skipped >= args.max_consecutive_skipped_iters
         if iteration % args.log_interval == 0 or iteration == args.train_iters or diverged:
             loss_sum, steps, skipped, elapsed = window.close()  # waits for the device
-            last_loss = all_reduce_mean(loss_sum / steps)  # mean over the window
+            # mean over the window and the data-parallel replicas (the last stage has the loss)
+            last_loss = all_reduce_mean(loss_sum / steps, weight=float(is_loss_rank()))
             time_total += elapsed
             tokens_total += tokens_per_step * steps
             wire = meter.read()
@@ -348,7 +404,7 @@ def run(args, with_weights_hash: bool = False) -> dict:
         if window.steps and (evaluating or saving):
             window.pause()
         if evaluating:
-            last_valid = evaluate(ddp, args, valid_ds, rank, world, num_microbatches)
+            last_valid = evaluate(ddp, args, valid_ds, layout, num_microbatches)
             logger.log("valid", {"iteration": iteration, "loss": last_valid})
         if saving:
             save(iteration)
@@ -364,11 +420,11 @@ def run(args, with_weights_hash: bool = False) -> dict:
         "tokens_per_s": tokens_total / time_total if time_total else math.nan,
         "bytes_sent": meter.totals["sent"], "bytes_exact": meter.totals["exact"],
         "metrics": logger.path, "run_dir": run_dir,
+        "layout": layout.describe(), **parallel_ranks(),
     }
     if with_weights_hash:
-        from megatron_sdp4bit.megatron.consistency import weights_sha256
-
         summary["weights_sha256"] = weights_sha256(ddp)
+        summary["weights_sha256_per_step"] = step_hashes
     logger.close()
     if rank == 0 and os.path.isfile(logger.path):
         summary["plot"] = plot_losses(logger.path, os.path.join(run_dir, "loss.png"),

@@ -69,6 +69,11 @@ the tests in ``tests/megatron/test_cpu_backend.py`` go through it (traced).
    * ``transformer/utils.py`` ``get_default_causal_mask`` (hit) and
      ``get_sliding_window_causal_mask``: the softmax's causal mask when
      ``attention_mask`` is None (``fusions/fused_softmax.py``).
+   * ``models/common/language_module/language_module.py``
+     ``LanguageModule.setup_embeddings_and_output_layer`` (a method, rebound on its
+     class): with pipeline stages and tied embeddings, ``weight.data.cuda()`` before
+     the first and last stages all-reduce their copies of the word embeddings
+     (hit by ``tests/training/test_parallel_layouts.py``).
 
 3. ``torch.cuda`` functions, replaced process-wide while enabled by CPU twins. This is
    the one global change and it cannot be narrower: megatron uses
@@ -88,8 +93,11 @@ the tests in ``tests/megatron/test_cpu_backend.py`` go through it (traced).
      ``dot_product_attention.py``, ``transformer/module.py``,
      ``tensor_parallel/mappings.py`` (sequence/tensor parallel buffers).
    * ``synchronize`` -> no-op (``parallel_state.py`` ``update_pg_timeout``; DDP
-     ``offload_grad_buffers`` / ``restore_grad_buffers``): CPU ops and
-     waited gloo handles are complete.
+     ``offload_grad_buffers`` / ``restore_grad_buffers``; the pipeline's
+     ``pipeline_parallel/p2p_communication.py`` after batched sends): CPU ops and
+     waited gloo handles are complete. The pipeline's receive buffers are allocated on
+     ``current_device()`` (hit with pipeline parallelism); its sends and receives are
+     gloo's ``isend``/``irecv``, batched or not.
    * ``Stream``, ``Event``, ``stream``, ``current_stream``, ``default_stream`` -> CPU
      stand-ins accepting the CUDA signatures: DDP's ``communication_stream``
      (``distributed/distributed_data_parallel.py``) and its use in

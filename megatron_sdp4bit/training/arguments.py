@@ -102,8 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overlap-param-gather", action="store_true")
     t.add_argument("--bucket-size", type=_POSITIVE_INT, default=None, help="elements per DDP bucket")
     t.add_argument("--seed", type=_NON_NEGATIVE_INT, default=1234)
-    t.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    t.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    t.add_argument("--tensor-model-parallel-size", type=_POSITIVE_INT, default=1,
+                   help="TP: ranks that split each layer's weights (Megatron-LM's meaning)")
+    t.add_argument("--pipeline-model-parallel-size", type=_POSITIVE_INT, default=1,
+                   help="PP: pipeline stages the layers are split into")
+    t.add_argument("--num-layers-per-virtual-pipeline-stage", type=_POSITIVE_INT, default=None,
+                   help="layers per virtual pipeline stage: each PP stage holds (layers / PP) / this "
+                        "interleaved model chunks (megatron's interleaved 1F1B schedule)")
 
     d = p.add_argument_group("data")
     d.add_argument("--data-path", nargs="*", default=None,
@@ -191,10 +196,6 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
             "warm-up or lengthen the decay")
     if args.save_interval is not None and not args.save:
         bad("--save-interval needs --save DIR")
-    if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
-        bad("this driver runs data parallelism only: use --tensor-model-parallel-size 1 "
-            "--pipeline-model-parallel-size 1 (use Megatron-LM's pretrain_gpt.py through "
-            "megatron_sdp4bit.launch for TP/PP)")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         bad("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
     try:

@@ -1,11 +1,23 @@
-"""Process-group set-up for the driver: NCCL on CUDA, gloo + the CPU backend otherwise."""
+"""Process groups and the parallel layout: NCCL on CUDA, gloo + the CPU backend otherwise.
+
+The layout follows Megatron-LM's flags: ``--tensor-model-parallel-size`` (TP)
+splits each layer's weights, ``--pipeline-model-parallel-size`` (PP) splits the
+layers into stages, ``--num-layers-per-virtual-pipeline-stage`` cuts each stage
+into interleaved model chunks (VP of them), and the remaining factor of the world
+is the data-parallel size (DP), whose collectives SDP4Bit quantizes. Ranks are
+ordered as megatron-core's default ``tp-cp-ep-dp-pp``: TP fastest, then DP, then PP.
+"""
 from __future__ import annotations
 
 import datetime
 import os
 import socket
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from megatron_sdp4bit.training.arguments import ArgumentError
 
 
 def _free_port() -> int:
@@ -38,20 +50,142 @@ def init_distributed(timeout_minutes: float = 10.0) -> str:
     return "cuda" if use_cuda else "cpu"
 
 
-def init_model_parallel(seed: int) -> None:
+# --- the parallel layout ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the world is split. ``virtual`` is None without interleaving."""
+
+    world: int
+    tensor: int = 1
+    pipeline: int = 1
+    virtual: Optional[int] = None
+    data: int = 1
+
+    @property
+    def model_chunks(self) -> int:
+        """Model chunks on each rank (one per virtual pipeline stage)."""
+        return self.virtual or 1
+
+    def describe(self) -> str:
+        parts = [f"TP {self.tensor}", f"PP {self.pipeline}"]
+        if self.virtual:
+            parts.append(f"VP {self.virtual}")
+        return " x ".join(parts) + f" x DP {self.data}"
+
+
+def virtual_pipeline_size(args) -> Optional[int]:
+    """Megatron-LM's rule: layers per stage / layers per virtual stage; 1 means no interleaving."""
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    if per_virtual is None:
+        return None
+    chunks = args.num_layers // args.pipeline_model_parallel_size // per_virtual
+    return chunks if chunks > 1 else None
+
+
+def parallel_layout(args, world_size: int) -> ParallelLayout:
+    """The layout of ``args`` on ``world_size`` ranks; a bad one raises ``ArgumentError``
+    with one line naming the flag. Also fills ``--global-batch-size`` and checks it
+    against the data-parallel size (``arguments.check_parallel_sizes``)."""
+    from megatron_sdp4bit.training.arguments import check_parallel_sizes
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--num-layers-per-virtual-pipeline-stage", per_virtual)):
+        if value is not None and value < 1:
+            raise ArgumentError(f"{flag} must be positive, got {value}")
+    if args.num_attention_heads % tp:
+        raise ArgumentError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+    if args.ffn_hidden_size % tp:
+        raise ArgumentError(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+                            f"--tensor-model-parallel-size {tp}")
+    if args.num_layers % pp:
+        raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by "
+                            f"--pipeline-model-parallel-size {pp}")
+    if per_virtual is not None:
+        if pp == 1:
+            raise ArgumentError("--num-layers-per-virtual-pipeline-stage needs "
+                                "--pipeline-model-parallel-size above 1 (it interleaves pipeline stages)")
+        if args.num_layers % (pp * per_virtual):
+            raise ArgumentError(
+                f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+                f"{pp} x --num-layers-per-virtual-pipeline-stage {per_virtual} = {pp * per_virtual}")
+    if world_size % (tp * pp):
+        raise ArgumentError(
+            f"the world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp}")
+    layout = ParallelLayout(world=world_size, tensor=tp, pipeline=pp,
+                            virtual=virtual_pipeline_size(args), data=world_size // (tp * pp))
+    check_parallel_sizes(args, layout.data)
+    micro_batches = args.global_batch_size // (args.micro_batch_size * layout.data)
+    if layout.virtual and micro_batches % pp:
+        raise ArgumentError(
+            f"--global-batch-size {args.global_batch_size} gives {micro_batches} micro-batches per "
+            f"data-parallel rank; the interleaved schedule (--num-layers-per-virtual-pipeline-stage) "
+            f"needs a multiple of --pipeline-model-parallel-size {pp}")
+    return layout
+
+
+def init_model_parallel(seed: int, layout: Optional[ParallelLayout] = None) -> None:
+    """megatron's parallel state for ``layout`` (default: data parallelism only) and the
+    seeds, as Megatron-LM sets them: ``seed + 100 x pipeline rank`` for torch's and
+    megatron's RNG tracker (which adds the tensor-parallel rank where it should).
+
+    A state made for another layout (an earlier run in the same processes) is replaced.
+    """
     from megatron.core import parallel_state, tensor_parallel
 
+    layout = layout or ParallelLayout(world=torch.distributed.get_world_size(),
+                                      data=torch.distributed.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        same = (parallel_state.get_tensor_model_parallel_world_size() == layout.tensor
+                and parallel_state.get_pipeline_model_parallel_world_size() == layout.pipeline
+                and parallel_state.get_virtual_pipeline_model_parallel_world_size() == layout.virtual)
+        if not same:
+            parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(
+            layout.tensor, layout.pipeline, virtual_pipeline_model_parallel_size=layout.virtual)
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def all_reduce_mean(value) -> float:
-    """The mean over all ranks of a float or one-element tensor (reads it on the host)."""
-    t = torch.tensor([float(value)], dtype=torch.float64,
-                     device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+def parallel_ranks() -> dict:
+    """This rank's coordinates: tensor, pipeline and data-parallel rank."""
+    from megatron.core import parallel_state
+
+    return {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+            "dp_rank": parallel_state.get_data_parallel_rank()}
+
+
+def is_loss_rank() -> bool:
+    """Whether this rank computes the loss (the last pipeline stage)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def _collective_device() -> str:
+    return "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+
+
+def all_reduce_mean(value, weight: float = 1.0) -> float:
+    """The weighted mean over all ranks of a float or one-element tensor (reads it on the
+    host); ranks with ``weight`` 0 do not count, e.g. pipeline stages without the loss."""
+    t = torch.tensor([float(value) * weight, weight], dtype=torch.float64, device=_collective_device())
     torch.distributed.all_reduce(t)
-    return t.item() / torch.distributed.get_world_size()
+    total, weights = t.tolist()
+    return total / weights if weights else float("nan")
+
+
+def all_reduce_sum(value: int, group=None) -> int:
+    t = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
+    torch.distributed.all_reduce(t, group=group)
+    return int(t.item())
 
 
 def shutdown() -> None:

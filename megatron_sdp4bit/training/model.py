@@ -6,6 +6,11 @@ where they import (``fusions.py``), megatron's
 ``DistributedDataParallel``, ``get_megatron_optimizer`` (Adam with decoupled
 weight decay, sharded when ``--use-distributed-optimizer``), and
 ``OptimizerParamScheduler`` for warm-up + cosine/linear decay to ``--min-lr``.
+
+Tensor and pipeline parallelism are built as Megatron-LM's ``get_model`` builds
+them: one ``GPTModel`` per virtual pipeline stage on this rank (``pre_process`` on
+the very first chunk of the pipeline, ``post_process`` on the very last, each with
+its ``vp_stage``), each wrapped in its own DDP (bucketing only for the first).
 """
 from __future__ import annotations
 
@@ -39,6 +44,18 @@ def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+def _parallel_config_kwargs(args) -> dict:
+    """TP/PP/VP sizes for megatron's config, with Megatron-LM's p2p defaults: the
+    interleaved schedule overlaps its sends with compute, the plain one batches them."""
+    from megatron_sdp4bit.training.distributed import virtual_pipeline_size
+
+    virtual = virtual_pipeline_size(args)
+    return dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=virtual,
+                overlap_p2p_comm=virtual is not None, batch_p2p_comm=virtual is None)
+
+
 def transformer_config(args, device: str, fusions: Fusions):
     """megatron-core's TransformerConfig for the driver's flags, on ``device``."""
     from megatron.core.transformer import TransformerConfig
@@ -56,39 +73,74 @@ def transformer_config(args, device: str, fusions: Fusions):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         use_cpu_initialization=device != "cuda",
+        **_parallel_config_kwargs(args),
         **fusions.as_config_kwargs(),
     )
 
 
-def build_gpt(args, vocab_size: int, device: str, fusions: Fusions):
-    """The bare GPTModel (no DDP, no bf16 wrapper) on ``device``, and its config."""
+def build_gpt(args, vocab_size: int, device: str, fusions: Fusions, config=None,
+              pre_process: bool = True, post_process: bool = True, vp_stage=None):
+    """One bare GPTModel chunk (no DDP, no bf16 wrapper) on ``device``, and its config.
+
+    ``pre_process``: this chunk holds the embeddings (first pipeline stage);
+    ``post_process``: the output layer and loss (last stage); ``vp_stage``: which
+    virtual pipeline stage it is (None without interleaving). The defaults are the
+    whole model. The vocabulary is padded to a multiple of 128 x TP, as in Megatron-LM.
+    """
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(args, device, fusions)
+    config = config or transformer_config(args, device, fusions)
     spec, impl = _layer_spec(args.transformer_impl, device)
     args.transformer_impl_used = impl
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=padded_vocab_size(vocab_size),
+        vocab_size=padded_vocab_size(vocab_size, 128 * args.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="learned_absolute",
+        vp_stage=vp_stage,
     )
     if device == "cuda":
         model.cuda(torch.cuda.current_device())
     return model, config
 
 
+def build_gpt_chunks(args, vocab_size: int, device: str, fusions: Fusions):
+    """This rank's model chunks (one per virtual pipeline stage, else one) and their config,
+    as Megatron-LM's ``get_model`` calls ``model_provider``."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_sdp4bit.training.distributed import virtual_pipeline_size
+
+    config = transformer_config(args, device, fusions)
+    virtual = virtual_pipeline_size(args)
+    stages = range(virtual) if virtual else [None]
+    chunks = []
+    for vp_stage in stages:
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=virtual is None, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=virtual is None, vp_stage=vp_stage)
+        chunk, _ = build_gpt(args, vocab_size, device, fusions, config=config,
+                             pre_process=pre, post_process=post, vp_stage=vp_stage)
+        chunk.vp_stage = vp_stage
+        for param in chunk.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        chunks.append(chunk)
+    return chunks, config
+
+
 def build_model(args, vocab_size: int, device: str, fusions: Fusions):
-    """The DDP-wrapped GPTModel on ``device`` (``"cuda"`` or ``"cpu"``) and its config."""
+    """This rank's model chunks on ``device`` (``"cuda"`` or ``"cpu"``), each wrapped in
+    megatron's DDP (a list of one without virtual pipeline stages), and their config."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    model, config = build_gpt(args, vocab_size, device, fusions)
+    chunks, config = build_gpt_chunks(args, vocab_size, device, fusions)
     if args.bf16:
         from megatron.core.transformer.module import Float16Module
 
-        model = Float16Module(config, model)
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
@@ -97,14 +149,39 @@ def build_model(args, vocab_size: int, device: str, fusions: Fusions):
         bucket_size=args.bucket_size,
         average_in_collective=False,
     )
-    ddp = DistributedDataParallel(config, ddp_config, model)
+    # As Megatron-LM: buckets for the first chunk only; the later chunks' communication
+    # overlaps with the other chunks' compute anyway.
+    model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+             for index, chunk in enumerate(chunks)]
     # Megatron-LM broadcasts params from DP rank 0 at start-up; the seeds already
     # make them equal, and this makes it so regardless of initialization order.
-    ddp.broadcast_params()
-    return ddp, config
+    for chunk in model:
+        chunk.broadcast_params()
+    return model, config
 
 
-def build_optimizer(args, ddp):
+class ModelChunks(torch.nn.ModuleList):
+    """This rank's DDP chunks (virtual pipeline stages) as one module, for what sees the
+    whole rank's model: checkpoints and weight hashes. Its state dict is Megatron-LM's
+    for virtual stages, ``{"model0": chunk 0's, "model1": ...}``, each the chunk's own
+    (megatron's DDP and Float16Module leave their wrappers out of the keys)."""
+
+    def state_dict(self, *args, **kwargs):
+        return {f"model{index}": chunk.state_dict(*args, **kwargs) for index, chunk in enumerate(self)}
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        for index, chunk in enumerate(self):
+            chunk.load_state_dict(state_dict[f"model{index}"], strict=strict)
+
+
+def model_chunks(model) -> list:
+    """The DDP chunks of ``model``: a list of them, a ModuleList, or one chunk."""
+    if isinstance(model, (list, tuple, torch.nn.ModuleList)):
+        return list(model)
+    return [model]
+
+
+def build_optimizer(args, model):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -126,7 +203,7 @@ def build_optimizer(args, ddp):
         # included) and skip the step, as they do for fp16.
         loss_scale=1.0,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    optimizer = get_megatron_optimizer(opt_config, model_chunks(model))
     # As in Megatron-LM, the schedule counts samples: the driver steps it by the
     # global batch size, so iterations are converted here.
     samples = args.global_batch_size

@@ -24,7 +24,7 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"
     (["--lr", "1e-4", "--min-lr", "1e-3"], "--min-lr"),
     (["--overlap-param-gather"], "--overlap-grad-reduce"),
     (["--hidden-size", "30", "--num-attention-heads", "4"], "--num-attention-heads"),
-    (["--tensor-model-parallel-size", "2"], "data parallelism only"),
+    (["--tensor-model-parallel-size", "0"], r"argument --tensor-model-parallel-size: must be an integer >= 1"),
     (["--save-interval", "5"], "--save"),
     (["--lr-warmup-iters", "2"], "--lr-decay-iters 2"),
     (["--sdp4bit", "--sdp4bit-weight-bits", "3"], r"--sdp4bit-weight-bits 3: .*use one of \(2, 4, 8\)"),

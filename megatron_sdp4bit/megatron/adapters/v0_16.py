@@ -164,6 +164,7 @@ class Adapter(MegatronAdapter):
         """
         import megatron.core.fusions.fused_softmax  # noqa: F401  (binds the causal masks)
         from megatron.core import tensor_parallel  # noqa: F401
+        from megatron.core.models.common.language_module.language_module import LanguageModule
         from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
         from megatron.core.pipeline_parallel import schedules
         from megatron.core.tensor_parallel import random
@@ -184,4 +185,8 @@ class Adapter(MegatronAdapter):
                           schedules.forward_backward_pipelining_without_interleaving,
                           transformer_utils.get_default_causal_mask,
                           transformer_utils.get_sliding_window_causal_mask],
+            # Pipeline stages with tied embeddings: the last stage's copy of the word
+            # embeddings is all-reduced from the first at construction, after
+            # ``weight.data.cuda()``.
+            "methods": [(LanguageModule, "setup_embeddings_and_output_layer")],
         }
