@@ -331,7 +331,8 @@ def run(args, with_weights_hash: bool = False) -> dict:
 
     iteration = 0
     if args.load:
-        state = checkpoint.load_checkpoint(args.load, ddp, optimizer, scheduler)
+        state = checkpoint.load_checkpoint(args.load, ddp, optimizer, scheduler,
+                                           fallback=getattr(args, "load_fallback", False))
         if state is not None:
             iteration = state["iteration"]
             patch.load_state_dict(state["extra"].get("sdp4bit", {}), optimizer)

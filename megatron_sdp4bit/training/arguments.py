@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-iters", type=_NON_NEGATIVE_INT, default=5)
     e.add_argument("--save", default=None, help="checkpoint directory")
     e.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    e.add_argument("--load-fallback", action="store_true",
+                   help="when the latest checkpoint in --load is damaged, resume from the newest complete one")
     e.add_argument("--save-interval", type=_POSITIVE_INT, default=None)
     e.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, the loss plot and TensorBoard events go "

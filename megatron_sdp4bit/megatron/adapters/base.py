@@ -158,6 +158,21 @@ class MegatronAdapter:
         """Fix-ups megatron needs after ``load_state_dict`` to continue the same run."""
         raise NotImplementedError
 
+    def bucket_layout(self, optimizer) -> Optional[list]:
+        """Per param buffer: its ``[param dtype, grad dtype]`` names and each bucket's
+        element count without the end padding (which depends on the data-parallel
+        size), JSON-ready. Two runs with equal layouts can exchange optimizer state
+        whatever their data-parallel sizes. None for a non-distributed optimizer."""
+        raise NotImplementedError
+
+    def reshard_parameter_state(self, optimizer, saved_rank_state, saved_size: int) -> Optional[dict]:
+        """This rank's shards in megatron's "dp_reshardable" form for the current
+        data-parallel size, assembled from the states ``parameter_state_for_save``
+        returned on the ``saved_size`` ranks of another run with the same
+        ``bucket_layout``. ``saved_rank_state(k)`` returns data-parallel rank k's saved
+        state; only the ranks whose shards overlap this rank's are asked."""
+        raise NotImplementedError
+
     # ----------------------------------------------------------------- CPU backend
 
     def cpu_backend_sites(self) -> dict:
