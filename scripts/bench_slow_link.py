@@ -92,6 +92,7 @@ DRIVER_ENTRY = ["-m", "megatron_sdp4bit.pretrain"]
 PRESET_ESTIMATE = {"baseline": ("baseline", "allreduce"), "baseline-a2a": ("baseline", "alltoall"),
                    "sdp4bit": ("sdp4bit", "ring"), "zeropp": ("zeropp", "ring")}
 PROBE_PORT = 29590
+STATISTICS = ("median", "fastest")  # step statistics compared with the estimator
 FIRST_PORT = 29600  # inside the private namespaces every port is free
 
 
@@ -103,6 +104,7 @@ class RunResult:
     sent_inter_per_step: float  # ... of which to the other node
     link_per_step: float        # bytes the veth carried per step, both directions
     load: float                 # 1-minute load average, mean of start and end
+    cpu_share: Optional[float] = None  # cores one rank got (probe_cpu), mean of start and end
 
 
 @dataclass
@@ -112,6 +114,13 @@ class Cell:
 
     def median_step(self) -> float:
         return statistics.median(t for r in self.runs for t in r.step_times)
+
+    def fastest_step(self) -> float:
+        """The least disturbed step: on a shared machine other jobs only ever add time."""
+        return min(t for r in self.runs for t in r.step_times)
+
+    def step(self, statistic: str) -> float:
+        return self.median_step() if statistic == "median" else self.fastest_step()
 
     def run_medians(self) -> List[float]:
         return [statistics.median(r.step_times) for r in self.runs]
@@ -174,6 +183,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--estimate: compute seconds per step (e.g. calibrated by an earlier run) "
                         "instead of calibrating at loopback")
     p.add_argument("--json", default=None, help="write every measured number to this file")
+    p.add_argument("--collectives", action="store_true",
+                   help="time the collectives alone (the model's gradient bucket, no training) at "
+                        "each rate, next to the estimator's prediction for each")
+    p.add_argument("--replay", default=None, metavar="JSON",
+                   help="run nothing: print the tables and the estimator comparison of a file "
+                        "written by --json (rates, presets and dtype come from the file)")
     args = p.parse_args(argv)
     try:
         args.rate_list = parse_rates(args.rates)
@@ -271,6 +286,7 @@ def run_once(args, nodes: EmulatedNodes, preset: str, port: int, run_dir: str) -
     metrics = os.path.join(run_dir, "metrics.jsonl")
     logs = [os.path.join(run_dir, f"node{k}.log") for k in range(NUM_NODES)]
     load_start = os.getloadavg()[0]
+    share_start = probe_cpu(args) if args.probe == "on" else None
     procs: List[subprocess.Popen] = []
     link_at: Dict[int, int] = {}
     try:
@@ -317,6 +333,7 @@ def run_once(args, nodes: EmulatedNodes, preset: str, port: int, run_dir: str) -
         sent_inter_per_step=statistics.median(r["bytes_sent_inter"] for r in rows),
         link_per_step=(link_at[args.iters] - link_at[args.warmup]) / measured,
         load=(load_start + os.getloadavg()[0]) / 2,
+        cpu_share=(None if share_start is None else (share_start + probe_cpu(args)) / 2),
     )
 
 
@@ -361,6 +378,23 @@ def probe_goodput(args, src: int, dst: int, nbytes: int) -> float:
         server.wait()
 
 
+_CPU_PROBE = """import time
+wall, cpu = time.perf_counter(), time.process_time()
+while time.process_time() - cpu < 0.4:
+    sum(range(1000))
+print((time.process_time() - cpu) / (time.perf_counter() - wall), flush=True)
+"""
+
+
+def probe_cpu(args) -> float:
+    """Cores one rank gets now: as many busy processes as ranks (each node's in its namespace,
+    in this session like the ranks), CPU seconds / wall seconds, median over them."""
+    procs = [subprocess.Popen([*EmulatedNodes.exec_prefix(node), args.python, "-c", _CPU_PROBE],
+                              stdout=subprocess.PIPE, text=True)
+             for node in range(NUM_NODES) for _ in range(RANKS_PER_NODE)]
+    return statistics.median(float(p.communicate(timeout=120)[0]) for p in procs)
+
+
 def probe_bytes(rate: Optional[float]) -> int:
     """About two seconds at the rate (256 MiB without a limit)."""
     return 256 * 2**20 if rate is None else int(rate * 1e6 / 8 * 2)
@@ -369,60 +403,84 @@ def probe_bytes(rate: Optional[float]) -> int:
 # --- the estimator --------------------------------------------------------------------
 
 def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps: float) -> dict:
-    """The estimator's step time for every (rate, preset), compute calibrated at loopback
-    (or ``--compute-s``)."""
+    """The estimator's step time for every (rate, preset).
+
+    Compute is calibrated on the first preset with no limit (or ``--compute-s``).
+    When the runs measured the CPU each rank got (``probe_cpu``), compute is
+    taken as that many core-seconds of work, so a run whose ranks got less CPU
+    (other jobs on the machine) is predicted proportionally slower, and the
+    kernels are priced at the cores each rank had; otherwise every rank is
+    taken to have cpu_count / ranks cores.
+    """
     from megatron_sdp4bit.estimate.kernels import KernelModel
     from megatron_sdp4bit.estimate.model import load_model_shape
     from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate
 
     shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
     param_bytes = 2 if args.dtype == "bf16" else 4
-    ranks = NUM_NODES * RANKS_PER_NODE
-    kernels = KernelModel("cpu", cores_per_rank=(os.cpu_count() or 1) / ranks)
+    nominal = (os.cpu_count() or 1) / (NUM_NODES * RANKS_PER_NODE)
 
-    def overhead(rate, preset) -> float:  # predicted step minus compute
+    def share(cell) -> float:
+        shares = [r.cpu_share for r in cell.runs if r.cpu_share]
+        return statistics.median(shares) if shares else nominal
+
+    def overhead(rate, preset, cores) -> float:  # predicted step minus compute
         variant, exact = PRESET_ESTIMATE[preset]
         cluster = Cluster(NUM_NODES, RANKS_PER_NODE, 1, 1, loopback_gbps, goodput[rate])
         work = Workload(shape=shape, global_batch=GLOBAL_BATCH, micro_batch=shape.micro_batch_size,
                         compute_s=0.0, exact_reduce_scatter=exact, param_element_size=param_bytes)
-        return estimate(cluster, work, kernels, ["baseline", variant] if variant != "baseline"
-                        else ["baseline"]).variants[variant].step_s
+        return estimate(cluster, work, KernelModel("cpu", cores_per_rank=cores),
+                        ["baseline", variant] if variant != "baseline" else ["baseline"]
+                        ).variants[variant].step_s
 
     reference = args.preset_list[0]
-    if args.compute_s is not None:
-        compute = args.compute_s
-    else:  # the no-limit run of the first preset (in the grid, or the --calibrate run)
-        compute = cells[(None, reference)].median_step() - overhead(None, reference)
-    rows = []
+    calibrating = args.compute_s is None
+    ref_share = share(cells[(None, reference)]) if calibrating else nominal
+    out = {"loopback_gbps": loopback_gbps, "calibration_cpu_share": ref_share,
+           "compute_core_s": {}, "rows": []}
+    for statistic in STATISTICS:
+        # compute work in core-seconds: given, or the no-limit run of the first preset
+        seconds = (args.compute_s if not calibrating else cells[(None, reference)].step(statistic)
+                   - overhead(None, reference, ref_share))
+        out["compute_core_s"][statistic] = seconds * ref_share
     for rate in args.rate_list:
         for preset in args.preset_list:
-            measured = cells[(rate, preset)].median_step()
-            predicted = compute + overhead(rate, preset)
-            rows.append({"rate": rate, "preset": preset, "goodput_gbps": goodput[rate],
-                         "measured_s": measured, "predicted_s": predicted,
-                         "error": predicted / measured - 1,
-                         "calibration": (rate is None and preset == reference
-                                         and args.compute_s is None)})
-    return {"compute_s": compute, "kernel_cores_per_rank": kernels.cores_per_rank,
-            "loopback_gbps": loopback_gbps, "rows": rows}
+            cell = cells[(rate, preset)]
+            cores = share(cell)
+            row = {"rate": rate, "preset": preset, "goodput_gbps": goodput[rate],
+                   "cpu_share": cores, "calibration": rate is None and preset == reference
+                   and calibrating}
+            rest = overhead(rate, preset, cores)
+            for statistic in STATISTICS:
+                measured = cell.step(statistic)
+                predicted = out["compute_core_s"][statistic] / cores + rest
+                row[statistic] = {"measured_s": measured, "predicted_s": predicted,
+                                  "error": predicted / measured - 1}
+            out["rows"].append(row)
+    return out
 
 
 def estimate_table(args, est: dict) -> str:
     reference = args.preset_list[0]
     by = {(r["rate"], r["preset"]): r for r in est["rows"]}
-    lines = [f"| link (goodput, Gbit/s) | collectives | measured step s | predicted step s | error "
-             f"| measured speedup vs {reference} | predicted speedup |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| link (goodput, Gbit/s) | collectives | cores/rank | median step s | predicted "
+             "| error | fastest step s | predicted | error "
+             f"| speedup vs {reference}, median (predicted) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for rate in args.rate_list:
         ref = by[(rate, reference)]
         for preset in args.preset_list:
             r = by[(rate, preset)]
-            error = "calibration" if r["calibration"] else f"{100 * r['error']:+.0f}%"
+            cells = []
+            for statistic in STATISTICS:
+                m = r[statistic]
+                error = "calibration" if r["calibration"] else f"{100 * m['error']:+.0f}%"
+                cells.append(f"{m['measured_s']:.3f} | {m['predicted_s']:.3f} | {error}")
+            med, ref_med = r["median"], ref["median"]
             lines.append(
                 f"| {rate_label(rate)} ({r['goodput_gbps']:.3g}) | {PRESET_LABELS[preset]} "
-                f"| {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {error} "
-                f"| {ref['measured_s'] / r['measured_s']:.2f}x "
-                f"| {ref['predicted_s'] / r['predicted_s']:.2f}x |")
+                f"| {r['cpu_share']:.2f} | {' | '.join(cells)} | {ref_med['measured_s'] / med['measured_s']:.2f}x "
+                f"({ref_med['predicted_s'] / med['predicted_s']:.2f}x) |")
     return "\n".join(lines)
 
 
@@ -456,8 +514,197 @@ def markdown_table(args, cells: Dict[tuple, Cell]) -> str:
     return "\n".join(lines)
 
 
+# --- the collectives alone -------------------------------------------------------------
+
+COLLECTIVE_CASES = (  # (name, variant, kind, exact reduce-scatter algorithm)
+    ("exact reduce-scatter, all-to-all (fp32)", "baseline", "rs", "alltoall"),
+    ("exact reduce-scatter, gloo (fp32)", "baseline", "rs", "allreduce"),
+    ("exact all-gather", "baseline", "ag", "ring"),
+    ("SDP4Bit reduce-scatter (TLq-HS 8/4)", "sdp4bit", "rs", "ring"),
+    ("SDP4Bit all-gather (qWD 4-bit)", "sdp4bit", "ag", "ring"),
+    ("ZeRO++ reduce-scatter (ULq 4/4)", "zeropp", "rs", "ring"),
+    ("ZeRO++ all-gather (qW 4-bit)", "zeropp", "ag", "ring"),
+)
+
+
+def _bench_bucket(args) -> int:
+    """Elements of the model's one gradient bucket on 4 DP ranks (megatron's layout)."""
+    from megatron_sdp4bit.estimate.model import bucket_numels, load_model_shape, stage_params
+
+    shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
+    (numel,) = bucket_numels(stage_params(shape, 1, 1, 0), NUM_NODES * RANKS_PER_NODE, None)
+    return numel
+
+
+def collective_worker(numel: int, dtype: str, reps: int) -> None:
+    """One rank of ``--collectives`` (run by torchrun): time every case, print from rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_sdp4bit.comm import quantized_all_gather_weights, quantized_reduce_scatter
+    from megatron_sdp4bit.comm.exact_alltoall import alltoall_reduce_scatter
+    from megatron_sdp4bit.config import preset
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    shard = numel // world
+    grads, out = torch.randn(numel), torch.empty(shard)
+    model = torch.zeros(numel, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    main = torch.randn(shard) * 1e-3
+    configs = {v: preset(v, ranks_per_node=RANKS_PER_NODE) for v in ("baseline", "sdp4bit", "zeropp")}
+    calls = {
+        "exact reduce-scatter, all-to-all (fp32)": lambda: alltoall_reduce_scatter(out, grads),
+        "exact reduce-scatter, gloo (fp32)": lambda: dist.reduce_scatter_tensor(out, grads),
+    }
+    for name, variant, kind, _ in COLLECTIVE_CASES:
+        config = configs[variant]
+        if kind == "ag":
+            calls[name] = (lambda c=config: quantized_all_gather_weights(model, main, config=c))
+        elif variant != "baseline":
+            calls[name] = (lambda c=config: quantized_reduce_scatter(
+                out, grads, op=dist.ReduceOp.AVG, config=c))
+    result = {}
+    for name, *_ in COLLECTIVE_CASES:
+        calls[name]()  # warm-up
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            calls[name]()
+            times.append(time.perf_counter() - start)
+        slowest = torch.tensor([statistics.median(times)])
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        result[name] = float(slowest)
+    if dist.get_rank() == 0:
+        print("COLLECTIVES " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def collective_predictions(args, numel: int, inter_gbps: float, loopback_gbps: float,
+                           cores: float) -> Dict:
+    """The estimator's seconds for each case: link time + that collective's kernels."""
+    from megatron_sdp4bit.estimate.kernels import KernelModel
+    from megatron_sdp4bit.estimate.model import load_model_shape
+    from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate
+
+    shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
+    kernels = KernelModel("cpu", cores_per_rank=cores)
+    cluster = Cluster(NUM_NODES, RANKS_PER_NODE, 1, 1, loopback_gbps, inter_gbps)
+    out = {}
+    for name, variant, kind, exact in COLLECTIVE_CASES:
+        work = Workload(shape=shape, global_batch=GLOBAL_BATCH, micro_batch=shape.micro_batch_size,
+                        compute_s=0.0, exact_reduce_scatter=exact,
+                        param_element_size=2 if args.dtype == "bf16" else 4)
+        v = estimate(cluster, work, kernels).variants[variant]
+        prefix = "grad_" if kind == "rs" else "weight_"
+        kernel_s = sum(sec for op, sec in v.kernel_ops.items() if op.startswith(prefix))
+        out[name] = (v.grad_comm_s if kind == "rs" else v.weight_comm_s) + kernel_s
+    return out
+
+
+def run_collectives(args) -> int:
+    """``--collectives``: the collectives alone at each rate, measured and predicted."""
+    numel = _bench_bucket(args)
+    rows = []
+    port = FIRST_PORT
+    with EmulatedNodes(delay_ms=args.delay_ms) as nodes:
+        for ns in NAMESPACES:
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                            f"net.ipv4.tcp_slow_start_after_idle={args.slow_start_after_idle}"],
+                           check=True)
+        loopback = probe_goodput(args, 0, 0, probe_bytes(None))
+        for rate in args.rate_list:
+            nodes.set_link(rate)
+            goodput = probe_goodput(args, 0, 1, probe_bytes(rate))
+            share = probe_cpu(args)
+            procs = []
+            for node in range(NUM_NODES):
+                cmd = [*EmulatedNodes.exec_prefix(node), "env", f"GLOO_SOCKET_IFNAME={VETHS[node]}",
+                       "OMP_NUM_THREADS=1", "PYTHONWARNINGS=ignore", args.python, "-m",
+                       "torch.distributed.run", "--nnodes", str(NUM_NODES), "--node-rank", str(node),
+                       "--nproc-per-node", str(RANKS_PER_NODE), "--master-addr", ADDRESSES[0],
+                       "--master-port", str(port), os.path.abspath(__file__), "--collective-worker",
+                       str(numel), args.dtype, str(args.iters)]
+                procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
+                                              stderr=subprocess.STDOUT, text=True))
+            port += 1
+            outputs = [proc.communicate(timeout=args.run_timeout)[0] for proc in procs]
+            lines = [ln for out in outputs for ln in out.splitlines() if ln.startswith("COLLECTIVES ")]
+            if not lines:
+                print(f"bench_slow_link: collectives failed at {rate_label(rate)}:\n"
+                      + outputs[0][-2000:], file=sys.stderr)
+                return 2
+            measured = json.loads(lines[0].split(" ", 1)[1])
+            share = (share + probe_cpu(args)) / 2
+            predicted = collective_predictions(args, numel, goodput, loopback, share)
+            load = os.getloadavg()[0]
+            for name, *_ in COLLECTIVE_CASES:
+                rows.append((rate, goodput, share, name, measured[name], predicted[name], load))
+            print(f"[{rate_label(rate)}: goodput {goodput:.3g} Gbit/s, {share:.2f} cores per rank, "
+                  f"load {load:.1f}]", flush=True)
+    print()
+    print(f"One gradient bucket of {numel:,} fp32 elements ({args.dtype} weights), 2 x 2 ranks, "
+          f"median of {args.iters} calls (slowest rank); node loopback {loopback:.3g} Gbit/s:")
+    print()
+    print("| link (goodput, Gbit/s) | cores/rank | collective | measured s | predicted s | error "
+          "| load |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for rate, goodput, share, name, m, pred, load in rows:
+        print(f"| {rate_label(rate)} ({goodput:.3g}) | {share:.2f} | {name} | {m:.3f} | {pred:.3f} "
+              f"| {100 * (pred / m - 1):+.0f}% | {load:.1f} |")
+    return 0
+
+
+def replay(args) -> int:
+    """Tables and estimator comparison of a ``--json`` file, without running anything."""
+    with open(args.replay, encoding="utf-8") as f:
+        data = json.load(f)
+    command = data["command"].split()
+    args.dtype = command[command.index("--dtype") + 1] if "--dtype" in command else "bf16"
+    cells: Dict[tuple, Cell] = {}
+    for c in data["cells"]:
+        runs = c.get("runs") or [{"step_times": c["step_times"], "sent_per_step": c["sent_per_step"][0],
+                                  "sent_inter_per_step": c["sent_inter_per_step"][0],
+                                  "link_per_step": c["link_per_step"][0], "load": c["load"][0]}]
+        cells[(c["rate"], c["preset"])] = Cell([RunResult(**run) for run in runs])
+    args.preset_list = list(dict.fromkeys(preset for _, preset in cells))
+    grid = [rate for rate in dict.fromkeys(rate for rate, _ in cells)
+            if all((rate, preset) in cells for preset in args.preset_list)]
+    args.rate_list, args.calibrate = grid, (None, args.preset_list[0]) in cells and None not in grid
+    args.compute_s = None
+    goodput = {rate: data["goodput_gbps"][rate_label(rate)]
+               for rate in dict.fromkeys(rate for rate, _ in cells)}
+    print(f"replay of {args.replay} ({data['command']})")
+    print()
+    print(markdown_table(args, cells))
+    print()
+    est = estimate_rows(args, cells, goodput, data["loopback_goodput_gbps"])
+    print(f"Estimator at the measured goodputs and CPU shares; compute "
+          f"{est['compute_core_s']['median']:.3f} core-s (median) / "
+          f"{est['compute_core_s']['fastest']:.3f} core-s (fastest step) per rank and step, "
+          f"calibrated on {args.preset_list[0]} with no limit (at "
+          f"{est['calibration_cpu_share']:.2f} cores per rank):")
+    print()
+    print(estimate_table(args, est))
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--collective-worker"]:  # one rank of --collectives, under torchrun
+        collective_worker(int(argv[1]), argv[2], int(argv[3]))
+        return 0
     args = parse_args(argv)
+    if args.replay:
+        return replay(args)
+    if args.collectives:
+        try:
+            check_host()
+            return run_collectives(args)
+        except (SetupError, RuntimeError) as exc:
+            print(f"bench_slow_link: {exc}", file=sys.stderr)
+            return 2
     try:
         check_host()
     except SetupError as exc:
@@ -533,17 +780,18 @@ def main(argv=None) -> int:
         est = estimate_rows(args, cells, goodput, loopback_gbps)
         where = ("given (--compute-s)" if args.compute_s is not None
                  else f"calibrated on {args.preset_list[0]} at no limit")
-        print(f"Estimator (megatron_sdp4bit.estimate) at the measured goodputs; compute "
-              f"{est['compute_s']:.3f} s per step {where}; kernels: CPU table at "
-              f"{est['kernel_cores_per_rank']:g} core per rank:")
+        print(f"Estimator (megatron_sdp4bit.estimate) at the measured goodputs and CPU shares; "
+              f"compute {est['compute_core_s']['median']:.3f} core-s (median) / "
+              f"{est['compute_core_s']['fastest']:.3f} core-s (fastest step) per rank and step "
+              f"{where}; kernels: CPU table at each run's cores per rank:")
         print()
         print(estimate_table(args, est))
         print()
         if args.calibrate:
             cal = cells[(None, args.preset_list[0])]
             print(f"Calibration run (no limit, {args.preset_list[0]}): median step "
-                  f"{cal.median_step():.3f} s, load {cal.runs[0].load:.1f}; predicted "
-                  f"communication + kernels there {cal.median_step() - est['compute_s']:.3f} s.")
+                  f"{cal.median_step():.3f} s, fastest {cal.fastest_step():.3f} s, load "
+                  f"{cal.runs[0].load:.1f}, {est['calibration_cpu_share']:.2f} cores per rank.")
             print()
     print(f"{NUM_NODES} emulated nodes x {RANKS_PER_NODE} gloo CPU ranks; GPT 4 layers x 256 "
           f"(5.3 M params), global batch {GLOBAL_BATCH} x {SEQ_LENGTH} tokens, {args.dtype}; "
@@ -565,7 +813,8 @@ def main(argv=None) -> int:
                                   "sent_per_step": [r.sent_per_step for r in cell.runs],
                                   "sent_inter_per_step": [r.sent_inter_per_step for r in cell.runs],
                                   "link_per_step": [r.link_per_step for r in cell.runs],
-                                  "load": [r.load for r in cell.runs]}
+                                  "load": [r.load for r in cell.runs],
+                                  "runs": [vars(r) for r in cell.runs]}
                                  for (rate, preset), cell in cells.items()],
                        "estimate": est}, f, indent=1)
         print(f"json: {args.json}")

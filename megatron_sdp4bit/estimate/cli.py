@@ -55,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("cluster")
     c.add_argument("--nodes", type=pos_int, required=True)
     c.add_argument("--gpus-per-node", type=pos_int, required=True)
-    c.add_argument("--tp", type=pos_int, default=1, help="tensor-parallel size")
-    c.add_argument("--pp", type=pos_int, default=1, help="pipeline-parallel size")
+    c.add_argument("--tp", type=pos_int, default=None,
+                   help="tensor-parallel size (default: the config's, else 1)")
+    c.add_argument("--pp", type=pos_int, default=None,
+                   help="pipeline-parallel size (default: the config's, else 1)")
     c.add_argument("--dp", type=pos_int, default=None,
                    help="data-parallel size; must equal nodes x GPUs per node / (TP x PP)")
     c.add_argument("--intra-gbps", type=pos_float, required=True,
@@ -128,6 +130,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size, untied_embeddings=args.untie_embeddings)
+        if args.tp is None:
+            args.tp = shape.tensor_parallel
+        if args.pp is None:
+            args.pp = shape.pipeline_parallel
         world = args.nodes * args.gpus_per_node
         if world % (args.tp * args.pp):
             return _fail("--tp", f"--tp {args.tp} x --pp {args.pp} does not divide the {world} "

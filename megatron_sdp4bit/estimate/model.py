@@ -44,6 +44,8 @@ class ModelShape:
     untied_embeddings: bool
     micro_batch_size: int
     global_batch_size: Optional[int]  # None: micro-batch x DP (the driver's default)
+    tensor_parallel: int = 1  # the config's TP and PP sizes (the command line may override them)
+    pipeline_parallel: int = 1
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron-LM pads the vocabulary to a multiple of 128 x TP."""
@@ -107,6 +109,8 @@ def load_model_shape(config_path: Optional[str], vocab_size: Optional[int] = Non
         untied_embeddings=bool(args.untie_embeddings_and_output_weights),
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
+        tensor_parallel=args.tensor_model_parallel_size,
+        pipeline_parallel=args.pipeline_model_parallel_size,
     )
 
 
