@@ -32,9 +32,11 @@ def _patch_megatron_lm_parser() -> None:
         ) from exc
     from megatron_sdp4bit.megatron.megatron_lm import wrap_parse_args
 
-    # initialize.py bound parse_args by name at import, so both names are wrapped.
+    # initialize.py bound parse_args by name at import, so both names are wrapped
+    # (up to 0.17; from 0.18 on initialize.py no longer imports it).
     arguments.parse_args = wrap_parse_args(arguments.parse_args)
-    initialize.parse_args = wrap_parse_args(initialize.parse_args)
+    if hasattr(initialize, "parse_args"):
+        initialize.parse_args = wrap_parse_args(initialize.parse_args)
 
 
 def _help() -> str:
@@ -62,4 +64,11 @@ def main(argv=None) -> None:
     sys.argv = [script] + argv[1:]
     sys.path.insert(0, os.path.dirname(script))
     _patch_megatron_lm_parser()
+    if os.environ.get("SDP4BIT_CPU", "0") not in ("", "0"):  # docs/cpu_backend.md
+        from megatron_sdp4bit.megatron.cpu_training import enable_cpu_training
+
+        try:
+            enable_cpu_training()
+        except RuntimeError as error:
+            raise SystemExit(f"megatron_sdp4bit.launch: SDP4BIT_CPU=1: {error}") from None
     runpy.run_path(script, run_name="__main__")

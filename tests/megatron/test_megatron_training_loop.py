@@ -1,0 +1,312 @@
+"""Megatron-LM's own training loop (``megatron.training.pretrain``) on CPU, with SDP4Bit.
+
+A minimal pre-training script in the style of Megatron-LM's ``pretrain_gpt.py``
+(GPTModel with the local layer spec, megatron-core's ``MockGPTDataset``, a
+``forward_step``) is written to a temporary folder and started as a user would:
+
+    SDP4BIT_CPU=1 torchrun --nproc-per-node 4 -m megatron_sdp4bit.launch script.py \
+        <Megatron-LM args> --use-distributed-optimizer --sdp4bit ...
+
+``SDP4BIT_CPU=1`` makes the launcher enable ``megatron_sdp4bit.megatron.cpu_training``
+(megatron-core's CPU backend plus the redirects ``megatron.training`` needs), so
+``pretrain`` initializes, builds the model, DDP and the distributed optimizer,
+the data loaders, and trains on gloo: 4 ranks, data-parallel 4 as 2 emulated
+nodes x 2 (``--sdp4bit-ranks-per-node 2``), so TLq-HS runs both hops; then
+tensor-parallel 2 x data-parallel 2. The checks:
+
+- the layer is installed with the flags' config and really quantizes (the
+  wire counters of both collectives are non-zero and below the exact bytes);
+- the run-time replica check (``--sdp4bit-check-interval 1``) ran on every
+  optimizer step (it raises, and the run fails, on any mismatch);
+- the loss printed by Megatron-LM's ``training_log`` falls;
+- after ``pretrain`` returns, every data-parallel replica holds bit-identical
+  weights (SHA-256 of the whole model, per tensor-parallel rank).
+
+Needs ``megatron.training`` (shipped in the megatron-core 0.19.2 wheel, not in
+0.16.1's): skipped where it is not importable.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _megatron_training_importable() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+pytestmark = [
+    pytest.mark.slow,  # 4 real processes each, most of the time importing megatron
+    pytest.mark.skipif(
+        not _megatron_training_importable(),
+        reason="megatron.training (Megatron-LM's training loop) is not importable here; the "
+               "megatron-core 0.19.2 wheel ships it: make test MCORE=0.19.2"),
+]
+
+SCRIPT = textwrap.dedent('''
+    """Minimal GPT pre-training with megatron.training.pretrain (like pretrain_gpt.py)."""
+    import json
+    import os
+    from functools import partial
+
+    import torch
+
+    from megatron.core import mpu
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder)
+    from megatron.core.datasets.gpt_dataset import (
+        GPTDatasetConfig, MockGPTDataset, MockGPTLowLevelDataset)
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.core.utils import get_batch_on_this_tp_rank
+    from megatron.training import get_args, pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import (
+        core_transformer_config_from_args, parse_and_validate_args)
+
+    import megatron.core.datasets.utils as datasets_utils
+    import megatron.training
+    import megatron.training.arguments as arguments
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    from megatron_sdp4bit import comm
+    from megatron_sdp4bit.megatron import consistency, cpu, cpu_training, patch
+
+    # What the CPU mode replaces, listed independently of cpu_training.py and the adapter.
+    SITES = [(megatron.training, "pretrain"), (training, "pretrain"),
+             (megatron.training, "initialize_megatron"), (initialize, "initialize_megatron"),
+             (training, "initialize_megatron"), (initialize, "_initialize_distributed"),
+             (initialize, "_set_random_seed"), (initialize, "_warmup_jit_function"),
+             (datasets_utils, "compile_helpers"), (RerunStateMachine, "_save_state"),
+             (RerunStateMachine, "_restore_state"), (arguments, "get_device_arch_version")]
+
+
+    def site_values():
+        return [getattr(owner, name) for owner, name in SITES]
+
+
+    def all_megatron_originals():
+        return all(getattr(value, "__module__", "").startswith("megatron.")
+                   and not hasattr(value, "__wrapped_by_cpu_training__")
+                   for value in site_values())
+
+
+    ENABLED_BY_LAUNCHER = cpu_training.is_cpu_training_enabled()  # SDP4BIT_CPU=1
+    REPLACED = site_values()
+    cpu_training.enable_cpu_training()  # a second call changes nothing
+    SECOND_ENABLE_IDEMPOTENT = site_values() == REPLACED and not all_megatron_originals()
+
+    MODELS = []
+    REPLICA_CHECKS = []
+    _check_replicas = consistency.check_replicas
+
+
+    def counting_check_replicas(*args, **kwargs):
+        REPLICA_CHECKS.append(1)
+        return _check_replicas(*args, **kwargs)
+
+
+    consistency.check_replicas = counting_check_replicas
+
+
+    class SmallMockCorpus(MockGPTLowLevelDataset):
+        """megatron's mock documents (1, 2, 3, ..., EOD), fewer and shorter, so that
+        building the sample indices takes milliseconds instead of seconds."""
+        size = 2000
+        max_sequence_length = 256
+
+
+    class SmallMockGPTDataset(MockGPTDataset):
+        @staticmethod
+        def build_low_level_dataset(dataset_path, config):
+            return SmallMockCorpus(config.tokenizer)
+
+
+    def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                       pg_collection=None):
+        args = get_args()
+        model = GPTModel(
+            config=core_transformer_config_from_args(args),
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            position_embedding_type=args.position_embedding_type,
+        )
+        MODELS.append(model)
+        return model
+
+
+    def datasets_provider(train_val_test_num_samples, vp_stage=None):
+        args = get_args()
+        config = GPTDatasetConfig(
+            random_seed=args.seed, sequence_length=args.seq_length, blend=None,
+            split="1,0,0", tokenizer=build_tokenizer(args), reset_position_ids=False,
+            reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+            mid_level_dataset_surplus=0.005)
+        return BlendedMegatronDatasetBuilder(
+            SmallMockGPTDataset, train_val_test_num_samples,
+            lambda: mpu.get_tensor_model_parallel_rank() == 0, config).build()
+
+
+    def loss_func(loss_mask, output_tensor):
+        losses = output_tensor.view(-1).float()
+        loss_mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * loss_mask)
+        num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+        return loss, num_tokens, {
+            "lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+    def forward_step(data_iterator, model):
+        args = get_args()
+        tp_rank = mpu.get_tensor_model_parallel_rank()
+        batch = next(data_iterator) if tp_rank == 0 else None
+        batch = get_batch_on_this_tp_rank(
+            batch, has_cu_seqlens=False, is_hybrid_cp=False,
+            create_attention_mask_in_dataloader=False,
+            broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+            broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=1,
+            tp_rank=tp_rank, micro_batch_size=args.micro_batch_size,
+            seq_length=args.seq_length, mtp_on_this_rank=False)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(loss_func, batch["loss_mask"])
+
+
+    if __name__ == "__main__":
+        datasets_provider.is_distributed = True
+        args = parse_and_validate_args()
+        pretrain(pretrain_cfg_container_from_args(args), datasets_provider,
+                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+
+        config = patch.current_config()
+        stats = comm.get_wire_stats()
+        report = {
+            "installed": patch.is_installed(), "weight_mode": config.weight_mode,
+            "grad_mode": config.grad_mode, "ranks_per_node": config.ranks_per_node,
+            "iteration": patch.get_iteration(), "replica_checks": len(REPLICA_CHECKS),
+            "wire": {c: [stats.sent_bytes(c), stats.exact_bytes(c)]
+                     for c in ("all_gather", "reduce_scatter")},
+            "tp": mpu.get_tensor_model_parallel_rank(), "dp": mpu.get_data_parallel_rank(),
+            "sha256": consistency.weights_sha256(MODELS[0]),
+            "enabled_by_launcher": ENABLED_BY_LAUNCHER,
+            "second_enable_idempotent": SECOND_ENABLE_IDEMPOTENT,
+        }
+        cpu_training.disable_cpu_training()
+        report["restored"] = (all_megatron_originals() and not cpu.is_cpu_backend_enabled()
+                              and torch.cuda.current_device.__module__ == "torch.cuda")
+        rank = torch.distributed.get_rank()
+        with open(os.path.join(os.environ["REPORT_DIR"], f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+''')
+
+ITERS = 10
+MEGATRON_LM_ARGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
+    "--lr", "3e-3", "--lr-decay-style", "constant", "--seed", "1234",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "127",
+    "--transformer-impl", "local", "--bf16", "--use-distributed-optimizer",
+    "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000",
+    "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+    "--no-rope-fusion", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+]  # no --distributed-backend: the CPU mode turns megatron's default, nccl, into gloo
+SDP4BIT_ARGS = ["--sdp4bit", "--sdp4bit-ranks-per-node", "2", "--sdp4bit-check-interval", "1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train(tmp_path, extra_args):
+    """Run the script on 4 ranks; Megatron-LM's logged losses and each rank's report."""
+    script = tmp_path / "pretrain_tiny_gpt.py"
+    script.write_text(SCRIPT)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    # CUDA_DEVICE_MAX_CONNECTIONS: validate_args demands it for TP on a pre-Blackwell
+    # device, which is what the CPU reports (cpu_training.py, site 6).
+    env = dict(os.environ, SDP4BIT_CPU="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               CUDA_DEVICE_MAX_CONNECTIONS="1", REPORT_DIR=str(reports),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "-m", "megatron_sdp4bit.launch", str(script),
+           *MEGATRON_LM_ARGS, *extra_args, *SDP4BIT_ARGS]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
+                            cwd=str(tmp_path))
+    output = result.stdout + result.stderr
+    if result.returncode != 0:  # the failing ranks' tracebacks, not torchrun's summary
+        failed = [line for line in output.splitlines() if re.match(r"\[rank\d\]:", line)]
+        if failed:
+            pytest.fail("training failed:\n" + "\n".join(failed[-60:]))
+        first = output.find("Traceback")  # a rank that failed before torch.distributed
+        pytest.fail("training failed:\n" + output[max(first, 0):][:6000])
+    # training_log (printed by the last rank only): one line per iteration.
+    losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.Ee+-]+) \|", output)]
+    return losses, [json.loads((reports / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def _check_run(losses, reports, tp_size):
+    # Megatron-LM's training_log printed one loss per iteration, and it fell.
+    assert len(losses) == ITERS, losses
+    assert losses[-1] < 0.9 * losses[0], losses
+
+    for rank, report in enumerate(reports):
+        # Installed from the flags on every rank, stepped every iteration, and the
+        # replicas were checked at every step (a mismatch would have failed the run).
+        assert report["installed"], rank
+        assert (report["weight_mode"], report["grad_mode"], report["ranks_per_node"]) == \
+            ("diff", "tlq-hs", 2), report
+        assert report["iteration"] == ITERS and report["replica_checks"] == ITERS, report
+        # The launcher enabled the CPU mode; enabling again changed nothing; disabling
+        # put megatron's own functions and torch.cuda back.
+        assert report["enabled_by_launcher"] and report["second_enable_idempotent"], report
+        assert report["restored"], report
+        # Both collectives went through the quantized path, with fewer bytes than exact.
+        for collective, (sent, exact) in report["wire"].items():
+            assert 0 < sent < exact, (rank, collective, sent, exact)
+
+    # Data-parallel replicas are bit-identical; tensor-parallel ranks hold other shards.
+    by_tp = {}
+    for report in reports:
+        by_tp.setdefault(report["tp"], {})[report["dp"]] = report["sha256"]
+    assert sorted(by_tp) == list(range(tp_size))
+    for tp, replicas in by_tp.items():
+        assert sorted(replicas) == list(range(4 // tp_size)), by_tp
+        assert len(set(replicas.values())) == 1, (tp, replicas)
+    if tp_size > 1:
+        assert by_tp[0][0] != by_tp[1][0]
+
+
+def test_pretrain_dp4_two_emulated_nodes(tmp_path):
+    losses, reports = _train(tmp_path, [])
+    _check_run(losses, reports, tp_size=1)
+
+
+def test_pretrain_tp2_dp2(tmp_path):
+    losses, reports = _train(tmp_path, ["--tensor-model-parallel-size", "2"])
+    _check_run(losses, reports, tp_size=2)
+
