@@ -168,8 +168,29 @@ def _adapter():
 
 # --- layout -----------------------------------------------------------------------------
 
-def current_layout(model, optimizer) -> dict:
-    """What a checkpoint of this run records about how it was run (JSON-ready)."""
+def _pipeline_stage() -> str:
+    """This rank's pipeline stage, as a JSON key: stages hold different layers, so
+    their optimizer buckets differ (TP and DP ranks of a stage share a layout)."""
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return str(parallel_state.get_pipeline_model_parallel_rank())
+    except ImportError:  # pragma: no cover - megatron is a dependency
+        pass
+    return "0"
+
+
+def _own_buckets(optimizer) -> list:
+    return [_adapter().bucket_layout(opt) for opt in _sub_optimizers(optimizer)]
+
+
+def current_layout(model, optimizer, stage_buckets: Optional[dict] = None) -> dict:
+    """What a checkpoint of this run records about how it was run (JSON-ready).
+
+    ``buckets`` maps each pipeline stage to its optimizer buckets: all stages'
+    (``stage_buckets``, gathered by the saving ranks), else only this rank's.
+    """
     from megatron_sdp4bit.megatron import adapters, patch
 
     _, world = _rank_and_world()
@@ -191,7 +212,7 @@ def current_layout(model, optimizer) -> dict:
         "world_size": world, **sizes,
         "megatron_core": adapters.megatron_version(),
         "sdp4bit": config.to_dict() if config is not None else None,
-        "buckets": [_adapter().bucket_layout(opt) for opt in _sub_optimizers(optimizer)],
+        "buckets": stage_buckets if stage_buckets is not None else {_pipeline_stage(): _own_buckets(optimizer)},
         "bucket_size": getattr(ddp_config, "bucket_size", None),
     }
 
@@ -221,7 +242,10 @@ def compare_layouts(directory: str, saved: dict, current: dict) -> Tuple[bool, L
             raise CheckpointError(
                 f"{where} {what} size {saved[key]}, this run has {current[key]}; checkpoints are "
                 f"resharded across data-parallel sizes only: resume with {flag} {saved[key]}")
-    saved_buckets, buckets = saved.get("buckets"), current.get("buckets")
+    stage, = current["buckets"]  # this rank's stage
+    saved_buckets, buckets = saved.get("buckets"), current["buckets"][stage]
+    if isinstance(saved_buckets, dict):
+        saved_buckets = saved_buckets.get(stage)
     if saved_buckets is not None and buckets is not None and saved_buckets != buckets:
         saved_dtypes = [b["dtypes"] for opt in saved_buckets if opt for b in opt]
         dtypes = [b["dtypes"] for opt in buckets if opt for b in opt]
@@ -423,8 +447,9 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler,
     torch.save(state, path + ".part")
     os.replace(path + ".part", path)
     entries = _all_gather((os.path.basename(path), *file_digest(path)))  # also: all have written
+    stage_buckets = dict(_all_gather((_pipeline_stage(), _own_buckets(optimizer))))
     if rank == 0:
-        _write_manifest(tmp, iteration, current_layout(model, optimizer), entries)
+        _write_manifest(tmp, iteration, current_layout(model, optimizer, stage_buckets), entries)
         if os.path.isdir(final):  # re-saving the same iteration: keep the old until the new is in
             shutil.rmtree(final + ".old", ignore_errors=True)
             shutil.move(final, final + ".old")
@@ -560,7 +585,14 @@ def load_checkpoint(load_dir: str, model, optimizer, scheduler, fallback: bool =
     directory, manifest = _choose_checkpoint(load_dir, fallback)
     saved_layout = manifest["layout"] if manifest is not None else _legacy_layout(directory)
     layout = current_layout(model, optimizer)
-    reshard, warnings = compare_layouts(directory, saved_layout, layout)
+    try:
+        reshard, warnings = compare_layouts(directory, saved_layout, layout)
+        refusal = None
+    except CheckpointError as exc:  # a stage may differ alone: every rank refuses alike
+        refusal = str(exc)
+    refusals = [r for r in _all_gather(refusal) if r]
+    if refusals:
+        raise CheckpointError(refusals[0])
     for line in warnings:
         _log0(line)
     if reshard:

@@ -223,7 +223,7 @@ def test_a_different_model_is_refused_in_one_line_before_loading(worlds):
 LAYOUT = {"world_size": 4, "data_parallel_size": 4, "tensor_model_parallel_size": 1,
           "pipeline_model_parallel_size": 1, "megatron_core": "0.16.1",
           "sdp4bit": {"weight_mode": "diff", "grad_mode": "tlq-hs", "ranks_per_node": 2},
-          "buckets": [[{"dtypes": ["float32", "float32"], "numel_unpadded": [1000]}]],
+          "buckets": {"0": [[{"dtypes": ["float32", "float32"], "numel_unpadded": [1000]}]]},
           "bucket_size": None}
 
 
@@ -239,8 +239,8 @@ def test_layout_differences_are_refused_or_warned_in_one_line():
     refusals = [
         (_with(tensor_model_parallel_size=2), "was saved with tensor-parallel size 1, this run has 2"),
         (_with(pipeline_model_parallel_size=2), "pipeline-parallel size 1, this run has 2"),
-        (_with(buckets=[[{"dtypes": ["bfloat16", "float32"], "numel_unpadded": [1000]}]]), "--bf16"),
-        (_with(buckets=[[{"dtypes": ["float32", "float32"], "numel_unpadded": [600, 400]}]],
+        (_with(buckets={"0": [[{"dtypes": ["bfloat16", "float32"], "numel_unpadded": [1000]}]]}), "--bf16"),
+        (_with(buckets={"0": [[{"dtypes": ["float32", "float32"], "numel_unpadded": [600, 400]}]]},
                bucket_size=600), "without --overlap-grad-reduce"),
         (_with(data_parallel_size=2, tensor_model_parallel_size=2),
          "resharding is supported with TP = PP = 1 only"),
@@ -252,13 +252,23 @@ def test_layout_differences_are_refused_or_warned_in_one_line():
         assert message in str(info.value) and "\n" not in str(info.value)
         assert str(info.value).startswith(f"checkpoint {d} was saved with")
     with pytest.raises(CheckpointError, match=r"bucketing differ \(its DDP bucket size was 600: pass --bucket-size 600\)$"):
-        compare_layouts(d, _with(buckets=[[{"dtypes": ["float32", "float32"], "numel_unpadded": [600, 400]}]],
+        compare_layouts(d, _with(buckets={"0": [[{"dtypes": ["float32", "float32"], "numel_unpadded": [600, 400]}]]},
                                  bucket_size=600), LAYOUT)
     reshard, warnings = compare_layouts(d, LAYOUT, _with(megatron_core="0.19.2",
                                                          sdp4bit={**LAYOUT["sdp4bit"], "weight_mode": "off"}))
     assert not reshard and len(warnings) == 2
     assert "megatron-core 0.16.1, this run has 0.19.2" in warnings[0]
     assert "weight_mode diff -> off" in warnings[1]
+
+
+def test_each_pipeline_stage_is_compared_with_its_own_saved_buckets():
+    stage = lambda n: [[{"dtypes": ["bfloat16", "float32"], "numel_unpadded": [n]}]]  # noqa: E731
+    saved = _with(pipeline_model_parallel_size=2, buckets={"0": stage(102016), "1": stage(100096)})
+    for key, numel in (("0", 102016), ("1", 100096)):
+        current = _with(pipeline_model_parallel_size=2, buckets={key: stage(numel)})
+        assert compare_layouts("ck", saved, current) == (False, [])
+    with pytest.raises(CheckpointError, match="optimizer buckets of"):
+        compare_layouts("ck", saved, _with(pipeline_model_parallel_size=2, buckets={"1": stage(102016)}))
 
 
 def test_reshard_arithmetic_on_stand_ins():
