@@ -36,6 +36,7 @@ setup(
         "console_scripts": [
             "sdp4bit-pretrain=megatron_sdp4bit.pretrain:main",
             "sdp4bit-preprocess=megatron_sdp4bit.data.preprocess:main",
+            "sdp4bit-estimate=megatron_sdp4bit.estimate.cli:main",
         ]
     },
 )
