@@ -179,6 +179,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--calibrate", action="store_true",
                    help="--estimate: first run the first preset once with no limit, to calibrate "
                         "compute (instead of needing 'loopback' in --rates)")
+    p.add_argument("--cpu-correction", action="store_true",
+                   help="--estimate: scale compute and kernels by the cores per rank the CPU probe "
+                        "measured around each run (default: every rank has cpu_count / ranks)")
     p.add_argument("--compute-s", type=float, default=None,
                    help="--estimate: compute seconds per step (e.g. calibrated by an earlier run) "
                         "instead of calibrating at loopback")
@@ -406,11 +409,12 @@ def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps
     """The estimator's step time for every (rate, preset).
 
     Compute is calibrated on the first preset with no limit (or ``--compute-s``).
-    When the runs measured the CPU each rank got (``probe_cpu``), compute is
-    taken as that many core-seconds of work, so a run whose ranks got less CPU
-    (other jobs on the machine) is predicted proportionally slower, and the
-    kernels are priced at the cores each rank had; otherwise every rank is
-    taken to have cpu_count / ranks cores.
+    Every rank is taken to have cpu_count / ranks cores; with ``--cpu-correction``
+    and runs that probed the CPU (``probe_cpu``), compute is taken as core-seconds
+    of work, so a run whose ranks got less CPU (other jobs on the machine) is
+    predicted proportionally slower, and the kernels are priced at the cores
+    each run had. (The probe samples before and after a run, not during it: on
+    a machine whose load comes in bursts it can miss by 2x.)
     """
     from megatron_sdp4bit.estimate.kernels import KernelModel
     from megatron_sdp4bit.estimate.model import load_model_shape
@@ -420,9 +424,12 @@ def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps
     param_bytes = 2 if args.dtype == "bf16" else 4
     nominal = (os.cpu_count() or 1) / (NUM_NODES * RANKS_PER_NODE)
 
-    def share(cell) -> float:
+    def probed(cell) -> Optional[float]:
         shares = [r.cpu_share for r in cell.runs if r.cpu_share]
-        return statistics.median(shares) if shares else nominal
+        return statistics.median(shares) if shares else None
+
+    def share(cell) -> float:
+        return (probed(cell) or nominal) if args.cpu_correction else nominal
 
     def overhead(rate, preset, cores) -> float:  # predicted step minus compute
         variant, exact = PRESET_ESTIMATE[preset]
@@ -437,6 +444,7 @@ def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps
     calibrating = args.compute_s is None
     ref_share = share(cells[(None, reference)]) if calibrating else nominal
     out = {"loopback_gbps": loopback_gbps, "calibration_cpu_share": ref_share,
+           "calibration_probed_cpu_share": probed(cells[(None, reference)]) if calibrating else None,
            "compute_core_s": {}, "rows": []}
     for statistic in STATISTICS:
         # compute work in core-seconds: given, or the no-limit run of the first preset
@@ -448,8 +456,8 @@ def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps
             cell = cells[(rate, preset)]
             cores = share(cell)
             row = {"rate": rate, "preset": preset, "goodput_gbps": goodput[rate],
-                   "cpu_share": cores, "calibration": rate is None and preset == reference
-                   and calibrating}
+                   "cpu_share": cores, "probed_cpu_share": probed(cell),
+                   "calibration": rate is None and preset == reference and calibrating}
             rest = overhead(rate, preset, cores)
             for statistic in STATISTICS:
                 measured = cell.step(statistic)
@@ -460,10 +468,14 @@ def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps
     return out
 
 
+def _share(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def estimate_table(args, est: dict) -> str:
     reference = args.preset_list[0]
     by = {(r["rate"], r["preset"]): r for r in est["rows"]}
-    lines = ["| link (goodput, Gbit/s) | collectives | cores/rank | median step s | predicted "
+    lines = ["| link (goodput, Gbit/s) | collectives | cores/rank (probed) | median step s | predicted "
              "| error | fastest step s | predicted | error "
              f"| speedup vs {reference}, median (predicted) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -479,7 +491,7 @@ def estimate_table(args, est: dict) -> str:
             med, ref_med = r["median"], ref["median"]
             lines.append(
                 f"| {rate_label(rate)} ({r['goodput_gbps']:.3g}) | {PRESET_LABELS[preset]} "
-                f"| {r['cpu_share']:.2f} | {' | '.join(cells)} | {ref_med['measured_s'] / med['measured_s']:.2f}x "
+                f"| {r['cpu_share']:.2f} ({_share(r['probed_cpu_share'])}) | {' | '.join(cells)} | {ref_med['measured_s'] / med['measured_s']:.2f}x "
                 f"({ref_med['predicted_s'] / med['predicted_s']:.2f}x) |")
     return "\n".join(lines)
 
@@ -637,7 +649,9 @@ def run_collectives(args) -> int:
                 return 2
             measured = json.loads(lines[0].split(" ", 1)[1])
             share = (share + probe_cpu(args)) / 2
-            predicted = collective_predictions(args, numel, goodput, loopback, share)
+            nominal = (os.cpu_count() or 1) / (NUM_NODES * RANKS_PER_NODE)
+            predicted = collective_predictions(args, numel, goodput, loopback,
+                                               share if args.cpu_correction else nominal)
             load = os.getloadavg()[0]
             for name, *_ in COLLECTIVE_CASES:
                 rows.append((rate, goodput, share, name, measured[name], predicted[name], load))
@@ -645,10 +659,12 @@ def run_collectives(args) -> int:
                   f"load {load:.1f}]", flush=True)
     print()
     print(f"One gradient bucket of {numel:,} fp32 elements ({args.dtype} weights), 2 x 2 ranks, "
-          f"median of {args.iters} calls (slowest rank); node loopback {loopback:.3g} Gbit/s:")
+          f"median of {args.iters} calls (slowest rank); node loopback {loopback:.3g} Gbit/s; "
+          f"kernels priced at {'the probed' if args.cpu_correction else 'cpu_count / ranks'} "
+          "cores per rank:")
     print()
-    print("| link (goodput, Gbit/s) | cores/rank | collective | measured s | predicted s | error "
-          "| load |")
+    print("| link (goodput, Gbit/s) | cores/rank probed | collective | measured s | predicted s "
+          "| error | load |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for rate, goodput, share, name, m, pred, load in rows:
         print(f"| {rate_label(rate)} ({goodput:.3g}) | {share:.2f} | {name} | {m:.3f} | {pred:.3f} "
@@ -680,7 +696,8 @@ def replay(args) -> int:
     print(markdown_table(args, cells))
     print()
     est = estimate_rows(args, cells, goodput, data["loopback_goodput_gbps"])
-    print(f"Estimator at the measured goodputs and CPU shares; compute "
+    print(f"Estimator at the measured goodputs{' and CPU shares' if args.cpu_correction else ''}; "
+          f"compute "
           f"{est['compute_core_s']['median']:.3f} core-s (median) / "
           f"{est['compute_core_s']['fastest']:.3f} core-s (fastest step) per rank and step, "
           f"calibrated on {args.preset_list[0]} with no limit (at "
@@ -780,10 +797,11 @@ def main(argv=None) -> int:
         est = estimate_rows(args, cells, goodput, loopback_gbps)
         where = ("given (--compute-s)" if args.compute_s is not None
                  else f"calibrated on {args.preset_list[0]} at no limit")
-        print(f"Estimator (megatron_sdp4bit.estimate) at the measured goodputs and CPU shares; "
+        print(f"Estimator (megatron_sdp4bit.estimate) at the measured goodputs"
+              f"{' and CPU shares' if args.cpu_correction else ''}; "
               f"compute {est['compute_core_s']['median']:.3f} core-s (median) / "
               f"{est['compute_core_s']['fastest']:.3f} core-s (fastest step) per rank and step "
-              f"{where}; kernels: CPU table at each run's cores per rank:")
+              f"{where}; kernels: CPU table at the cores per rank shown:")
         print()
         print(estimate_table(args, est))
         print()
@@ -791,7 +809,8 @@ def main(argv=None) -> int:
             cal = cells[(None, args.preset_list[0])]
             print(f"Calibration run (no limit, {args.preset_list[0]}): median step "
                   f"{cal.median_step():.3f} s, fastest {cal.fastest_step():.3f} s, load "
-                  f"{cal.runs[0].load:.1f}, {est['calibration_cpu_share']:.2f} cores per rank.")
+                  f"{cal.runs[0].load:.1f}, cores per rank probed "
+                  f"{_share(est['calibration_probed_cpu_share'])}.")
             print()
     print(f"{NUM_NODES} emulated nodes x {RANKS_PER_NODE} gloo CPU ranks; GPT 4 layers x 256 "
           f"(5.3 M params), global batch {GLOBAL_BATCH} x {SEQ_LENGTH} tokens, {args.dtype}; "
