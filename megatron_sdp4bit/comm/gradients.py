@@ -17,12 +17,15 @@ shard):
 4. dequantize the received chunks, sum in fp32, inverse Hadamard, write the
    valid part into ``output``.
 
-Chunk i+1's first hop is in flight while chunk i's second hop runs. With
-``async_op=True`` steps 1-2 of all chunks run at call time and steps 3-4 in
-the handle's ``wait()``.
+Chunk i+1's first hop is in flight while chunk i's second hop runs. A chunk
+holds at most ``MAX_CHUNK_ELEMENTS`` (more chunks than ``pipeline_chunks`` where
+needed), and a synchronous call launches chunk by chunk, so its scratch is a few
+chunks' codes whatever the bucket size. With ``async_op=True`` steps 1-2 of all
+chunks run at call time and steps 3-4 in the handle's ``wait()``.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional
 
 import torch
@@ -36,7 +39,7 @@ from megatron_sdp4bit.comm.handles import (
     finish_or_handle,
     reduce_scatter_flat,
 )
-from megatron_sdp4bit.comm.layout import Chunk, chunk_plan, lcm
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, Chunk, chunk_count, chunk_plan, lcm
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import Level, Topology, get_topology, peer_split
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -50,6 +53,7 @@ from megatron_sdp4bit.quant import (
 _COLLECTIVE = "reduce_scatter"
 
 
+
 def quantized_reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -61,9 +65,10 @@ def quantized_reduce_scatter(
 ) -> Optional[PendingCollective]:
     """Reduce-scatter ``input`` into ``output`` over ``group`` as ``config.grad_mode`` says.
 
-    ``op`` is ``ReduceOp.SUM`` or ``ReduceOp.AVG``. ``output`` may be a view of
-    ``input`` (Megatron passes the local shard of the bucket): the input is
-    fully read before the first byte of output is written. ``generator``
+    ``op`` is ``ReduceOp.SUM`` or ``ReduceOp.AVG``. ``output`` may be this
+    rank's own shard of ``input`` (Megatron passes the bucket's local shard):
+    each chunk reads its columns of every shard before it writes those columns
+    of the output, and chunks do not share columns. ``generator``
     overrides this rank's stochastic-rounding stream. Returns None, or with
     ``async_op`` a handle whose ``wait()`` finishes the collective.
     """
@@ -85,8 +90,11 @@ def quantized_reduce_scatter(
     topology = get_topology(group, config.ranks_per_node)
     run = _QuantizedReduceScatter(output, input, op == dist.ReduceOp.AVG, topology, config,
                                   generator)
-    run.launch()
-    return finish_or_handle(run.finish, async_op)
+    if async_op:
+        run.launch()  # every chunk's first hop now, in flight while the caller goes on
+        return PendingCollective(run.finish)
+    run.finish()  # chunk by chunk: a few chunks' buffers alive at a time
+    return None
 
 
 def _validate(output: torch.Tensor, input: torch.Tensor, op, dp_size: int) -> None:
@@ -111,7 +119,14 @@ def _hop_format(level: Level, config: SDP4BitConfig) -> tuple[int, int]:
 
 
 class _QuantizedReduceScatter:
-    """State of one quantized reduce-scatter across its pipeline chunks."""
+    """State of one quantized reduce-scatter across its pipeline chunks.
+
+    A chunk goes through up to three stages: quantize and start the first hop;
+    (two levels) wait for it, sum, requantize and start the second hop; wait and
+    write the output. Chunk i+1's hop is in flight while chunk i is summed, and a
+    chunk's buffers are dropped once it is written, so the scratch is a few
+    chunks', not the bucket's.
+    """
 
     def __init__(self, output, input, average, topology: Topology, config, generator):
         self.output = output.view(-1)
@@ -122,7 +137,9 @@ class _QuantizedReduceScatter:
         self.block = config.hadamard_block if config.use_hadamard else None
         align = lcm(*(group_size for _, group_size in self.formats), self.block or 1)
         self.shard = output.numel()
-        self.chunks = chunk_plan(self.shard, align, config.pipeline_chunks)
+        chunks = chunk_count(self.shard, topology.dp_size, config.pipeline_chunks,
+                             MAX_CHUNK_ELEMENTS)
+        self.unlaunched = deque(chunk_plan(self.shard, align, chunks))
         self.rows = input.view(topology.dp_size, self.shard)
         order = topology.send_order
         self.order = (None if order == tuple(range(len(order)))
@@ -130,37 +147,50 @@ class _QuantizedReduceScatter:
         self.scale = 1.0 / topology.dp_size if average else 1.0
         self.generator = pick_generator(generator, config.rounding, input.device, config.seed,
                                         topology.global_rank, "grads")
-        self.in_flight: list = []  # per chunk: (QuantizedTensor being received, works)
+        self.first_hop: deque = deque()  # (chunk, first hop in flight)
+        self.second_hop: deque = deque()  # (chunk, last hop in flight)
 
     # --- steps -------------------------------------------------------------------
     def launch(self) -> None:
         """Quantize every chunk and start its first hop (reads all of the input)."""
-        bits, group_size = self.formats[0]
-        for chunk in self.chunks:
-            send = self._chunk_rows(chunk)
-            q = hadamard_quantize(send, bits=bits, group_size=group_size,
-                                  hadamard_block=self.block, rounding=self.config.rounding,
-                                  generator=self.generator, scale=self.scale)
-            self.in_flight.append(self._exchange(q, 0))
+        while self.unlaunched:
+            self._start_first_hop()
 
     def finish(self) -> None:
-        """Second hop (two levels) and the final dequantize-sum, chunk by chunk, pipelined."""
+        """Every remaining stage of every chunk, pipelined; the output is complete after."""
+        while self.unlaunched:
+            self._start_first_hop()
+            self._advance(keep=1)  # the chunk just launched stays in flight
+        self._advance(keep=0)
+        while self.second_hop:
+            self._write(*self.second_hop.popleft())
+
+    def _start_first_hop(self) -> None:
+        chunk = self.unlaunched.popleft()
+        bits, group_size = self.formats[0]
+        q = hadamard_quantize(self._chunk_rows(chunk), bits=bits, group_size=group_size,
+                              hadamard_block=self.block, rounding=self.config.rounding,
+                              generator=self.generator, scale=self.scale)
+        self.first_hop.append((chunk, self._exchange(q, 0)))
+
+    def _advance(self, keep: int) -> None:
+        """Move all but ``keep`` first-hop chunks on to their last hop, writing each
+        chunk out once the next one's last hop is in flight."""
+        while len(self.first_hop) > keep:
+            chunk, state = self.first_hop.popleft()
+            self.second_hop.append((chunk, self._second_hop(state)))
+            while len(self.second_hop) > 1:
+                self._write(*self.second_hop.popleft())
+
+    def _second_hop(self, state):
+        """Two levels: sum the node's L pieces, requantize, start the inter-node hop."""
         if len(self.levels) == 1:
-            for chunk, state in zip(self.chunks, self.in_flight):
-                self._write(chunk, state)
-            return
+            return state  # one level: the first hop was the last
         bits, group_size = self.formats[1]
-        previous = None
-        for chunk, state in zip(self.chunks, self.in_flight):
-            received = self._arrived(state)
-            q = dequantize_sum_requantize(received, num_chunks=self.levels[0].size, bits=bits,
-                                          group_size=group_size, rounding=self.config.rounding,
-                                          generator=self.generator)
-            current = (chunk, self._exchange(q, 1))
-            if previous is not None:  # chunk i finishes while chunk i+1's hop is in flight
-                self._write(*previous)
-            previous = current
-        self._write(*previous)
+        q = dequantize_sum_requantize(self._arrived(state), num_chunks=self.levels[0].size,
+                                      bits=bits, group_size=group_size,
+                                      rounding=self.config.rounding, generator=self.generator)
+        return self._exchange(q, 1)
 
     # --- helpers -----------------------------------------------------------------
     def _chunk_rows(self, chunk: Chunk) -> torch.Tensor:

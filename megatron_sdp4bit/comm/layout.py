@@ -147,5 +147,22 @@ def chunk_plan(shard_numel: int, align: int, max_chunks: int) -> list[Chunk]:
     return chunks
 
 
+MAX_CHUNK_ELEMENTS = 1 << 24
+"""At most this many elements (over all DP shards) per pipeline chunk. Without
+--overlap-grad-reduce megatron puts every parameter in one bucket; chunks of at
+most 16M elements keep the reduce-scatter's scratch near 100 MB at 8 bits
+(comm/memory.py) while each kernel and transfer stays large."""
+
+
+def chunk_count(shard_numel: int, dp_size: int, pipeline_chunks: int, max_chunk_elements: int) -> int:
+    """How many pipeline chunks a reduce-scatter of ``dp_size`` shards uses: the
+    configured ``pipeline_chunks``, or more where a chunk (over all shards) would
+    exceed ``max_chunk_elements``, so that its scratch does not grow with the bucket."""
+    if min(dp_size, pipeline_chunks, max_chunk_elements) <= 0:
+        raise ValueError(f"dp_size={dp_size}, pipeline_chunks={pipeline_chunks} and "
+                         f"max_chunk_elements={max_chunk_elements} must be positive")
+    return max(pipeline_chunks, -(-shard_numel * dp_size // max_chunk_elements))
+
+
 def lcm(*values: int) -> int:
     return math.lcm(*values) if values else 1

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
 from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import PendingCollective, all_gather_flat, finish_or_handle
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import peer_split
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -79,47 +80,76 @@ def quantized_all_gather_weights(
     gen = pick_generator(generator, config.rounding, main_shard.device, config.seed,
                          dist.get_rank(), "weights")
     own = flat[rank * shard: (rank + 1) * shard]
-    fmt = dict(bits=config.weight_bits, group_size=config.weight_group_size,
-               rounding=config.rounding, generator=gen)
-    if config.weight_mode == "diff":
-        q = quantize_weight_diff(main_shard.view(-1), own, **fmt)
-    else:
-        q = quantize(main_shard.view(-1), **fmt)
-    codes, scales = q.codes.contiguous(), q.scales.contiguous()
-    all_codes = codes.new_empty(dp_size * codes.numel())
-    all_scales = scales.new_empty(dp_size * scales.numel())
-    works = [all_gather_flat(all_codes, codes, group, True),
-             all_gather_flat(all_scales, scales, group, True)]
-    record_peer_sends(_COLLECTIVE, same, other, codes=codes.numel() * codes.element_size(),
-                      scales=scales.numel() * scales.element_size(), elements=q.padded_numel)
+    add = config.weight_mode == "diff"
 
-    def finish(_send_buffers=(codes, scales)) -> None:  # referenced until the gather ends
-        for work in works:
+    def gather(start: int, stop: int) -> _Gather:
+        """Quantize this rank's ``[start, stop)`` and start gathering every rank's."""
+        fmt = dict(bits=config.weight_bits, group_size=config.weight_group_size,
+                   rounding=config.rounding, generator=gen)
+        main = main_shard.view(-1)[start:stop]
+        q = quantize_weight_diff(main, own[start:stop], **fmt) if add else quantize(main, **fmt)
+        codes, scales = q.codes.contiguous(), q.scales.contiguous()
+        all_codes = codes.new_empty(dp_size * codes.numel())
+        all_scales = scales.new_empty(dp_size * scales.numel())
+        works = [all_gather_flat(all_codes, codes, group, True),
+                 all_gather_flat(all_scales, scales, group, True)]
+        record_peer_sends(_COLLECTIVE, same, other, codes=codes.numel() * codes.element_size(),
+                          scales=scales.numel() * scales.element_size(), elements=q.padded_numel)
+        return _Gather(start, q, all_codes, all_scales, works, (codes, scales))
+
+    if async_op:  # every rank's codes of the whole shard in flight at once
+        pending = gather(0, shard)
+        return finish_or_handle(lambda: pending.apply(flat, shard, dp_size, add), True)
+    # Slice by slice, the next slice's gather in flight while this one is applied:
+    # a bucket of every parameter (megatron's without overlap) needs a few slices'
+    # codes at a time, not the whole bucket's.
+    step = _slice_elements(shard, dp_size, config.weight_group_size)
+    previous = None
+    for start in range(0, shard, step):
+        current = gather(start, min(start + step, shard))
+        if previous is not None:
+            previous.apply(flat, shard, dp_size, add)
+        previous = current
+    previous.apply(flat, shard, dp_size, add)
+    return None
+
+
+def _slice_elements(shard: int, dp_size: int, group_size: int) -> int:
+    """Shard elements per slice of a synchronous gather: whole groups, at most
+    ``MAX_CHUNK_ELEMENTS`` over all ranks (one slice when the shard is small)."""
+    groups = max(1, MAX_CHUNK_ELEMENTS // (dp_size * group_size))
+    return min(shard, groups * group_size)
+
+
+class _Gather:
+    """One slice's gather in flight: this rank's quantized slice, every rank's buffers."""
+
+    def __init__(self, start, q: QuantizedTensor, all_codes, all_scales, works, send_buffers):
+        self.start, self.q = start, q
+        self.all_codes, self.all_scales = all_codes, all_scales
+        self.works = works
+        self.send_buffers = send_buffers  # referenced until the gather ends
+
+    def apply(self, flat: torch.Tensor, shard: int, dp_size: int, add: bool) -> None:
+        """Wait, then write (``add``: add) every rank's dequantized slice into ``flat``."""
+        for work in self.works:
             work.wait()
-        _apply(flat, all_codes, all_scales, q, dp_size, config.weight_mode == "diff")
-
-    return finish_or_handle(finish, async_op)
-
-
-def _apply(flat: torch.Tensor, all_codes, all_scales, local: QuantizedTensor,
-           dp_size: int, add: bool) -> None:
-    """Write (``add``: add) every rank's dequantized shard into ``flat``."""
-    shard = local.numel
-    if shard == local.padded_numel:  # no padding between shards: one call for the buffer
-        pieces = [(flat, all_codes, all_scales, dp_size * shard)]
-    else:
-        n_codes, n_scales = local.codes.numel(), local.scales.numel()
-        pieces = [(flat[r * shard: (r + 1) * shard],
-                   all_codes[r * n_codes: (r + 1) * n_codes],
-                   all_scales[r * n_scales: (r + 1) * n_scales], shard)
-                  for r in range(dp_size)]
-    for target, codes, scales, numel in pieces:
-        q = QuantizedTensor(codes=codes, scales=scales, bits=local.bits,
-                            group_size=local.group_size, numel=numel, dtype=torch.float32)
-        if add:
-            dequantize_add_(target, q)
+        local, numel = self.q, self.q.numel
+        if numel == shard and numel == local.padded_numel:  # contiguous: one call for all
+            pieces = [(flat, self.all_codes, self.all_scales, dp_size * shard)]
         else:
-            target.copy_(dequantize(q, torch.float32))
+            n_codes, n_scales = local.codes.numel(), local.scales.numel()
+            pieces = [(flat[r * shard + self.start: r * shard + self.start + numel],
+                       self.all_codes[r * n_codes: (r + 1) * n_codes],
+                       self.all_scales[r * n_scales: (r + 1) * n_scales], numel)
+                      for r in range(dp_size)]
+        for target, codes, scales, count in pieces:
+            q = QuantizedTensor(codes=codes, scales=scales, bits=local.bits,
+                                group_size=local.group_size, numel=count, dtype=torch.float32)
+            if add:
+                dequantize_add_(target, q)
+            else:
+                target.copy_(dequantize(q, torch.float32))
 
 
 def _validate(model_buffer: torch.Tensor, main_shard: torch.Tensor, dp_size: int) -> None:

@@ -46,10 +46,20 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
     ddp_config = bucket_group.ddp_config
     op = torch.distributed.ReduceOp.AVG if ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     async_op = bool(ddp_config.overlap_grad_reduce)
+    if state.grad_reduce_in_flight is not None:
+        # Complete the previous bucket's reduce-scatter before this one starts, so at
+        # most two buckets' codes are alive, not every bucket's until megatron's
+        # finish_grad_sync (every rank starts its buckets in the same order; on a GPU
+        # this enqueues the work without waiting for it). Megatron's own wait on that
+        # handle is then a no-op.
+        state.grad_reduce_in_flight.wait()
+        state.grad_reduce_in_flight = None
     handles = []
     for grad_data in grads:
         shard = grad_data.numel() // size
         local_view = grad_data[rank * shard:(rank + 1) * shard]
         handles.append(comm.quantized_reduce_scatter(
             local_view, grad_data, op=op, group=group, config=state.config, async_op=async_op))
-    adapter.set_grad_reduce_handle(bucket_group, Handles(handles) if async_op else None)
+    handle = Handles(handles) if async_op else None
+    state.grad_reduce_in_flight = handle
+    adapter.set_grad_reduce_handle(bucket_group, handle)

@@ -42,6 +42,11 @@ class LayerState:
     in_optimizer_step: bool = False
     config_checked: bool = False
     """All ranks were checked to share ``config`` (a collective, done once)."""
+    replica_checks_passed: int = 0
+    """Run-time replica checks (``check_interval``) that found every replica alike."""
+    grad_reduce_in_flight: Optional[object] = None
+    """The last bucket group's quantized reduce-scatter handle (--overlap-grad-reduce),
+    completed when the next one starts."""
     grad_errors_sampled_at: int = -1
     """One gradient-error sample per iteration, not one per bucket group."""
     metrics: QuantErrorMetrics = field(default_factory=QuantErrorMetrics)

@@ -32,6 +32,7 @@ def battery(rank: int, world: int) -> dict:
         grads.wire_cases(rank, world, rpn, results)
         grads.schedule_cases(rank, world, rpn, results)
         weights.one_step_cases(rank, world, rpn, results)
+        weights.sliced_cases(rank, world, rpn, results)
         weights.weight_wire_cases(rank, world, rpn, results)
     if world in STATISTICS_WORLDS:  # statistics need many calls: not on the largest world
         stats.unbiased_cases(rank, world, 2, results)

@@ -59,6 +59,29 @@ def one_step_cases(rank: int, world: int, rpn: int, results: dict) -> None:
             results[key] = entry
 
 
+def sliced_cases(rank: int, world: int, rpn: int, results: dict) -> None:
+    """A synchronous gather of a shard larger than a slice may be (here: a slice is one
+    group of 2048, the shard 5000, so 3 slices, the last padded) changes nothing with
+    nearest rounding: the same buffer as gathered whole (async), on every rank."""
+    from megatron_sdp4bit.comm import weights
+
+    shard = 5000
+    for mode in ("diff", "direct"):
+        config = SDP4BitConfig(weight_mode=mode, ranks_per_node=rpn, rounding="nearest")
+        model = initial_weights(world, shard, torch.bfloat16)
+        own = model[rank * shard:(rank + 1) * shard]
+        main = own.float() + 0.01 * torch.randn(shard, generator=torch.Generator().manual_seed(70 + rank))
+        whole = model.clone()
+        quantized_all_gather_weights(whole, main, config=config, async_op=True).wait()
+        cap, weights.MAX_CHUNK_ELEMENTS = weights.MAX_CHUNK_ELEMENTS, world * config.weight_group_size
+        try:
+            quantized_all_gather_weights(model, main, config=config)
+        finally:
+            weights.MAX_CHUNK_ELEMENTS = cap
+        results[f"wgt-sliced|rpn={rpn}|{mode}"] = {
+            "same_as_whole": torch.equal(model, whole), "identical": identical_on_all_ranks(model)}
+
+
 def error_feedback_cases(rank: int, world: int, rpn: int, results: dict, steps: int = 30) -> None:
     """K optimizer-like steps: qWD's error stays flat, qW's does not shrink.
 

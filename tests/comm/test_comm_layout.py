@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from megatron_sdp4bit.comm.layout import chunk_plan, plan_node_layout, two_level_send_order
+from megatron_sdp4bit.comm.layout import chunk_count, chunk_plan, plan_node_layout, two_level_send_order
 
 
 def test_nodes_are_built_from_the_groups_own_ranks():
@@ -100,3 +100,25 @@ def test_chunk_plan_edge_cases():
     assert chunk_plan(0, 128, 4) == []
     with pytest.raises(ValueError):
         chunk_plan(10, 0, 4)
+
+
+@pytest.mark.parametrize("shard,dp,chunks,cap,expected", [
+    (1000, 4, 1, 1 << 24, 1),            # small bucket: the configured count
+    (1000, 4, 3, 1 << 24, 3),
+    (1 << 24, 8, 1, 1 << 24, 8),         # one chunk per 2^24 elements over all shards
+    ((1 << 24) + 1, 8, 2, 1 << 24, 9),   # rounded up
+    (100, 4, 1, 64, 7),
+])
+def test_chunk_count_caps_the_elements_of_a_chunk(shard, dp, chunks, cap, expected):
+    count = chunk_count(shard, dp, chunks, cap)
+    assert count == expected
+    # What the cap promises: no chunk (over all shards) exceeds it unless alignment does.
+    largest = max(c.valid for c in chunk_plan(shard, 1, count))
+    assert largest * dp <= max(cap, dp) or count == chunks
+
+
+def test_chunk_count_rejects_non_positive_sizes():
+    with pytest.raises(ValueError):
+        chunk_count(10, 0, 1, 64)
+    with pytest.raises(ValueError):
+        chunk_count(10, 4, 1, 0)

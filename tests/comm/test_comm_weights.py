@@ -17,6 +17,14 @@ def test_all_ranks_hold_bit_identical_weights(results):
     assert checked > 0
 
 
+def test_sliced_gather_equals_the_whole_gather(results):
+    checked = 0
+    for rank, key, value in cases(results, "wgt-sliced|"):
+        assert value == {"same_as_whole": True, "identical": True}, f"rank {rank} {key}: {value}"
+        checked += 1
+    assert checked > 0
+
+
 def test_exact_mode_equals_all_gather(results):
     for rank, key, value in cases(results, "wgt|"):
         if "|off|" in key:
