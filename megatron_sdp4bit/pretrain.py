@@ -304,8 +304,8 @@ def run(args, with_weights_hash: bool = False) -> dict:
 
     comm.reset_generators()  # a run's quantization noise depends on its seed only
     quantized = config is not None and config.enabled
-    if not quantized:  # exact collectives, counted by the layer (bit-identical to stock)
-        config = preset("baseline", ranks_per_node=config.ranks_per_node if config else None)
+    if config is None:  # exact collectives, counted by the layer (bit-identical to stock)
+        config = preset("baseline")
     patch.install(config)
     patch.set_metrics_interval(args.log_interval)  # sampled on logged steps only
     _log0(f"sdp4bit: {config.to_dict() if quantized else 'off (exact collectives)'}")
@@ -328,6 +328,9 @@ def run(args, with_weights_hash: bool = False) -> dict:
     _log0(f"model: GPT {args.num_layers} layers x {args.hidden_size}, {n_params / 1e6:.2f} M params, "
           f"{args.transformer_impl_used} layer spec, vocab {tokenizer.vocab_size}")
     _log0(fusions.describe())
+    if quantized:  # collective (plans the node layout), logged by rank 0 for its own stage
+        footprint = patch.memory(optimizer, sum(p.numel() for p in ddp.parameters()))
+        _log0(f"sdp4bit memory on rank 0: {footprint.describe()}")
 
     iteration = 0
     if args.load:
@@ -421,6 +424,8 @@ def run(args, with_weights_hash: bool = False) -> dict:
         "tokens_per_s": tokens_total / time_total if time_total else math.nan,
         "bytes_sent": meter.totals["sent"], "bytes_exact": meter.totals["exact"],
         "metrics": logger.path, "run_dir": run_dir,
+        "replica_checks_passed": patch.replica_checks_passed(),
+        "check_interval": config.check_interval,
         "layout": layout.describe(), **parallel_ranks(),
     }
     if with_weights_hash:
@@ -450,6 +455,10 @@ def print_summary(summary: dict) -> None:
         f"bytes sent per rank {wire}",
         f"metrics             {summary['metrics']}",
     ]
+    if summary.get("replica_checks_passed"):  # none with one replica or a short run
+        lines.insert(-1, f"replica checks      {summary['replica_checks_passed']} passed "
+                         f"(every {summary['check_interval']} steps, all data-parallel replicas "
+                         "bit-identical)")
     if summary.get("plot"):
         lines.append(f"loss curve          {summary['plot']}")
     print("\n".join(lines), flush=True)

@@ -79,6 +79,19 @@ def format_report(e: Estimate) -> str:
             f"| {v.label} | {v.compute_s:.4f} | {v.kernel_s:.4f} | {v.grad_comm_s:.4f} "
             f"({v.grad_exposed_s:.4f}) | {v.weight_comm_s:.4f} ({v.weight_exposed_s:.4f}) "
             f"| {v.step_s:.4f} | {e.tflops_per_gpu(name):.1f} | {base.step_s / v.step_s:.2f}x |")
+    lines += [
+        "",
+        "Memory the layer adds per GPU (the stage with the most per parameter; comm/memory.py): "
+        "held = fp32 main shards kept across steps, scratch = codes and staging while a "
+        "collective runs (an upper bound).",
+        "",
+        "| variant | held B/param | scratch B/param | total B/param | held MiB | scratch MiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for v in e.variants.values():
+        m = v.memory
+        lines.append(f"| {v.label} | {m.per_param(m.held_bytes):.2f} | {m.per_param(m.scratch_bytes):.2f} "
+                     f"| {m.per_param(m.total_bytes):.2f} | {_mib(m.held_bytes)} | {_mib(m.scratch_bytes)} |")
     kernel_lines = []
     for v in e.variants.values():
         for op, sec in v.kernel_ops.items():
@@ -110,6 +123,8 @@ def to_json(e: Estimate) -> dict:
                 "grad_exposed_s": v.grad_exposed_s, "weight_exposed_s": v.weight_exposed_s,
                 "kernel_s": v.kernel_s, "kernel_ops_s": v.kernel_ops, "step_s": v.step_s,
                 "tflops_per_gpu": e.tflops_per_gpu(name), "speedup": e.speedup(name),
+                "memory_params": v.memory.params, "memory_held_bytes": v.memory.held_bytes,
+                "memory_scratch_bytes": v.memory.scratch_bytes,
             } for name, v in e.variants.items()
         },
     }

@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_sdp4bit.config import SDP4BitConfig, preset
 from megatron_sdp4bit.estimate import volume
+from megatron_sdp4bit.comm.memory import LayerMemory, layer_memory
 from megatron_sdp4bit.estimate.kernels import KernelModel
 from megatron_sdp4bit.estimate.model import (ModelShape, bucket_numels, default_bucket_size,
                                              stage_params, step_flops)
@@ -100,6 +101,7 @@ class VariantEstimate:
     kernel_s: float
     compute_s: float
     kernel_ops: Dict[str, float] = field(default_factory=dict)  # op -> seconds per step
+    memory: Optional[LayerMemory] = None  # what the layer adds on a GPU of the fullest stage
 
     @property
     def comm_s(self) -> float:
@@ -297,6 +299,9 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
             grad_exposed = _exposed(grad_s, backward, n_buckets)
         weight_exposed = (_exposed(weight_s, forward, n_buckets) if workload.overlap == "full"
                           else weight_s)
+    memory = max((_stage_memory(stage, layout, buckets[stage], config, cluster, workload)
+                   for stage, layout in layouts),
+                  key=lambda m: m.per_param(m.total_bytes))
     all_links = volume.Links.empty()
     for links in grad_links + [weight_links]:
         all_links.merge(links)
@@ -306,4 +311,15 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
         node_inter_bytes=all_links.max_node_inter, gpu_intra_bytes=all_links.max_gpu_intra,
         grad_comm_s=grad_s, weight_comm_s=weight_s, grad_exposed_s=grad_exposed,
         weight_exposed_s=weight_exposed, kernel_s=sum(kernel_ops.values()),
-        compute_s=compute_s, kernel_ops=kernel_ops)
+        compute_s=compute_s, kernel_ops=kernel_ops, memory=memory)
+
+
+def _stage_memory(stage, layout, stage_buckets, config, cluster, workload) -> LayerMemory:
+    """What the layer adds on a GPU of this stage's DP group (comm/memory.py)."""
+    params = stage_params(workload.shape, cluster.tp, cluster.pp, stage).numel
+    return layer_memory(stage_buckets, layout.dp_size, config, params=params,
+                        node_members=len(layout.nodes[0]) if layout.is_two_level else 0,
+                        fp32_params=workload.param_element_size == 4,
+                        grad_bytes=GRAD_ELEMENT_SIZE,
+                        overlap_grad_reduce=workload.overlap != "none",
+                        overlap_param_gather=workload.overlap == "full")

@@ -43,6 +43,7 @@ def _check_replicas(layer, optimizer) -> None:
     buffers = [(f"buffer {b} bucket {k}", bucket.param_data)
                for (b, k), bucket in adapter.buffer_buckets(optimizer)]
     consistency.check_replicas(buffers, adapter.optimizer_process_group(optimizer), state.iteration)
+    state.replica_checks_passed += 1  # check_replicas raises on any difference
 
 
 def step_with_ready_grads(layer, optimizer) -> bool:

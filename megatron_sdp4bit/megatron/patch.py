@@ -24,7 +24,8 @@ from megatron_sdp4bit.megatron.checks import check_same_config_on_all_ranks
 from megatron_sdp4bit.megatron.layer import SDP4BitLayer
 
 __all__ = ["install", "uninstall", "is_installed", "current_config", "set_iteration",
-           "get_iteration", "set_metrics_interval", "quantization_errors", "state_dict",
+           "get_iteration", "set_metrics_interval", "quantization_errors", "replica_checks_passed",
+           "memory", "state_dict",
            "load_state_dict", "installed_layer"]
 
 
@@ -100,6 +101,24 @@ def quantization_errors() -> Dict[str, float]:
     on a slice of the local gradients). Empty until a sampled step ran."""
     layer = installed_layer()
     return {} if layer is None else layer.state.metrics.read()
+
+
+def replica_checks_passed() -> int:
+    """How many run-time replica checks (``check_interval``) found every
+    data-parallel replica alike so far in this process (a mismatch raises)."""
+    layer = installed_layer()
+    return 0 if layer is None else layer.state.replica_checks_passed
+
+
+def memory(optimizer, params: int):
+    """``LayerMemory``: bytes the layer holds across steps and its scratch peak on this
+    rank, for ``params`` model parameters here (collective over the DP group)."""
+    from megatron_sdp4bit.megatron.memory import optimizer_memory
+
+    layer = installed_layer()
+    if layer is None:
+        raise RuntimeError("memory() needs the layer installed (patch.install)")
+    return optimizer_memory(layer, optimizer, params)
 
 
 def state_dict(optimizer) -> dict:

@@ -33,11 +33,20 @@ def _train(spec: TinyGPTSpec, config, steps: int):
         patch.install(config)
     trainer = TinyGPTTrainer(spec)
     records = trainer.train_steps(steps)
+    memory = None
+    if config is not None:
+        # What the layer really holds after training vs what it reports at start-up.
+        layer = patch.installed_layer()
+        held = sum(t.numel() * t.element_size() for bucket in layer.state.buckets.values()
+                   for t in (bucket.main_shard, bucket.reconstructed) if t is not None)
+        params = sum(p.numel() for p in trainer.model.parameters())
+        memory = (held, patch.memory(trainer.optimizer, params).held_bytes)
     patch.uninstall()
     return {
         "losses": [r.loss for r in records],
         "hashes": [r.weights_sha256 for r in records],
         "buckets": trainer.num_buckets,
+        "memory": memory,
     }
 
 
@@ -118,6 +127,16 @@ def test_sdp4bit_loss_tracks_the_baseline_and_decreases(matrix_runs, name):
         f"{name}: SDP4Bit {sdp_loss:.4f} vs exact {base_loss:.4f}")
     # The quantized run must really differ from the exact one (the layer is in the path).
     assert sdp[0]["hashes"] != stock[0]["hashes"]
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_reported_held_memory_is_what_the_layer_holds(matrix_runs, name):
+    """The held bytes the driver prints at start-up (patch.memory) equal the fp32 main
+    shards (and, for fp32 params, set-aside reconstructions) the layer really keeps."""
+    _stock, sdp = _by_name(matrix_runs)[name]
+    for rank in sdp:
+        actual, reported = rank["memory"]
+        assert actual == reported > 0, f"{name}: holds {actual} bytes, reports {reported}"
 
 
 def test_several_buckets_were_exercised(matrix_runs):

@@ -1,0 +1,37 @@
+"""What the installed layer adds in memory for an optimizer's buckets (comm/memory.py's
+arithmetic over megatron's actual buckets, data-parallel group and node layout)."""
+from __future__ import annotations
+
+import torch
+
+from megatron_sdp4bit.comm.memory import LayerMemory, layer_memory
+from megatron_sdp4bit.comm.topology import get_topology
+
+
+def optimizer_memory(layer, optimizer, params: int) -> LayerMemory:
+    """Held bytes and scratch peak on this rank; ``params``: model parameters on it.
+
+    Collective over the data-parallel group the first time (it plans the node layout
+    the reduce-scatter will use); every rank calls it at the same point.
+    """
+    state, adapter = layer.state, layer.adapter
+    held = scratch = 0
+    for sub in adapter.sub_optimizers(optimizer):
+        _, dp = adapter.optimizer_group(sub)
+        buckets = [bucket for _, bucket in adapter.buffer_buckets(sub)]
+        if not buckets:
+            continue
+        levels = (get_topology(adapter.optimizer_process_group(sub), state.config.ranks_per_node).levels
+                  if dp > 1 else ())
+        ddp_config = sub.ddp_config
+        part = layer_memory(
+            [bucket.grad_data.numel() for bucket in buckets], dp, state.config, params=params,
+            node_members=levels[0].size if len(levels) == 2 else 0,
+            fp32_params=any(bucket.param_data is not None and bucket.param_data.dtype == torch.float32
+                            for bucket in buckets),
+            grad_bytes=max(bucket.grad_data.element_size() for bucket in buckets),
+            overlap_grad_reduce=bool(ddp_config.overlap_grad_reduce),
+            overlap_param_gather=bool(ddp_config.overlap_param_gather))
+        held += part.held_bytes
+        scratch = max(scratch, part.scratch_bytes)  # one model chunk's collectives at a time
+    return LayerMemory(params=params, held_bytes=held, scratch_bytes=scratch)
