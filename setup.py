@@ -21,6 +21,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_sdp4bit", "megatron_sdp4bit.*"]),
+    package_data={"megatron_sdp4bit": ["reference/*.json"]},
     install_requires=[
         megatron_core,
         "numpy",

@@ -7,23 +7,65 @@ defaults override them: ``make train ARGS="--train-iters 50 --sdp4bit-preset zer
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 RANKS = 4
 RANKS_PER_NODE = 2
 
-DEFAULT_FLAGS = [
+RECIPE_FLAGS = [
     "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
     "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
     "--train-iters", "200", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "10",
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16", "--use-distributed-optimizer",
     "--log-interval", "10", "--eval-interval", "50", "--eval-iters", "4",
     "--split", "969,30,1",
-    "--sdp4bit", "--sdp4bit-ranks-per-node", str(RANKS_PER_NODE),
 ]
+"""The model, data and schedule of ``make train``; also the CPU recipe of
+``scripts/reproduce_accuracy.py``, whose exact-collective runs give the reference
+curve ``make train`` draws its own against."""
+
+DEFAULT_FLAGS = RECIPE_FLAGS + ["--sdp4bit", "--sdp4bit-ranks-per-node", str(RANKS_PER_NODE)]
+
+REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference",
+                         "make_train_exact.json")
+"""The exact-collective run of this recipe (seed 1234), written by
+``scripts/make_train_reference.py``: ``make train`` draws its curve over it
+without running it again."""
+
+
+def overlay_on_reference(run_dir: str, extra: list) -> Optional[str]:
+    """Plot this run over the shipped exact-collective run; None (and why) when the
+    flags changed the recipe or nothing can be drawn."""
+    changed = [flag for flag in extra if flag.startswith("--") and not flag.startswith("--sdp4bit")]
+    if changed:
+        print(f"no exact-collective reference for this recipe (changed: {' '.join(changed)}); "
+              "loss.png shows this run alone", flush=True)
+        return None
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if not (os.path.isfile(REFERENCE) and os.path.isfile(metrics)):
+        return None
+    with open(REFERENCE, encoding="utf-8") as f:
+        reference = json.load(f)
+    if reference.get("recipe_flags") != RECIPE_FLAGS:
+        print(f"{REFERENCE} was made for another recipe: rerun scripts/make_train_reference.py",
+              flush=True)
+        return None
+    from megatron_sdp4bit.training.metrics import plot_against_reference, read_metrics
+
+    valid = [r["loss"] for r in read_metrics(metrics) if r["kind"] == "valid"]
+    exact = reference["valid"][-1][1]
+    if valid:
+        print(f"final validation loss {valid[-1]:.4f} vs {exact:.4f} with the exact collectives "
+              f"({100 * (valid[-1] / exact - 1):+.2f}%; reference {os.path.relpath(REFERENCE)})",
+              flush=True)
+    return plot_against_reference(metrics, reference, os.path.join(run_dir, "loss_vs_exact.png"),
+                                  label="this run", reference_label="exact collectives",
+                                  title="make train: this run over the exact-collective run")
 
 
 def main(argv=None) -> int:
@@ -47,7 +89,12 @@ def main(argv=None) -> int:
           f"{RANKS_PER_NODE}:\n  {' '.join(cmd[2:])}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore"))
-    return subprocess.call(cmd, env=env)
+    code = subprocess.call(cmd, env=env)
+    if code == 0:
+        png = overlay_on_reference(run_dir, extra)
+        if png:
+            print(f"loss vs exact       {png}", flush=True)
+    return code
 
 
 if __name__ == "__main__":

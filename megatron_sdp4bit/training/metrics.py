@@ -111,3 +111,37 @@ def plot_losses(metrics_path: str, png_path: str, title: str = "") -> Optional[s
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
     return png_path
+
+
+def plot_against_reference(metrics_path: str, reference: dict, png_path: str, label: str,
+                           reference_label: str, title: str = "") -> Optional[str]:
+    """This run's train and validation losses over a reference run's (``reference``:
+    ``{"train": [[it, loss], ...], "valid": [...]}``); returns the PNG path (None
+    without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, train, valid, style in (
+            (reference_label, reference["train"], reference["valid"], dict(color="0.45")),
+            (label, [(r["iteration"], r["loss"]) for r in records if r["kind"] == "train"],
+             [(r["iteration"], r["loss"]) for r in records if r["kind"] == "valid"],
+             dict(color="tab:blue"))):
+        if train:
+            ax.plot(*zip(*train), label=f"{name}: train", **style)
+        if valid:
+            ax.plot(*zip(*valid), "o--", label=f"{name}: validation", **style)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return png_path
