@@ -1,0 +1,288 @@
+#!/usr/bin/env python3
+"""The paper's accuracy comparison (Table 1): seven ways to communicate, several seeds each.
+
+Every configuration trains the same model on the same data with the same schedule
+through the driver; only the data-parallel collectives differ:
+
+    baseline   exact all-gather and fp32 reduce-scatter
+    qW         4-bit weights (quantized directly), exact gradients
+    qWD        4-bit weight differences, exact gradients
+    TLq        exact weights, two-level 8/4-bit gradients
+    TLq-HS     exact weights, two-level 8/4-bit gradients with Hadamard smoothing
+    SDP4Bit    qWD + TLq-HS (the paper's method)
+    ZeRO++     qW + ULq (4/4-bit gradients, no Hadamard)
+
+Seed s sets the model's initialisation and data order (--seed) and the
+stochastic-rounding streams (--sdp4bit-seed), the same s for every configuration,
+so differences can be compared seed by seed.
+
+Each finished run writes ``OUT/results/<config>-seed<s>.json`` (final validation
+loss and the curves); a rerun skips finished runs, so the study can be completed
+over several sittings (``--max-runs`` bounds one sitting). Then, and with
+``--analyze``, it writes ``OUT/summary.json``, ``OUT/table.md`` and
+``OUT/validation_curves.png``.
+
+Recipes:
+
+    cpu       (default) ``make train``'s model, data and schedule (4 x 256 GPT, 5.3 M
+              parameters, 200 steps of 16 x 128 tokens on the embedded corpus) on 4 CPU
+              ranks as 2 emulated nodes x 2; about 3 minutes per run on 2 cores alone
+    gpu-125m  configs/gpt_125m.yaml (and gpu-350m, gpu-1.3b) on one node of GPUs
+              (``--gpus``, default 8, as 2 emulated nodes unless --ranks-per-node), with
+              ``--data-path`` prepared by sdp4bit-preprocess and GPT-2's vocabulary:
+              extra driver flags after ``--``
+
+    python scripts/reproduce_accuracy.py --seeds 1 2 3
+    python scripts/reproduce_accuracy.py --analyze
+    python scripts/reproduce_accuracy.py --recipe gpu-125m --out runs/accuracy-125m -- \\
+        --data-path pile_text_document --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from driver_jobs import ROOT, run_driver  # noqa: E402
+
+# name: (flags, the paper's Table 1 final validation loss at 125M)
+CONFIGS = {
+    "baseline": (["--sdp4bit-preset", "baseline"], 2.29392),
+    "qW": (["--sdp4bit-preset", "baseline", "--sdp4bit-weight-mode", "direct"], 2.57312),
+    "qWD": (["--sdp4bit-preset", "qwd-only"], 2.29274),
+    "TLq": (["--sdp4bit-preset", "tlq-hs-only", "--sdp4bit-grad-mode", "tlq"], 2.30479),
+    "TLq-HS": (["--sdp4bit-preset", "tlq-hs-only"], 2.29528),
+    "SDP4Bit": (["--sdp4bit-preset", "sdp4bit"], 2.29590),
+    "ZeRO++": (["--sdp4bit-preset", "zeropp"], None),
+}
+
+
+def recipe_flags(recipe: str, gpus: int, ranks_per_node: int) -> tuple[list, int]:
+    """(driver flags shared by every run, ranks) of a recipe."""
+    if recipe == "cpu":
+        from megatron_sdp4bit.demo import RANKS, RANKS_PER_NODE, RECIPE_FLAGS
+
+        return RECIPE_FLAGS + ["--sdp4bit-ranks-per-node", str(RANKS_PER_NODE)], RANKS
+    size = recipe.split("-", 1)[1]
+    config = os.path.join(ROOT, "configs", f"gpt_{size}.yaml")
+    if not os.path.isfile(config):
+        raise SystemExit(f"--recipe {recipe}: no {config}")
+    return ["--config", config, "--sdp4bit-ranks-per-node", str(ranks_per_node)], gpus
+
+
+def run_name(config: str, seed: int) -> str:
+    return f"{config}-seed{seed}"
+
+
+def study_fingerprint(flags: list) -> str:
+    return hashlib.sha256(json.dumps(flags).encode()).hexdigest()[:16]
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def curves(metrics_path: str) -> dict:
+    from megatron_sdp4bit.training.metrics import read_metrics
+
+    records = read_metrics(metrics_path)
+    return {kind: [[r["iteration"], r["loss"]] for r in records if r["kind"] == kind]
+            for kind in ("train", "valid")}
+
+
+def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerprint: str) -> dict:
+    name = run_name(config, seed)
+    run_dir = os.path.join(out, "runs", name)
+    flags = shared + CONFIGS[config][0] + ["--seed", str(seed), "--sdp4bit-seed", str(seed),
+                                           "--run-dir", run_dir]
+    if os.path.isdir(run_dir):  # an unfinished earlier attempt: start it again
+        import shutil
+
+        shutil.rmtree(run_dir)
+    job = run_driver(flags, os.path.join(out, "logs", name + ".log"), ranks=ranks)
+    if job.returncode != 0:
+        raise RuntimeError(f"{name} exited {job.returncode}; log {job.log_path}:\n{job.tail()}")
+    curve = curves(os.path.join(run_dir, "metrics.jsonl"))
+    if not curve["valid"]:
+        raise RuntimeError(f"{name} logged no validation loss; log {job.log_path}")
+    result = {"config": config, "seed": seed, "final_valid_loss": curve["valid"][-1][1],
+              "final_train_loss": curve["train"][-1][1], "curves": curve,
+              "seconds": round(job.seconds, 1), "flags": flags, "fingerprint": fingerprint,
+              "commit": git_commit(), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path = os.path.join(out, "results", name + ".json")
+    with open(path + ".part", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".part", path)  # written whole or not at all
+    return result
+
+
+def load_results(out: str, fingerprint: str) -> dict:
+    """``{(config, seed): result}`` of finished runs; refuses results of another recipe."""
+    results = {}
+    folder = os.path.join(out, "results")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            result = json.load(f)
+        if result["fingerprint"] != fingerprint:
+            raise SystemExit(f"{folder}/{name} was run with other flags (recipe fingerprint "
+                             f"{result['fingerprint']}, now {fingerprint}): use another --out, or "
+                             "delete the old results to rerun them")
+        results[(result["config"], result["seed"])] = result
+    return results
+
+
+# --- analysis --------------------------------------------------------------------------
+
+def summarize(results: dict) -> dict:
+    """Per configuration: mean and standard deviation of the final validation loss, the
+    difference from baseline, and the seed-by-seed (paired) difference with its spread."""
+    base = {seed: r["final_valid_loss"] for (c, seed), r in results.items() if c == "baseline"}
+    summary = {}
+    for config, (_, paper) in CONFIGS.items():
+        losses = {seed: r["final_valid_loss"] for (c, seed), r in results.items() if c == config}
+        if not losses:
+            continue
+        values = list(losses.values())
+        row = {"n": len(values), "seeds": sorted(losses), "mean": statistics.fmean(values),
+               "std": statistics.stdev(values) if len(values) > 1 else math.nan, "paper": paper}
+        if base and config != "baseline":
+            row["vs_baseline_pct"] = 100 * (row["mean"] / statistics.fmean(base.values()) - 1)
+            paired = [losses[s] - base[s] for s in losses if s in base]
+            if len(paired) > 1:
+                mean, sd = statistics.fmean(paired), statistics.stdev(paired)
+                row["paired_diff_mean"], row["paired_diff_std"] = mean, sd
+                # beyond 2 standard errors of the seed-by-seed differences
+                row["exceeds_seed_spread"] = abs(mean) > 2 * sd / math.sqrt(len(paired))
+        if paper is not None and config != "baseline":
+            row["paper_vs_baseline_pct"] = 100 * (paper / CONFIGS["baseline"][1] - 1)
+        summary[config] = row
+    return summary
+
+
+def table(summary: dict) -> str:
+    lines = ["| configuration | paper 125M | paper vs baseline | ours: final validation loss "
+             "(mean +- std, n) | vs baseline | seed-by-seed difference | beyond the seed spread? |",
+             "|---|---:|---:|---|---:|---|---|"]
+    for config, r in summary.items():
+        paper = f"{r['paper']:.5f}" if r["paper"] is not None else "-"
+        paper_pct = f"{r['paper_vs_baseline_pct']:+.2f}%" if "paper_vs_baseline_pct" in r else "-"
+        ours = f"{r['mean']:.4f} +- {r['std']:.4f} ({r['n']})"
+        pct = f"{r['vs_baseline_pct']:+.2f}%" if "vs_baseline_pct" in r else "-"
+        paired = (f"{r['paired_diff_mean']:+.4f} +- {r['paired_diff_std']:.4f}"
+                  if "paired_diff_mean" in r else "-")
+        beyond = {True: "yes", False: "no"}.get(r.get("exceeds_seed_spread"), "-")
+        lines.append(f"| {config} | {paper} | {paper_pct} | {ours} | {pct} | {paired} | {beyond} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str, title: str):
+    if not results:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for config in CONFIGS:
+        runs = [r["curves"]["valid"] for (c, _), r in results.items() if c == config]
+        if not runs:
+            continue
+        iterations = [it for it, _ in runs[0]]
+        by_step = [[dict(run).get(it) for run in runs] for it in iterations]
+        keep = [(it, vals) for it, vals in zip(iterations, by_step) if None not in vals]
+        xs = [it for it, _ in keep]
+        means = [statistics.fmean(v) for _, v in keep]
+        spread = [statistics.stdev(v) if len(v) > 1 else 0.0 for _, v in keep]
+        line, = ax.plot(xs, means, "o-", label=f"{config} ({len(runs)} seeds)", markersize=3)
+        ax.fill_between(xs, [m - s for m, s in zip(means, spread)],
+                        [m + s for m, s in zip(means, spread)], color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("validation loss (mean +- std over seeds)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def analyze(out: str, fingerprint: str, recipe: str) -> dict:
+    results = load_results(out, fingerprint)
+    summary = summarize(results)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    text = table(summary)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(text + "\n")
+    png = plot(results, os.path.join(out, "validation_curves.png"),
+               f"Validation loss, recipe {recipe}")
+    print(text)
+    if png:
+        print(f"curves: {png}")
+    return summary
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--recipe", default="cpu", choices=("cpu", "gpu-125m", "gpu-350m", "gpu-1.3b"))
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--out", default=None, help="default runs/accuracy-<recipe>")
+    p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
+    p.add_argument("--analyze", action="store_true", help="only summarize the finished runs")
+    p.add_argument("--gpus", type=int, default=8, help="GPU recipes: ranks on this node")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="GPU recipes: ranks per emulated node (default half of --gpus)")
+    p.add_argument("driver_flags", nargs="*", help="after --: extra driver flags (GPU recipes: data)")
+    args = p.parse_args(argv)
+    if any(s < 0 for s in args.seeds):
+        p.error("--seeds must be non-negative integers")
+    if args.recipe != "cpu" and not args.analyze and "--data-path" not in args.driver_flags:
+        p.error(f"--recipe {args.recipe} needs -- --data-path PREFIX (sdp4bit-preprocess) and the "
+                "tokenizer flags")
+    args.out = args.out or os.path.join(ROOT, "runs", f"accuracy-{args.recipe}")
+    args.ranks_per_node = args.ranks_per_node or max(1, args.gpus // 2)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    shared, ranks = recipe_flags(args.recipe, args.gpus, args.ranks_per_node)
+    shared = shared + list(args.driver_flags)
+    fingerprint = study_fingerprint(shared)
+    for folder in ("results", "logs", "runs"):
+        os.makedirs(os.path.join(args.out, folder), exist_ok=True)
+    if not args.analyze:
+        done = load_results(args.out, fingerprint)
+        todo = [(c, s) for s in args.seeds for c in args.configs if (c, s) not in done]
+        print(f"[accuracy] {len(done)} runs finished in {args.out}, {len(todo)} to go", flush=True)
+        for index, (config, seed) in enumerate(todo[: args.max_runs]):
+            started = time.perf_counter()
+            result = run_one(args.out, config, seed, shared, ranks, fingerprint)
+            print(f"[accuracy] {index + 1}/{len(todo)} {run_name(config, seed)}: final validation "
+                  f"loss {result['final_valid_loss']:.4f} ({time.perf_counter() - started:.0f} s)",
+                  flush=True)
+    analyze(args.out, fingerprint, args.recipe)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""scripts/reproduce_accuracy.py: resumable runs, the seed-by-seed analysis, bad input.
+
+The driver runs themselves are what `make train` runs (tests/training covers the
+driver); here the study's bookkeeping is checked with result files written the way
+a finished run writes them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "scripts")
+sys.path.insert(0, SCRIPTS)
+import reproduce_accuracy as study  # noqa: E402
+
+
+def _write_result(out, config, seed, loss, fingerprint):
+    curve = {"train": [[10, loss + 1], [20, loss + 0.5]], "valid": [[10, loss + 0.3], [20, loss]]}
+    result = {"config": config, "seed": seed, "final_valid_loss": loss, "final_train_loss": loss,
+              "curves": curve, "seconds": 1.0, "flags": [], "fingerprint": fingerprint,
+              "commit": "x", "finished": "now"}
+    os.makedirs(os.path.join(out, "results"), exist_ok=True)
+    with open(os.path.join(out, "results", f"{config}-seed{seed}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def _fingerprint():
+    shared, _ = study.recipe_flags("cpu", 8, 4)
+    return study.study_fingerprint(shared)
+
+
+def test_finished_runs_are_skipped_and_the_rest_run(tmp_path, monkeypatch):
+    fingerprint = _fingerprint()
+    for seed in (1, 2):
+        _write_result(str(tmp_path), "baseline", seed, 5.70 + seed / 100, fingerprint)
+    ran = []
+
+    def fake_run_one(out, config, seed, shared, ranks, fp):
+        assert fp == fingerprint and ranks == 4
+        ran.append((config, seed))
+        _write_result(out, config, seed, 5.75, fp)
+        return {"final_valid_loss": 5.75}
+
+    monkeypatch.setattr(study, "run_one", fake_run_one)
+    assert study.main(["--out", str(tmp_path), "--seeds", "1", "2", "--configs", "baseline",
+                       "SDP4Bit"]) == 0
+    assert ran == [("SDP4Bit", 1), ("SDP4Bit", 2)]  # the baseline runs were already finished
+    ran.clear()
+    assert study.main(["--out", str(tmp_path), "--seeds", "1", "2", "--configs", "baseline",
+                       "SDP4Bit"]) == 0
+    assert ran == []  # everything finished: nothing reruns
+    assert (tmp_path / "table.md").read_text().count("| SDP4Bit |") == 1
+
+
+def test_max_runs_bounds_one_sitting(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(study, "run_one", lambda out, c, s, *a: ran.append((c, s)) or
+                        {"final_valid_loss": 1.0})
+    study.main(["--out", str(tmp_path), "--seeds", "1", "2", "3", "--max-runs", "2"])
+    assert ran == [("baseline", 1), ("qW", 1)]
+
+
+def test_results_of_another_recipe_are_refused(tmp_path):
+    _write_result(str(tmp_path), "baseline", 1, 5.7, "someotherrecipe")
+    with pytest.raises(SystemExit, match="other flags"):
+        study.main(["--out", str(tmp_path), "--analyze"])
+
+
+def test_summary_pairs_seeds_and_flags_differences_beyond_the_spread():
+    results = {}
+    for seed, noise in ((1, 0.00), (2, 0.02), (3, -0.02)):
+        base = 5.70 + noise  # the seeds move every configuration alike
+        for config, shift in (("baseline", 0.0), ("qW", 0.10), ("SDP4Bit", 0.001 * (seed - 2))):
+            results[(config, seed)] = {"final_valid_loss": base + shift}
+    summary = study.summarize(results)
+    assert summary["qW"]["exceeds_seed_spread"] is True
+    assert summary["qW"]["vs_baseline_pct"] == pytest.approx(100 * 0.10 / 5.70, rel=1e-6)
+    assert summary["SDP4Bit"]["exceeds_seed_spread"] is False
+    assert summary["baseline"]["std"] == pytest.approx(0.02)
+    assert summary["SDP4Bit"]["paper_vs_baseline_pct"] == pytest.approx(100 * (2.29590 / 2.29392 - 1))
+    text = study.table(summary)
+    assert "| qW | 2.57312 | +12.17% |" in text and "| yes |" in text
+
+
+def test_gpu_recipe_needs_data(capsys):
+    with pytest.raises(SystemExit):
+        study.parse_args(["--recipe", "gpu-125m"])
+    assert "--data-path" in capsys.readouterr().err
