@@ -55,7 +55,7 @@ def overlay_on_reference(run_dir: str, extra: list) -> Optional[str]:
         print(f"{REFERENCE} was made for another recipe: rerun scripts/make_train_reference.py",
               flush=True)
         return None
-    from megatron_sdp4bit.training.metrics import plot_against_reference, read_metrics
+    from megatron_sdp4bit.training.metrics import plot_losses, read_metrics
 
     valid = [r["loss"] for r in read_metrics(metrics) if r["kind"] == "valid"]
     exact = reference["valid"][-1][1]
@@ -63,9 +63,9 @@ def overlay_on_reference(run_dir: str, extra: list) -> Optional[str]:
         print(f"final validation loss {valid[-1]:.4f} vs {exact:.4f} with the exact collectives "
               f"({100 * (valid[-1] / exact - 1):+.2f}%; reference {os.path.relpath(REFERENCE)})",
               flush=True)
-    return plot_against_reference(metrics, reference, os.path.join(run_dir, "loss_vs_exact.png"),
-                                  label="this run", reference_label="exact collectives",
-                                  title="make train: this run over the exact-collective run")
+    return plot_losses(metrics, os.path.join(run_dir, "loss_vs_exact.png"),
+                       title="make train: this run over the exact-collective run",
+                       reference=reference, label="this run", reference_label="exact collectives")
 
 
 def main(argv=None) -> int:

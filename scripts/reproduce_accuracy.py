@@ -93,14 +93,6 @@ def git_commit() -> str:
         return "unknown"
 
 
-def curves(metrics_path: str) -> dict:
-    from megatron_sdp4bit.training.metrics import read_metrics
-
-    records = read_metrics(metrics_path)
-    return {kind: [[r["iteration"], r["loss"]] for r in records if r["kind"] == kind]
-            for kind in ("train", "valid")}
-
-
 def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerprint: str) -> dict:
     name = run_name(config, seed)
     run_dir = os.path.join(out, "runs", name)
@@ -113,7 +105,10 @@ def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerpr
     job = run_driver(flags, os.path.join(out, "logs", name + ".log"), ranks=ranks)
     if job.returncode != 0:
         raise RuntimeError(f"{name} exited {job.returncode}; log {job.log_path}:\n{job.tail()}")
-    curve = curves(os.path.join(run_dir, "metrics.jsonl"))
+    from megatron_sdp4bit.training.metrics import loss_curves
+
+    curve = {kind: [list(point) for point in points]
+             for kind, points in loss_curves(os.path.join(run_dir, "metrics.jsonl")).items()}
     if not curve["valid"]:
         raise RuntimeError(f"{name} logged no validation loss; log {job.log_path}")
     result = {"config": config, "seed": seed, "final_valid_loss": curve["valid"][-1][1],

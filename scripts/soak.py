@@ -65,18 +65,10 @@ def parse_args(argv=None):
     return args
 
 
-def _train_losses(run_dir: str) -> dict:
-    from megatron_sdp4bit.training.metrics import read_metrics
+def _losses(run_dir: str, kind: str) -> dict:
+    from megatron_sdp4bit.training.metrics import loss_curves
 
-    return {r["iteration"]: r["loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-            if r["kind"] == "train"}
-
-
-def _valid_losses(run_dir: str) -> dict:
-    from megatron_sdp4bit.training.metrics import read_metrics
-
-    return {r["iteration"]: r["loss"] for r in read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-            if r["kind"] == "valid"}
+    return dict(loss_curves(os.path.join(run_dir, "metrics.jsonl"))[kind])
 
 
 def _checks_passed(output: str) -> int:
@@ -122,13 +114,13 @@ def main(argv=None) -> int:
             failed.append(f"{name} did not resume at iteration {half}:\n{job.tail()}")
 
     if not failed:
-        quant = {**_train_losses(os.path.join(args.out, "sdp4bit-1")),
-                 **_train_losses(os.path.join(args.out, "sdp4bit-2"))}
-        exact = _train_losses(os.path.join(args.out, "exact"))
+        quant = {**_losses(os.path.join(args.out, "sdp4bit-1"), "train"),
+                 **_losses(os.path.join(args.out, "sdp4bit-2"), "train")}
+        exact = _losses(os.path.join(args.out, "exact"), "train")
         last_quarter = [i for i in sorted(exact) if i > args.iters * 3 // 4 and i in quant]
         gaps = [(quant[i] - exact[i]) / exact[i] for i in last_quarter]
-        valid_q = _valid_losses(os.path.join(args.out, "sdp4bit-2"))
-        valid_e = _valid_losses(os.path.join(args.out, "exact"))
+        valid_q = _losses(os.path.join(args.out, "sdp4bit-2"), "valid")
+        valid_e = _losses(os.path.join(args.out, "exact"), "valid")
         expected_checks = args.iters // args.check_interval
         checks = sum(j["replica_checks_passed"] for n, j in report["jobs"].items() if n != "exact")
         report.update({

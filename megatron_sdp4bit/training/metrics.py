@@ -85,8 +85,19 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_losses(metrics_path: str, png_path: str, title: str = "") -> Optional[str]:
-    """Train and validation loss against iteration; returns the PNG path (None without matplotlib)."""
+def loss_curves(metrics_path: str) -> dict:
+    """``{"train": [(iteration, loss), ...], "valid": [...]}`` of a run's metrics.jsonl."""
+    records = read_metrics(metrics_path)
+    return {kind: [(r["iteration"], r["loss"]) for r in records if r["kind"] == kind]
+            for kind in ("train", "valid")}
+
+
+def plot_losses(metrics_path: str, png_path: str, title: str = "",
+                reference: Optional[dict] = None, label: str = "",
+                reference_label: str = "reference") -> Optional[str]:
+    """Train and validation loss against iteration, drawn over ``reference``'s curves
+    (``{"train": [[it, loss], ...], "valid": [...]}``) when given; returns the PNG path
+    (None without matplotlib)."""
     try:
         import matplotlib
 
@@ -94,48 +105,17 @@ def plot_losses(metrics_path: str, png_path: str, title: str = "") -> Optional[s
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    records = read_metrics(metrics_path)
-    train = [(r["iteration"], r["loss"]) for r in records if r["kind"] == "train"]
-    valid = [(r["iteration"], r["loss"]) for r in records if r["kind"] == "valid"]
+    runs = [(label, loss_curves(metrics_path), {})]
+    if reference is not None:
+        runs = [(reference_label, reference, dict(color="0.45")),
+                (label, runs[0][1], dict(color="tab:blue"))]
     fig, ax = plt.subplots(figsize=(7, 4))
-    if train:
-        ax.plot(*zip(*train), label="train")
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="validation")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    return png_path
-
-
-def plot_against_reference(metrics_path: str, reference: dict, png_path: str, label: str,
-                           reference_label: str, title: str = "") -> Optional[str]:
-    """This run's train and validation losses over a reference run's (``reference``:
-    ``{"train": [[it, loss], ...], "valid": [...]}``); returns the PNG path (None
-    without matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    records = read_metrics(metrics_path)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, train, valid, style in (
-            (reference_label, reference["train"], reference["valid"], dict(color="0.45")),
-            (label, [(r["iteration"], r["loss"]) for r in records if r["kind"] == "train"],
-             [(r["iteration"], r["loss"]) for r in records if r["kind"] == "valid"],
-             dict(color="tab:blue"))):
-        if train:
-            ax.plot(*zip(*train), label=f"{name}: train", **style)
-        if valid:
-            ax.plot(*zip(*valid), "o--", label=f"{name}: validation", **style)
+    for name, curves, style in runs:
+        prefix = f"{name}: " if name else ""
+        if curves["train"]:
+            ax.plot(*zip(*curves["train"]), label=prefix + "train", **style)
+        if curves["valid"]:
+            ax.plot(*zip(*curves["valid"]), "o-", label=prefix + "validation", **style)
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss")
     ax.set_title(title)
