@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 
 from megatron_sdp4bit.config import preset
+from megatron_sdp4bit.flag_errors import report_bad_flag
 from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
 
 
@@ -468,10 +469,7 @@ def main(argv: Optional[list] = None) -> int:
     try:
         args = parse_args(argv)
     except ArgumentError as exc:
-        # Every rank of a torchrun job parses the same flags: one of them says why.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"sdp4bit-pretrain: error: {exc}", file=sys.stderr)
-        return 2
+        return report_bad_flag(f"sdp4bit-pretrain: error: {exc}")
     from megatron_sdp4bit.megatron.consistency import ReplicaMismatch
     from megatron_sdp4bit.training import checkpoint
     from megatron_sdp4bit.training.distributed import shutdown

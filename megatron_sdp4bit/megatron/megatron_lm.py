@@ -19,9 +19,8 @@ before the model is wrapped in DistributedDataParallel.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
+from megatron_sdp4bit.flag_errors import report_bad_flag
 from megatron_sdp4bit.megatron.args import SDP4BitFlagError, add_sdp4bit_args, config_from_args
 
 
@@ -45,9 +44,7 @@ def install_from_args(args):
     try:
         config = config_from_args(args)
     except SDP4BitFlagError as error:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(report_bad_flag(f"error: {error}")) from None
     if config is not None and config.enabled:
         from megatron_sdp4bit.megatron.patch import install
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
+from megatron_sdp4bit.flag_errors import report_bad_flag
 from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
 from megatron_sdp4bit.training.checkpoint import LATEST, latest_iteration
 
@@ -89,6 +91,19 @@ def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0_and_exit_2(tmp_path):
     # The one traceback is torchrun's own report (ChildFailedError), with each rank's exit code.
     assert result.stderr.count("Traceback") <= 1 and "megatron_sdp4bit/" not in result.stderr
     assert "exitcode  : 2" in result.stderr
+
+
+def test_only_rank_0_reports_and_the_others_wait_for_the_launcher(monkeypatch, capsys):
+    """Rank 1 leaving first let torchrun stop rank 0 before it printed (a CI failure)."""
+    monkeypatch.setenv("RANK", "1")
+    start = time.monotonic()
+    assert report_bad_flag("bad flag", wait_s=0.3) == 2
+    assert time.monotonic() - start >= 0.3
+    monkeypatch.setenv("RANK", "0")
+    start = time.monotonic()
+    assert report_bad_flag("bad flag", wait_s=30) == 2
+    assert time.monotonic() - start < 5
+    assert capsys.readouterr().err == "bad flag\n"
 
 
 def test_yaml_config_with_flags_overriding(tmp_path):
