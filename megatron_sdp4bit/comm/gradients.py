@@ -19,9 +19,13 @@ shard):
 
 Chunk i+1's first hop is in flight while chunk i's second hop runs. A chunk
 holds at most ``MAX_CHUNK_ELEMENTS`` (more chunks than ``pipeline_chunks`` where
-needed), and a synchronous call launches chunk by chunk, so its scratch is a few
-chunks' codes whatever the bucket size. With ``async_op=True`` steps 1-2 of all
-chunks run at call time and steps 3-4 in the handle's ``wait()``.
+needed), and chunks are launched one after another as earlier ones finish, so
+the scratch is a few chunks' codes whatever the bucket size. With
+``async_op=True`` the first chunk's first hop starts at call time and the rest in
+the handle's ``wait()``: Megatron overlaps a bucket's reduce-scatter with the
+backward pass and completes it when the next bucket's starts (on a GPU that
+enqueues the remaining work without waiting for it); launching every chunk at
+call time would keep all of a bucket's codes, and two buckets', alive at once.
 """
 from __future__ import annotations
 
@@ -91,7 +95,7 @@ def quantized_reduce_scatter(
     run = _QuantizedReduceScatter(output, input, op == dist.ReduceOp.AVG, topology, config,
                                   generator)
     if async_op:
-        run.launch()  # every chunk's first hop now, in flight while the caller goes on
+        run.launch()  # the first chunk's hop now, in flight while the caller goes on
         return PendingCollective(run.finish)
     run.finish()  # chunk by chunk: a few chunks' buffers alive at a time
     return None
@@ -152,8 +156,9 @@ class _QuantizedReduceScatter:
 
     # --- steps -------------------------------------------------------------------
     def launch(self) -> None:
-        """Quantize every chunk and start its first hop (reads all of the input)."""
-        while self.unlaunched:
+        """Quantize the first chunk and start its first hop; ``finish`` does the rest
+        in the same order as a synchronous call (the same rounding streams)."""
+        if self.unlaunched:
             self._start_first_hop()
 
     def finish(self) -> None:
@@ -194,15 +199,19 @@ class _QuantizedReduceScatter:
 
     # --- helpers -----------------------------------------------------------------
     def _chunk_rows(self, chunk: Chunk) -> torch.Tensor:
-        """This chunk's slice of every shard, in send order, zero-padded, flat."""
+        """This chunk's slice of every shard, in send order, zero-padded, flat: at
+        most one copy of the chunk (no reordered temporary before the padding)."""
         piece = self.rows[:, chunk.start: chunk.start + chunk.valid]
-        if self.order is not None:
-            piece = piece.index_select(0, self.order)
         if chunk.valid == chunk.padded:
-            return piece.reshape(-1)
-        padded = self.rows.new_zeros(self.topology.dp_size, chunk.padded)
-        padded[:, : chunk.valid] = piece
-        return padded.view(-1)
+            if self.order is None:
+                return piece.reshape(-1)  # a view when the bucket is one chunk
+            staged = self.rows.new_empty(self.topology.dp_size, chunk.padded)
+            return torch.index_select(piece, 0, self.order, out=staged).view(-1)
+        # The last chunk of an unaligned shard: zero padding after each row.
+        staged = self.rows.new_zeros(self.topology.dp_size, chunk.padded)
+        for row, source in enumerate(self.topology.send_order):
+            staged[row, : chunk.valid].copy_(piece[source])
+        return staged.view(-1)
 
     def _exchange(self, q: QuantizedTensor, hop: int):
         """Start the all-to-all of ``q``'s codes and scales on hop ``hop``; record the bytes."""

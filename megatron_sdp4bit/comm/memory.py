@@ -9,12 +9,14 @@ Two kinds, reported separately because they scale differently:
   not quantized or DP is 1.
 - **scratch**, alive while a collective runs: the code and scale buffers of the
   quantized all-gather and reduce-scatter, counted as the GPU (Triton) path
-  allocates them, whose kernels allocate only their outputs. A synchronous
-  reduce-scatter or all-gather works in chunks of at most ``MAX_CHUNK_ELEMENTS``
+  allocates them, whose kernels allocate only their outputs. A reduce-scatter
+  works in chunks of at most ``MAX_CHUNK_ELEMENTS`` launched one after another
   and keeps a few alive (megatron makes one bucket of every parameter without
-  --overlap-grad-reduce); with --overlap-grad-reduce a bucket's reduce-scatter completes when the next
-  bucket's starts, so two buckets' codes are alive at most. Scratch is an upper
-  bound: it counts every buffer of the step where most are alive at once.
+  --overlap-grad-reduce); with --overlap-grad-reduce a bucket's reduce-scatter
+  completes when the next bucket's starts, which has one chunk in flight by then.
+  A synchronous all-gather works in slices of that size; an overlapped one
+  gathers a whole bucket, two buckets at a time. Scratch is an upper bound: it
+  counts every buffer of the step where most are alive at once.
 
 The counts follow ``comm/weights.py``, ``comm/gradients.py`` and
 ``megatron/grad_sync.py``; a change to what those allocate belongs here too.
@@ -84,13 +86,17 @@ def weight_gather_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig,
 
 
 def grad_scatter_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig, node_members: int,
-                         grad_bytes: int, whole_bucket: bool) -> int:
+                         grad_bytes: int, overlapped: bool) -> int:
     """One bucket's quantized reduce-scatter at its fullest.
 
     ``node_members``: DP ranks per node when the reduce-scatter has two levels
     (intra- then inter-node), 0 or ``dp`` when it has one.
-    ``whole_bucket``: every chunk's first hop is launched at once (async, as with
-    --overlap-grad-reduce); otherwise chunks are launched as earlier ones finish.
+    Chunks are launched one after another, sync or async alike: at most two
+    chunks' first hops, two second hops and one chunk's staging copy are alive.
+    ``overlapped`` (--overlap-grad-reduce): the bucket is completed when the next
+    bucket's reduce-scatter is about to start, whose first chunk then goes in
+    flight (an upper bound: on a GPU the completed bucket's last buffers may still
+    be in use by the transfer when the next one's are allocated).
     """
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_grads:
@@ -113,16 +119,13 @@ def grad_scatter_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig, node
             return 0
         return 2 * quantized_nbytes(dp * chunk.padded // node_members, *formats[1])
 
-    def staging(chunk):  # the chunk's rows gathered in send order, then zero-padded
-        copies = (1 if (two_level or len(chunks) > 1) else 0) + (chunk.valid < chunk.padded)
-        return copies * dp * chunk.padded * grad_bytes + MAIN_BYTES * chunk.padded
+    def staging(chunk):  # the chunk's rows in send order, zero-padded; the summed output
+        reordered = two_level or len(chunks) > 1 or chunk.valid < chunk.padded
+        return reordered * dp * chunk.padded * grad_bytes + MAIN_BYTES * chunk.padded
 
     largest = max(chunks, key=lambda c: c.padded)
-    if whole_bucket:
-        launched = sum(first_hop(c) for c in chunks)
-    else:  # the chunk being launched, one waiting for its second hop
-        launched = 2 * first_hop(largest)
-    return launched + 2 * second_hop(largest) + staging(largest)
+    pipeline = 2 * first_hop(largest) + 2 * second_hop(largest) + staging(largest)
+    return pipeline + (first_hop(largest) if overlapped else 0)
 
 
 def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *,
@@ -136,11 +139,11 @@ def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *
     """
     buckets = sorted((int(n) for n in bucket_numels), reverse=True)
     grads = [grad_scatter_scratch(n, dp, config, node_members, grad_bytes,
-                                  whole_bucket=overlap_grad_reduce) for n in buckets]
+                                  overlapped=overlap_grad_reduce) for n in buckets]
     gathers = [weight_gather_scratch(n, dp, config, whole_bucket=overlap_param_gather)
                for n in buckets]
-    in_flight = 2  # overlapped: the next bucket's starts before this one's ends
-    grad_peak = sum(sorted(grads, reverse=True)[:in_flight if overlap_grad_reduce else 1])
+    grad_peak = max(grads, default=0)
+    in_flight = 2  # overlapped gathers: the next bucket's starts before this one's ends
     gather_peak = sum(sorted(gathers, reverse=True)[:in_flight if overlap_param_gather else 1])
     return LayerMemory(params=params, held_bytes=held_bytes(buckets, dp, config, fp32_params),
                        scratch_bytes=max(grad_peak, gather_peak, 0))

@@ -130,20 +130,27 @@ def schedule_cases(rank: int, world: int, rpn: int, results: dict) -> None:
     shard = buffer.numel() // world
     aliased = buffer[rank * shard:(rank + 1) * shard]
     quantized_reduce_scatter(aliased, buffer, op=avg, config=cfg4)
-    # A bucket larger than a chunk may hold: many chunks, launched as they go (sync)
-    # or all at once (async), the output aliasing the input as above.
+    # A bucket larger than a chunk may hold: many chunks launched one after another,
+    # sync or async (one chunk in flight at call time), the output aliasing the input
+    # as above. Both take the same steps in the same order, so with stochastic
+    # rounding they draw the same random numbers: bit-identical too.
     from megatron_sdp4bit.comm import gradients
 
+    stochastic = config.replace(rounding="stochastic")
     cap, gradients.MAX_CHUNK_ELEMENTS = gradients.MAX_CHUNK_ELEMENTS, world * 256
     try:
         capped_sync = buffer_capped = x.clone()
         capped_view = buffer_capped[rank * shard:(rank + 1) * shard]
         quantized_reduce_scatter(capped_view, capped_sync, op=avg, config=config)
         capped_async = run_reduce_scatter(x, config, avg, async_op=True)
+        rounded = [run_reduce_scatter(x, stochastic, avg, async_op=async_op,
+                                      generator=torch.Generator().manual_seed(5 + rank))
+                   for async_op in (False, True)]
     finally:
         gradients.MAX_CHUNK_ELEMENTS = cap
     results[f"sched|rpn={rpn}"] = {
         "capped_chunks": torch.equal(capped_view, base_x) and torch.equal(capped_async, base_x),
+        "stochastic_async_is_sync": torch.equal(*rounded),
         "chunked_async": torch.equal(chunked, base_x),
         "interleaved": torch.equal(out_x, base_x) and torch.equal(out_y, base_y),
         "aliased": torch.equal(aliased, base_x),
