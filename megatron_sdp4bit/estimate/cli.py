@@ -81,9 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--exact-reduce-scatter", choices=EXACT_REDUCE_SCATTERS, default="ring",
                    help="how the baseline's reduce-scatter moves bytes: ring (NCCL), alltoall "
                    "(comm/exact_alltoall.py), allreduce (gloo's reduce_scatter)")
-    s.add_argument("--async-inter-hop", action="store_true",
-                   help="overlap the quantized reduce-scatter's inter-node hop too (this project "
-                   "issues it in wait(), after the backward pass)")
     s.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                    help="model weights, i.e. the exact all-gather's elements (gradients: fp32)")
     s.add_argument("--pipeline-chunks", type=pos_int, default=None,
@@ -151,7 +148,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                             compute_s=args.compute_s, attention_flops=args.attention_flops,
                             overlap=args.overlap, bucket_size=args.bucket_size,
                             exact_reduce_scatter=args.exact_reduce_scatter,
-                            async_inter_hop=args.async_inter_hop,
                             pipeline_chunks=args.pipeline_chunks,
                             param_element_size=2 if args.param_dtype == "bf16" else 4)
         kernels = KernelModel(args.kernels, args.kernel_gbps, args.cpu_cores_per_rank)

@@ -43,11 +43,7 @@ def format_report(e: Estimate) -> str:
             + (" ..." if len(b) > 4 else "") + " elements" for stage, b in e.buckets.items()),
         f"exact reduce-scatter modelled as: {EXACT_REDUCE_SCATTERS[w.exact_reduce_scatter]}; "
         "all-gathers as rings; quantized hops as direct sends",
-        f"overlap: {OVERLAP_TEXT[w.overlap]}"
-        + ("" if w.overlap == "none" else
-           ("; the quantized reduce-scatter's inter-node hop overlapped too (--async-inter-hop)"
-            if w.async_inter_hop else "; the quantized reduce-scatter's inter-node hop exposed "
-            "(it starts in wait(), after the backward pass)")),
+        f"overlap: {OVERLAP_TEXT[w.overlap]}",
         f"kernels: {e.kernels.describe()}",
         "",
         "Bytes per step. sent/rank: what one rank sends (the wire accounting of "

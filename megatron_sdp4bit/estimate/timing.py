@@ -20,11 +20,11 @@ The model, stated once:
   buckets after it (Megatron's ``--overlap-grad-reduce``): exposed =
   ``max(comm / B, comm - backward x (B - 1) / B)`` with B buckets and
   backward = 2/3 of compute. ``full`` also hides the all-gather under the
-  next forward pass (1/3 of compute; ``--overlap-param-gather``). In this
-  project's quantized reduce-scatter the inter-node hop starts in ``wait()``,
-  after the backward pass (docs/collectives.md), so it is exposed unless
-  ``async_inter_hop`` (as an implementation that issues it from a side
-  stream would do).
+  next forward pass (1/3 of compute; ``--overlap-param-gather``). This
+  project's quantized reduce-scatter of bucket i starts its first chunk when
+  the bucket is ready and the rest (inter-node hop included) when bucket i+1
+  starts, which on a GPU enqueues them behind bucket i+1's backward work
+  (``megatron/grad_sync.py``): all of it but the last bucket's can hide.
 """
 from __future__ import annotations
 
@@ -79,7 +79,6 @@ class Workload:
     overlap: str = "none"
     bucket_size: Optional[int] = None   # None: megatron's (one bucket without overlap)
     exact_reduce_scatter: str = "ring"
-    async_inter_hop: bool = False
     pipeline_chunks: Optional[int] = None  # override the presets' value (1)
     param_element_size: int = PARAM_ELEMENT_SIZE  # model weights: 2 (bf16) or 4 (fp32)
 
@@ -147,14 +146,12 @@ def _phase_seconds(links: volume.Links, cluster: Cluster) -> float:
 
 
 def _collective_seconds(phases: List[Tuple[str, volume.Links]], pipelined: int,
-                        cluster: Cluster) -> Tuple[float, float]:
-    """(total seconds, seconds of the last phase) of one call's phases."""
+                        cluster: Cluster) -> float:
+    """Seconds of one call's phases (two hops pipelined over ``pipelined`` chunks)."""
     times = [_phase_seconds(links, cluster) for _, links in phases]
-    if not times:
-        return 0.0, 0.0
     if len(times) == 2 and pipelined > 1:
-        return max(times) + min(times) / pipelined, times[1]
-    return sum(times), times[-1]
+        return max(times) + min(times) / pipelined
+    return sum(times)
 
 
 def _kernel_ops(shard: int, layout, config: SDP4BitConfig) -> Dict[str, int]:
@@ -285,18 +282,14 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
     grad_sent, weight_sent = per_stage_sent[stage]
     kernel_ops = per_stage_kernel[stage]
     phases = [("", grad_links[i]) for i in range(grad_phases)]
-    grad_s, last_hop_s = _collective_seconds(phases, pipelined, cluster)
-    weight_s, _ = _collective_seconds([("", weight_links)], 1, cluster)
+    grad_s = _collective_seconds(phases, pipelined, cluster)
+    weight_s = _collective_seconds([("", weight_links)], 1, cluster)
     n_buckets = max(len(b) for b in buckets.values())
     backward, forward = compute_s * 2 / 3, compute_s / 3
     if workload.overlap == "none":
         grad_exposed, weight_exposed = grad_s, weight_s
     else:
-        if config.quantize_grads and grad_phases == 2 and not workload.async_inter_hop:
-            # the inter-node hop starts in wait(), after the backward pass
-            grad_exposed = _exposed(grad_s - last_hop_s, backward, n_buckets) + last_hop_s
-        else:
-            grad_exposed = _exposed(grad_s, backward, n_buckets)
+        grad_exposed = _exposed(grad_s, backward, n_buckets)
         weight_exposed = (_exposed(weight_s, forward, n_buckets) if workload.overlap == "full"
                           else weight_s)
     memory = max((_stage_memory(stage, layout, buckets[stage], config, cluster, workload)

@@ -145,15 +145,15 @@ def test_quantized_variants_send_fewer_bytes_and_win_on_a_slow_link():
     assert e.speedup("sdp4bit") > 2 and e.speedup("zeropp") > 2
 
 
-def test_overlap_hides_communication_but_not_the_inter_node_hop():
+def test_overlap_hides_communication_but_not_the_last_buckets():
     none = _estimate(inter=1.0, overlap="none", bucket_size=500_000)
     full = _estimate(inter=1.0, overlap="full", bucket_size=500_000)
     assert len(full.buckets[0]) > 1
     for name in full.variants:
         assert full.variants[name].step_s <= none.variants[name].step_s
-    sdp = full.variants["sdp4bit"]
-    hidden = _estimate(inter=1.0, overlap="full", bucket_size=500_000, async_inter_hop=True)
-    assert hidden.variants["sdp4bit"].step_s < sdp.step_s
+        # the last bucket's reduce-scatter completes after the backward pass
+        v = full.variants[name]
+        assert v.grad_exposed_s >= v.grad_comm_s / len(full.buckets[0]) - 1e-12
 
 
 def test_exact_reduce_scatter_algorithms_order_by_bytes():
