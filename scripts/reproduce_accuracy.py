@@ -30,7 +30,8 @@ Recipes:
     gpu-125m  configs/gpt_125m.yaml (and gpu-350m, gpu-1.3b) on one node of GPUs
               (``--gpus``, default 8, as 2 emulated nodes unless --ranks-per-node), with
               ``--data-path`` prepared by sdp4bit-preprocess and GPT-2's vocabulary:
-              extra driver flags after ``--``
+              extra driver flags after ``--``; each run checkpoints every
+              ``--checkpoint-interval`` steps and resumes after an interruption
 
     python scripts/reproduce_accuracy.py --seeds 1 2 3
     python scripts/reproduce_accuracy.py --analyze
@@ -44,12 +45,14 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import driver_jobs  # noqa: E402
 from driver_jobs import ROOT, run_driver  # noqa: E402
 
 # name: (flags, the paper's Table 1 final validation loss at 125M)
@@ -72,6 +75,7 @@ CONFIGS = {
 # batches (32 K tokens) every 50 steps keeps the measurement noise of one
 # evaluation below the seed-to-seed spread.
 CPU_RANKS, CPU_RANKS_PER_NODE = 4, 2
+CPU_RUN_TIMEOUT_S = 4 * 3600  # a CPU run takes minutes: a hung one is stopped
 CPU_RECIPE_FLAGS = [
     "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
     "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
@@ -109,16 +113,26 @@ def git_commit() -> str:
         return "unknown"
 
 
-def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerprint: str) -> dict:
+def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerprint: str,
+            checkpoint_interval: int = 0) -> dict:
+    """Train one configuration with one seed; write and return its result.
+
+    ``checkpoint_interval`` > 0 (GPU recipes: runs of many hours): the run saves
+    every that many steps and an interrupted run resumes from its last checkpoint
+    (deleted once the run has finished); 0: an unfinished run starts again.
+    """
     name = run_name(config, seed)
     run_dir = os.path.join(out, "runs", name)
+    checkpoints = os.path.join(out, "checkpoints", name)
     flags = shared + CONFIGS[config][0] + ["--seed", str(seed), "--sdp4bit-seed", str(seed),
                                            "--run-dir", run_dir]
-    if os.path.isdir(run_dir):  # an unfinished earlier attempt: start it again
-        import shutil
-
+    if checkpoint_interval:
+        flags += ["--save", checkpoints, "--load", checkpoints,
+                  "--save-interval", str(checkpoint_interval)]
+    elif os.path.isdir(run_dir):  # an unfinished earlier attempt: start it again
         shutil.rmtree(run_dir)
-    job = run_driver(flags, os.path.join(out, "logs", name + ".log"), ranks=ranks)
+    job = run_driver(flags, os.path.join(out, "logs", name + ".log"), ranks=ranks,
+                     timeout=None if checkpoint_interval else CPU_RUN_TIMEOUT_S)
     if job.returncode != 0:
         raise RuntimeError(f"{name} exited {job.returncode}; log {job.log_path}:\n{job.tail()}")
     from megatron_sdp4bit.training.metrics import loss_curves
@@ -132,9 +146,11 @@ def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerpr
               "seconds": round(job.seconds, 1), "flags": flags, "fingerprint": fingerprint,
               "commit": git_commit(), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     path = os.path.join(out, "results", name + ".json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".part", "w") as f:
         json.dump(result, f)
     os.replace(path + ".part", path)  # written whole or not at all
+    shutil.rmtree(checkpoints, ignore_errors=True)
     return result
 
 
@@ -260,12 +276,17 @@ def parse_args(argv=None):
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs")
     p.add_argument("--analyze", action="store_true", help="only summarize the finished runs")
     p.add_argument("--gpus", type=int, default=8, help="GPU recipes: ranks on this node")
+    p.add_argument("--checkpoint-interval", type=int, default=1000,
+                   help="GPU recipes: each run saves every this many steps and an interrupted "
+                   "run resumes from its last checkpoint (0: it starts again)")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="GPU recipes: ranks per emulated node (default half of --gpus)")
     p.add_argument("driver_flags", nargs="*", help="after --: extra driver flags (GPU recipes: data)")
     args = p.parse_args(argv)
     if any(s < 0 for s in args.seeds):
         p.error("--seeds must be non-negative integers")
+    if args.checkpoint_interval < 0:
+        p.error("--checkpoint-interval must be >= 0")
     if args.recipe != "cpu" and not args.analyze and "--data-path" not in args.driver_flags:
         p.error(f"--recipe {args.recipe} needs -- --data-path PREFIX (sdp4bit-preprocess) and the "
                 "tokenizer flags")
@@ -287,7 +308,8 @@ def main(argv=None) -> int:
         print(f"[accuracy] {len(done)} runs finished in {args.out}, {len(todo)} to go", flush=True)
         for index, (config, seed) in enumerate(todo[: args.max_runs]):
             started = time.perf_counter()
-            result = run_one(args.out, config, seed, shared, ranks, fingerprint)
+            result = run_one(args.out, config, seed, shared, ranks, fingerprint,
+                             0 if args.recipe == "cpu" else args.checkpoint_interval)
             print(f"[accuracy] {index + 1}/{len(todo)} {run_name(config, seed)}: final validation "
                   f"loss {result['final_valid_loss']:.4f} ({time.perf_counter() - started:.0f} s)",
                   flush=True)

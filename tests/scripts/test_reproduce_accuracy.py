@@ -39,7 +39,8 @@ def test_finished_runs_are_skipped_and_the_rest_run(tmp_path, monkeypatch):
         _write_result(str(tmp_path), "baseline", seed, 5.70 + seed / 100, fingerprint)
     ran = []
 
-    def fake_run_one(out, config, seed, shared, ranks, fp):
+    def fake_run_one(out, config, seed, shared, ranks, fp, checkpoint_interval):
+        assert checkpoint_interval == 0  # CPU runs take minutes: no checkpoints
         assert fp == fingerprint and ranks == 4
         ran.append((config, seed))
         _write_result(out, config, seed, 5.75, fp)
@@ -90,3 +91,48 @@ def test_gpu_recipe_needs_data(capsys):
     with pytest.raises(SystemExit):
         study.parse_args(["--recipe", "gpu-125m"])
     assert "--data-path" in capsys.readouterr().err
+
+
+def _fake_driver(monkeypatch, calls):
+    """run_driver stand-in: records the flags and timeout, writes a finished run's metrics."""
+    def fake(flags, log_path, ranks, timeout):
+        calls.append((list(flags), timeout))
+        run_dir = flags[flags.index("--run-dir") + 1]
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"kind": "train", "iteration": 10, "loss": 6.0}) + "\n")
+            f.write(json.dumps({"kind": "valid", "iteration": 10, "loss": 6.5}) + "\n")
+        return study.driver_jobs.Job(0, 1.0, log_path)
+
+    monkeypatch.setattr(study, "run_driver", fake)
+
+
+def test_gpu_runs_checkpoint_and_resume_and_have_no_time_limit(tmp_path, monkeypatch):
+    """A GPU run takes many hours: an interrupted one resumes from its checkpoints
+    (kept until the run has finished), and no timeout stops it."""
+    calls = []
+    _fake_driver(monkeypatch, calls)
+    out = str(tmp_path)
+    checkpoints = os.path.join(out, "checkpoints", "SDP4Bit-seed2")
+    os.makedirs(checkpoints)  # left by an interrupted attempt
+    result = study.run_one(out, "SDP4Bit", 2, ["--x"], 8, "fp", checkpoint_interval=500)
+    flags, timeout = calls[0]
+    assert timeout is None
+    assert flags[flags.index("--save") + 1] == flags[flags.index("--load") + 1] == checkpoints
+    assert flags[flags.index("--save-interval") + 1] == "500"
+    assert result["final_valid_loss"] == 6.5 and not os.path.exists(checkpoints)
+
+
+def test_cpu_runs_start_again_and_are_time_limited(tmp_path, monkeypatch):
+    calls = []
+    _fake_driver(monkeypatch, calls)
+    out = str(tmp_path)
+    stale = os.path.join(out, "runs", "qW-seed1")
+    os.makedirs(stale)
+    with open(os.path.join(stale, "metrics.jsonl"), "w") as f:  # an unfinished attempt's
+        f.write(json.dumps({"kind": "valid", "iteration": 5, "loss": 9.0}) + "\n")
+    result = study.run_one(out, "qW", 1, ["--x"], 4, "fp")
+    flags, timeout = calls[0]
+    assert "--save" not in flags and "--load" not in flags
+    assert timeout == study.CPU_RUN_TIMEOUT_S
+    assert result["curves"]["valid"] == [[10, 6.5]]  # nothing of the old attempt
