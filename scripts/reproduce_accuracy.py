@@ -216,6 +216,9 @@ def table(summary: dict) -> str:
 
 
 def plot(results: dict, path: str, title: str):
+    """Left: every configuration's validation curve, mean with a +-std band over seeds.
+    Right: its seed-by-seed difference from baseline in %, which the left panel's
+    overlapping curves hide."""
     if not results:
         return None
     try:
@@ -225,27 +228,41 @@ def plot(results: dict, path: str, title: str):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(8, 5))
+    base = {seed: dict(map(tuple, r["curves"]["valid"]))
+            for (c, seed), r in results.items() if c == "baseline"}
+    fig, (ax, diff_ax) = plt.subplots(1, 2, figsize=(13, 5))
     for config in CONFIGS:
-        runs = [r["curves"]["valid"] for (c, _), r in results.items() if c == config]
+        runs = {seed: dict(map(tuple, r["curves"]["valid"]))
+                for (c, seed), r in results.items() if c == config}
         if not runs:
             continue
-        iterations = [it for it, _ in runs[0]]
-        by_step = [[dict(run).get(it) for run in runs] for it in iterations]
-        keep = [(it, vals) for it, vals in zip(iterations, by_step) if None not in vals]
-        xs = [it for it, _ in keep]
-        means = [statistics.fmean(v) for _, v in keep]
-        spread = [statistics.stdev(v) if len(v) > 1 else 0.0 for _, v in keep]
-        line, = ax.plot(xs, means, "o-", label=f"{config} ({len(runs)} seeds)", markersize=3)
-        ax.fill_between(xs, [m - s for m, s in zip(means, spread)],
+        steps = sorted(set.intersection(*(set(run) for run in runs.values())))
+        means = [statistics.fmean(run[it] for run in runs.values()) for it in steps]
+        spread = [statistics.stdev([run[it] for run in runs.values()]) if len(runs) > 1 else 0.0
+                  for it in steps]
+        line, = ax.plot(steps, means, "o-", label=f"{config} ({len(runs)} seeds)", markersize=3)
+        ax.fill_between(steps, [m - s for m, s in zip(means, spread)],
                         [m + s for m, s in zip(means, spread)], color=line.get_color(), alpha=0.15)
+        paired = [seed for seed in runs if seed in base]
+        if config == "baseline" or not paired:
+            continue
+        shared = [it for it in steps if all(it in base[seed] for seed in paired)]
+        pct = [statistics.fmean(100 * (runs[seed][it] / base[seed][it] - 1) for seed in paired)
+               for it in shared]
+        diff_ax.plot(shared, pct, "o-", color=line.get_color(), markersize=3,
+                     label=f"{config} ({len(paired)} seeds)")
     ax.set_xlabel("iteration")
     ax.set_ylabel("validation loss (mean +- std over seeds)")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    diff_ax.axhline(0.0, color="black", linewidth=0.8)
+    diff_ax.set_xlabel("iteration")
+    diff_ax.set_ylabel("vs baseline, same seed (%, mean over seeds)")
+    diff_ax.set_title("Difference from the exact collectives")
+    for axis in (ax, diff_ax):
+        axis.grid(alpha=0.3)
+        axis.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
