@@ -47,11 +47,11 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
     op = torch.distributed.ReduceOp.AVG if ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     async_op = bool(ddp_config.overlap_grad_reduce)
     if state.grad_reduce_in_flight is not None:
-        # Complete the previous bucket's reduce-scatter before this one starts, so at
-        # most two buckets' codes are alive, not every bucket's until megatron's
-        # finish_grad_sync (every rank starts its buckets in the same order; on a GPU
-        # this enqueues the work without waiting for it). Megatron's own wait on that
-        # handle is then a no-op.
+        # Complete the previous bucket's reduce-scatter (its chunks after the first)
+        # before this one starts, so a few chunks' codes are alive, not every
+        # bucket's until megatron's finish_grad_sync (every rank starts its buckets
+        # in the same order; on a GPU this enqueues the work without waiting for
+        # it). Megatron's own wait on that handle is then a no-op.
         state.grad_reduce_in_flight.wait()
         state.grad_reduce_in_flight = None
     handles = []
