@@ -4,7 +4,8 @@
 Steps (each reported PASS/FAIL; the exit status is 0 only if all pass):
   compile:  every kernel variant compiles for this GPU's architecture with no
             FMA contraction, flush-to-zero or approximate division in the PTX;
-  tests:    tests/quant/test_triton.py on CUDA tensors with compiled kernels
+  tests:    tests/quant/test_triton.py on CUDA tensors with compiled kernels, and
+            tests/comm/test_comm_staging.py (the reduce-scatter's staging copy)
             (SDP4BIT_TRITON_TEST_DEVICE=cuda): bit-identical to the CPU reference with
             nearest rounding, stochastic rounding floor-or-ceil / unbiased / reproducible;
   large:    the gradient path (Hadamard quantize -> dequantize-sum-requantize ->
@@ -100,7 +101,8 @@ def step_tests(device: str, k_expr) -> str:
         env["TRITON_INTERPRET"] = "1"
         k_expr = k_expr or CPU_TESTS
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-           "tests/quant/test_triton.py"] + (["-k", k_expr] if k_expr else [])
+           "tests/quant/test_triton.py", "tests/comm/test_comm_staging.py"] + (
+               ["-k", k_expr] if k_expr else [])
     workers = int(os.environ.get("GPU_CHECK_TEST_WORKERS", "8"))
     if device == "cuda" and workers > 1 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers)]  # Triton compiles each kernel variant: spread that over cores

@@ -50,9 +50,9 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import driver_jobs  # noqa: E402
 from driver_jobs import ROOT, run_driver  # noqa: E402
 
 # name: (flags, the paper's Table 1 final validation loss at 125M)
@@ -114,12 +114,13 @@ def git_commit() -> str:
 
 
 def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerprint: str,
-            checkpoint_interval: int = 0) -> dict:
+            checkpoint_interval: int = 0, timeout: Optional[float] = CPU_RUN_TIMEOUT_S) -> dict:
     """Train one configuration with one seed; write and return its result.
 
     ``checkpoint_interval`` > 0 (GPU recipes: runs of many hours): the run saves
     every that many steps and an interrupted run resumes from its last checkpoint
     (deleted once the run has finished); 0: an unfinished run starts again.
+    ``timeout``: seconds before a run is stopped (None: never).
     """
     name = run_name(config, seed)
     run_dir = os.path.join(out, "runs", name)
@@ -132,7 +133,7 @@ def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerpr
     elif os.path.isdir(run_dir):  # an unfinished earlier attempt: start it again
         shutil.rmtree(run_dir)
     job = run_driver(flags, os.path.join(out, "logs", name + ".log"), ranks=ranks,
-                     timeout=None if checkpoint_interval else CPU_RUN_TIMEOUT_S)
+                     timeout=timeout)
     if job.returncode != 0:
         raise RuntimeError(f"{name} exited {job.returncode}; log {job.log_path}:\n{job.tail()}")
     from megatron_sdp4bit.training.metrics import loss_curves
@@ -325,8 +326,10 @@ def main(argv=None) -> int:
         print(f"[accuracy] {len(done)} runs finished in {args.out}, {len(todo)} to go", flush=True)
         for index, (config, seed) in enumerate(todo[: args.max_runs]):
             started = time.perf_counter()
+            on_cpu = args.recipe == "cpu"  # minutes per run; GPU runs take hours
             result = run_one(args.out, config, seed, shared, ranks, fingerprint,
-                             0 if args.recipe == "cpu" else args.checkpoint_interval)
+                             checkpoint_interval=0 if on_cpu else args.checkpoint_interval,
+                             timeout=CPU_RUN_TIMEOUT_S if on_cpu else None)
             print(f"[accuracy] {index + 1}/{len(todo)} {run_name(config, seed)}: final validation "
                   f"loss {result['final_valid_loss']:.4f} ({time.perf_counter() - started:.0f} s)",
                   flush=True)

@@ -115,6 +115,25 @@ def _validate(output: torch.Tensor, input: torch.Tensor, op, dp_size: int) -> No
         )
 
 
+def stage_chunk_rows(rows: torch.Tensor, chunk: Chunk, send_order: tuple,
+                     order_index: Optional[torch.Tensor]) -> torch.Tensor:
+    """``chunk``'s slice of every shard (``rows``: [P, shard]) in ``send_order``,
+    zero-padded to ``chunk.padded``, flat: at most one copy of the chunk (no
+    reordered temporary before the padding). ``order_index``: ``send_order`` as a
+    tensor on ``rows``' device, None when it is the identity."""
+    piece = rows[:, chunk.start: chunk.start + chunk.valid]
+    if chunk.valid == chunk.padded:
+        if order_index is None:
+            return piece.reshape(-1)  # a view when the bucket is one chunk
+        staged = rows.new_empty(rows.shape[0], chunk.padded)
+        return torch.index_select(piece, 0, order_index, out=staged).view(-1)
+    # The last chunk of an unaligned shard: zero padding after each row.
+    staged = rows.new_zeros(rows.shape[0], chunk.padded)
+    for row, source in enumerate(send_order):
+        staged[row, : chunk.valid].copy_(piece[source])
+    return staged.view(-1)
+
+
 def _hop_format(level: Level, config: SDP4BitConfig) -> tuple[int, int]:
     """(bits, group size) on a hop: intra-node hops at the high width, inter-node at the low."""
     if level.name == "intra":
@@ -199,19 +218,7 @@ class _QuantizedReduceScatter:
 
     # --- helpers -----------------------------------------------------------------
     def _chunk_rows(self, chunk: Chunk) -> torch.Tensor:
-        """This chunk's slice of every shard, in send order, zero-padded, flat: at
-        most one copy of the chunk (no reordered temporary before the padding)."""
-        piece = self.rows[:, chunk.start: chunk.start + chunk.valid]
-        if chunk.valid == chunk.padded:
-            if self.order is None:
-                return piece.reshape(-1)  # a view when the bucket is one chunk
-            staged = self.rows.new_empty(self.topology.dp_size, chunk.padded)
-            return torch.index_select(piece, 0, self.order, out=staged).view(-1)
-        # The last chunk of an unaligned shard: zero padding after each row.
-        staged = self.rows.new_zeros(self.topology.dp_size, chunk.padded)
-        for row, source in enumerate(self.topology.send_order):
-            staged[row, : chunk.valid].copy_(piece[source])
-        return staged.view(-1)
+        return stage_chunk_rows(self.rows, chunk, self.topology.send_order, self.order)
 
     def _exchange(self, q: QuantizedTensor, hop: int):
         """Start the all-to-all of ``q``'s codes and scales on hop ``hop``; record the bytes."""

@@ -120,8 +120,9 @@ def grad_scatter_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig, node
         return 2 * quantized_nbytes(dp * chunk.padded // node_members, *formats[1])
 
     def staging(chunk):  # the chunk's rows in send order, zero-padded; the summed output
-        reordered = two_level or len(chunks) > 1 or chunk.valid < chunk.padded
-        return reordered * dp * chunk.padded * grad_bytes + MAIN_BYTES * chunk.padded
+        # one copy unless the chunk's rows are the bucket itself, in order and unpadded
+        copied = two_level or len(chunks) > 1 or chunk.valid < chunk.padded
+        return copied * dp * chunk.padded * grad_bytes + MAIN_BYTES * chunk.padded
 
     largest = max(chunks, key=lambda c: c.padded)
     pipeline = 2 * first_hop(largest) + 2 * second_hop(largest) + staging(largest)

@@ -15,6 +15,7 @@ import pytest
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "scripts")
 sys.path.insert(0, SCRIPTS)
+import driver_jobs  # noqa: E402
 import reproduce_accuracy as study  # noqa: E402
 
 
@@ -39,8 +40,9 @@ def test_finished_runs_are_skipped_and_the_rest_run(tmp_path, monkeypatch):
         _write_result(str(tmp_path), "baseline", seed, 5.70 + seed / 100, fingerprint)
     ran = []
 
-    def fake_run_one(out, config, seed, shared, ranks, fp, checkpoint_interval):
-        assert checkpoint_interval == 0  # CPU runs take minutes: no checkpoints
+    def fake_run_one(out, config, seed, shared, ranks, fp, checkpoint_interval, timeout):
+        # CPU runs take minutes: no checkpoints, and a hung one is stopped
+        assert checkpoint_interval == 0 and timeout == study.CPU_RUN_TIMEOUT_S
         assert fp == fingerprint and ranks == 4
         ran.append((config, seed))
         _write_result(out, config, seed, 5.75, fp)
@@ -59,7 +61,7 @@ def test_finished_runs_are_skipped_and_the_rest_run(tmp_path, monkeypatch):
 
 def test_max_runs_bounds_one_sitting(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(study, "run_one", lambda out, c, s, *a: ran.append((c, s)) or
+    monkeypatch.setattr(study, "run_one", lambda out, c, s, *a, **k: ran.append((c, s)) or
                         {"final_valid_loss": 1.0})
     study.main(["--out", str(tmp_path), "--seeds", "1", "2", "3", "--max-runs", "2"])
     assert ran == [("baseline", 1), ("qW", 1)]
@@ -102,7 +104,7 @@ def _fake_driver(monkeypatch, calls):
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"kind": "train", "iteration": 10, "loss": 6.0}) + "\n")
             f.write(json.dumps({"kind": "valid", "iteration": 10, "loss": 6.5}) + "\n")
-        return study.driver_jobs.Job(0, 1.0, log_path)
+        return driver_jobs.Job(0, 1.0, log_path)
 
     monkeypatch.setattr(study, "run_driver", fake)
 
@@ -115,7 +117,8 @@ def test_gpu_runs_checkpoint_and_resume_and_have_no_time_limit(tmp_path, monkeyp
     out = str(tmp_path)
     checkpoints = os.path.join(out, "checkpoints", "SDP4Bit-seed2")
     os.makedirs(checkpoints)  # left by an interrupted attempt
-    result = study.run_one(out, "SDP4Bit", 2, ["--x"], 8, "fp", checkpoint_interval=500)
+    result = study.run_one(out, "SDP4Bit", 2, ["--x"], 8, "fp", checkpoint_interval=500,
+                           timeout=None)
     flags, timeout = calls[0]
     assert timeout is None
     assert flags[flags.index("--save") + 1] == flags[flags.index("--load") + 1] == checkpoints
