@@ -90,6 +90,20 @@ def _data_iterators(dataset, args, layout, consumed_samples):
     return iterators if layout.virtual else iterators[0]
 
 
+def gradients_poisoned_unless_finite(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` itself when finite; otherwise the same value with NaN gradients.
+
+    An Inf loss can still have finite gradients (cross-entropy of a token whose
+    probability underflowed to 0), so the optimizer's Inf/NaN check on the
+    gradients alone would let that step through. Multiplying by 1 changes no bit
+    of a finite loss or of its gradients; multiplying by NaN makes every gradient
+    of this micro-batch NaN, which megatron's all-reduced check then sees on every
+    rank. On the device, no host synchronisation.
+    """
+    finite = torch.isfinite(loss.detach())
+    return loss * torch.where(finite, 1.0, math.nan).to(loss.dtype)
+
+
 def _model_device(model) -> torch.device:
     return next(model.parameters()).device
 
@@ -108,6 +122,7 @@ def forward_step(data_iterator, model):
 
     def loss_func(output_tensor):
         loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+        loss = gradients_poisoned_unless_finite(loss)
         # clone: megatron's schedule divides the returned loss in place by the number
         # of micro-batches, which a plain detach() would share.
         return loss, {"lm loss": loss.detach().clone()}
@@ -165,27 +180,40 @@ class NonFiniteTraining(RuntimeError):
     """The loss or the gradients stayed non-finite: training stops without saving."""
 
 
+def optimizer_step(optimizer, checks_nonfinite: bool) -> tuple:
+    """(whether the optimizer stepped, gradient norm); a step whose gradients hold
+    Inf/NaN is skipped on every rank alike.
+
+    ``checks_nonfinite``: whether megatron's optimizer skips such a step itself (its
+    check is all-reduced). Its plain fp32 optimizer does not: it would apply the
+    step. There the gradient norm is taken first (the same value on every rank: the
+    gradients are all-reduced, the norm over model-parallel ranks too) and a
+    non-finite one skips the step. That costs one extra pass over the gradients,
+    on that path only. ``prepare_grads`` is idempotent there (it points ``.grad``
+    at ``main_grad``), so ``step`` may run it again.
+    """
+    if not checks_nonfinite:
+        optimizer.prepare_grads()
+        grad_norm = optimizer.get_grad_norm()
+        if not math.isfinite(grad_norm):
+            return False, grad_norm
+    ok, grad_norm, _ = optimizer.step()
+    return ok, grad_norm
+
+
 def train_step(ddp, optimizer, scheduler, args, data_iterator, num_microbatches):
     """One iteration; returns (loss tensor, grad norm, whether the optimizer stepped).
 
     megatron's optimizer skips a step whose gradients hold Inf/NaN (on every rank
     alike: the check is all-reduced); the schedule then does not advance either.
     """
-    from megatron_sdp4bit.training.model import model_chunks
+    from megatron_sdp4bit.training.model import model_chunks, optimizer_checks_nonfinite
 
     for chunk in model_chunks(ddp):
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     loss = _run_schedule(ddp, args, data_iterator, num_microbatches, forward_only=False)
-    ok, grad_norm, _ = optimizer.step()
-    if ok and grad_norm is not None and not math.isfinite(grad_norm):
-        # Only megatron's plain fp32 optimizer (no --bf16, no distributed optimizer)
-        # has no Inf/NaN check: it has already applied this step.
-        raise NonFiniteTraining(
-            f"the gradient norm is {grad_norm} and the fp32 optimizer (no --bf16, no "
-            "--use-distributed-optimizer) has no Inf/NaN check, so the step was applied; "
-            "stopping without saving. Lower --lr or check the data, then resume with --load "
-            "(add --bf16 or --use-distributed-optimizer to have bad steps skipped instead)")
+    ok, grad_norm = optimizer_step(optimizer, optimizer_checks_nonfinite(args))
     if ok:
         scheduler.step(increment=args.global_batch_size)
     return loss, grad_norm, ok
@@ -253,7 +281,8 @@ class TrainingWindow:
         self.started = time.perf_counter()
 
     def add(self, loss: torch.Tensor, ok: bool) -> None:
-        self.loss_sum += loss
+        if ok:  # as Megatron-LM: a skipped step's loss (often Inf/NaN) is not averaged in
+            self.loss_sum += loss
         self.steps += 1
         self.skipped += not ok
 
@@ -270,7 +299,8 @@ class TrainingWindow:
         self.started += time.perf_counter() - self.paused_at
 
     def close(self) -> tuple:
-        """(loss sum, steps, skipped steps, seconds) of the window; then empty."""
+        """(loss sum over the steps not skipped, steps, skipped steps, seconds) of the
+        window; then empty."""
         elapsed = self._now() - self.started
         result = (self.loss_sum.item(), self.steps, self.skipped, elapsed)
         self.steps = 0
@@ -372,8 +402,11 @@ def run(args, with_weights_hash: bool = False) -> dict:
         diverged = consecutive_skipped >= args.max_consecutive_skipped_iters
         if iteration % args.log_interval == 0 or iteration == args.train_iters or diverged:
             loss_sum, steps, skipped, elapsed = window.close()  # waits for the device
-            # mean over the window and the data-parallel replicas (the last stage has the loss)
-            last_loss = all_reduce_mean(loss_sum / steps, weight=float(is_loss_rank()))
+            # mean over the window's steps that were not skipped (NaN when none was) and
+            # the data-parallel replicas (the last pipeline stage has the loss)
+            stepped = steps - skipped
+            last_loss = all_reduce_mean(loss_sum / stepped if stepped else math.nan,
+                                        weight=float(is_loss_rank()))
             time_total += elapsed
             tokens_total += tokens_per_step * steps
             wire = meter.read()
@@ -387,8 +420,10 @@ def run(args, with_weights_hash: bool = False) -> dict:
                 "bytes_sent": wire["sent"], "bytes_exact": wire["exact"],
                 "bytes_sent_intra": wire["sent_intra"], "bytes_sent_inter": wire["sent_inter"],
                 "wire_ratio": wire["sent"] / wire["exact"] if wire["exact"] else None,
-                "weight_quant_rel_error": errors.get("weight", 0.0),
-                "grad_quant_rel_error": errors.get("grad_inter", 0.0),
+                # sampled on the window's last step: none (null) when that step was
+                # skipped or quantized nothing; 0 with quantization off
+                "weight_quant_rel_error": errors.get("weight") if quantized else 0.0,
+                "grad_quant_rel_error": errors.get("grad_inter") if quantized else 0.0,
                 "skipped": skipped,
             })
         if diverged:

@@ -40,19 +40,26 @@ class QuantErrorMetrics:
         self._latest.update(values)
 
     def read(self) -> Dict[str, float]:
-        """The latest samples as floats (this is where the device is waited for)."""
-        return {name: float(value) for name, value in self._latest.items()}
+        """The samples taken since the last read, as floats (this is where the device is
+        waited for). A sample is read once: a window whose sampled step was skipped
+        (Inf/NaN) reports nothing rather than an earlier window's figure."""
+        samples = {name: float(value) for name, value in self._latest.items()}
+        self._latest.clear()
+        return samples
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """||approx - exact|| / ||exact|| as a 0-d tensor on their device (0 when exact is 0).
+    """||approx - exact|| / ||exact|| as a 0-d tensor on their device: 0 when exact is
+    0, NaN when exact holds Inf/NaN (an error of 0 there would hide the bad values).
 
     No host synchronisation: the zero case is a ``torch.where``, not an ``if``.
     """
     exact = exact.float()
     norm = exact.norm()
     error = (approx.float() - exact).norm()
-    return torch.where(norm > 0, error / torch.where(norm > 0, norm, 1.0), 0.0)
+    zero = norm == 0
+    relative = error / torch.where(zero, 1.0, norm)
+    return torch.where(zero, 0.0, torch.where(torch.isfinite(norm), relative, math.nan))
 
 
 def grad_quantization_errors(grad_data: torch.Tensor, config: SDP4BitConfig) -> Dict[str, torch.Tensor]:

@@ -181,6 +181,13 @@ def model_chunks(model) -> list:
     return [model]
 
 
+def optimizer_checks_nonfinite(args) -> bool:
+    """Whether megatron's optimizer for these flags finds Inf/NaN gradients and skips
+    the step itself: its mixed-precision and distributed optimizers do (given the
+    loss scale ``build_optimizer`` sets); its plain fp32 optimizer does not."""
+    return bool(args.bf16 or args.use_distributed_optimizer)
+
+
 def build_optimizer(args, model):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -15,6 +15,13 @@ def test_relative_error_is_a_device_tensor():
     assert float(relative_error(x, torch.zeros(2))) == 0.0
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_relative_error_of_non_finite_values_is_nan_not_zero(bad):
+    exact = torch.tensor([3.0, bad])
+    assert torch.isnan(relative_error(torch.tensor([3.0, 4.0]), exact))
+    assert torch.isnan(relative_error(exact, exact))  # even "unchanged" Inf/NaN is no 0 error
+
+
 def test_grad_errors_follow_the_bits_and_leave_global_rng_alone():
     grads = torch.randn(1 << 15, generator=torch.Generator().manual_seed(0))
     state = torch.get_rng_state()
@@ -38,6 +45,7 @@ def test_sampling_happens_on_the_last_step_of_each_window_only():
     assert [i for i in range(12) if metrics.sample_now(i)] == [3, 7, 11]
     metrics.record({"weight": torch.tensor(0.25)})
     assert metrics.read() == {"weight": 0.25}
+    assert metrics.read() == {}  # read once: a window without a sample reports none
     for bad in (-1, 1.5):
         with pytest.raises(ValueError, match="metrics interval"):
             metrics.set_interval(bad)
