@@ -340,6 +340,9 @@ def run(args, with_weights_hash: bool = False) -> dict:
     patch.install(config)
     patch.set_metrics_interval(args.log_interval)  # sampled on logged steps only
     _log0(f"sdp4bit: {config.to_dict() if quantized else 'off (exact collectives)'}")
+    if config.check_interval and layout.data > 1 and not args.use_distributed_optimizer:
+        _log0("replica check (--sdp4bit-check-interval): off, it runs in the distributed optimizer's "
+              "step; add --use-distributed-optimizer to have it")
     from megatron.core import parallel_state
 
     tokenizer, train_ds, valid_ds = build_data(args, parallel_state.get_data_parallel_rank(), layout.data)
@@ -366,7 +369,8 @@ def run(args, with_weights_hash: bool = False) -> dict:
     iteration = 0
     if args.load:
         state = checkpoint.load_checkpoint(args.load, ddp, optimizer, scheduler,
-                                           fallback=getattr(args, "load_fallback", False))
+                                           fallback=getattr(args, "load_fallback", False),
+                                           global_batch_size=args.global_batch_size)
         if state is not None:
             iteration = state["iteration"]
             patch.load_state_dict(state["extra"].get("sdp4bit", {}), optimizer)
@@ -386,7 +390,8 @@ def run(args, with_weights_hash: bool = False) -> dict:
 
     def save(it):
         extra = {"sdp4bit": patch.state_dict(optimizer)}
-        checkpoint.save_checkpoint(args.save, it, ddp, optimizer, scheduler, extra)
+        checkpoint.save_checkpoint(args.save, it, ddp, optimizer, scheduler, extra,
+                                   global_batch_size=args.global_batch_size)
         _log0(f"saved checkpoint at iteration {it} to {args.save}")
 
     window.start()

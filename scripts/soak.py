@@ -38,7 +38,7 @@ from driver_jobs import ROOT, run_driver  # noqa: E402
 MODEL_FLAGS = [
     "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
     "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
-    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "20",
+    "--lr", "1e-3", "--min-lr", "1e-4",
     "--weight-decay", "0.1", "--clip-grad", "1.0", "--use-distributed-optimizer",
     "--split", "969,30,1", "--default-corpus-mb", "8", "--seed", "1234",
 ]
@@ -71,6 +71,17 @@ def _losses(run_dir: str, kind: str) -> dict:
     return dict(loss_curves(os.path.join(run_dir, "metrics.jsonl"))[kind])
 
 
+def _commit() -> str:
+    """The code the soak ran: HEAD, marked ``+dirty`` with uncommitted changes."""
+    import subprocess
+
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def _checks_passed(output: str) -> int:
     found = re.search(r"replica checks\s+(\d+) passed", output)
     return int(found.group(1)) if found else 0
@@ -83,7 +94,8 @@ def main(argv=None) -> int:
         shutil.rmtree(args.out)  # a soak is one uninterrupted story: start it afresh
     os.makedirs(args.out)
     common = MODEL_FLAGS + args.extra + [
-        "--lr-decay-iters", args.iters, "--log-interval", args.log_interval,
+        # 20 warm-up steps, fewer in a short soak (the driver wants them below the decay)
+        "--lr-warmup-iters", min(20, args.iters // 10), "--lr-decay-iters", args.iters, "--log-interval", args.log_interval,
         "--eval-interval", args.eval_interval, "--eval-iters", "4",
         "--sdp4bit-ranks-per-node", "2", "--sdp4bit-check-interval", args.check_interval,
     ]
@@ -96,7 +108,7 @@ def main(argv=None) -> int:
         "exact": common + ["--sdp4bit-preset", "baseline", "--train-iters", args.iters,
                            "--run-dir", os.path.join(args.out, "exact")],
     }
-    report = {"iters": args.iters, "check_interval": args.check_interval, "jobs": {}}
+    report = {"iters": args.iters, "check_interval": args.check_interval, "commit": _commit(), "jobs": {}}
     failed = []
     for name, flags in jobs.items():
         log = os.path.join(args.out, re.sub(r"\W+", "-", name).strip("-") + ".log")
@@ -123,16 +135,19 @@ def main(argv=None) -> int:
         valid_e = _losses(os.path.join(args.out, "exact"), "valid")
         expected_checks = args.iters // args.check_interval
         checks = sum(j["replica_checks_passed"] for n, j in report["jobs"].items() if n != "exact")
+        exact_checks = report["jobs"]["exact"]["replica_checks_passed"]
         report.update({
-            "replica_checks_passed_sdp4bit": checks, "replica_checks_expected_sdp4bit": expected_checks,
+            "replica_checks_passed_sdp4bit": checks, "replica_checks_passed_exact": exact_checks,
+            "replica_checks_expected_per_run": expected_checks,
             "train_loss_gap_last_quarter_mean": statistics.fmean(gaps),
             "train_loss_gap_last_quarter_max_abs": max(abs(g) for g in gaps),
             "loss_before_resume": quant.get(half), "loss_after_resume": quant.get(half + args.log_interval),
             "final_train_loss": {"sdp4bit": quant[args.iters], "exact": exact[args.iters]},
             "final_valid_loss": {"sdp4bit": valid_q.get(args.iters), "exact": valid_e.get(args.iters)},
         })
-        if checks != expected_checks:
-            failed.append(f"{checks} replica checks passed in the SDP4Bit jobs, expected {expected_checks}")
+        for run, passed in (("SDP4Bit jobs", checks), ("exact job", exact_checks)):
+            if passed != expected_checks:
+                failed.append(f"{passed} replica checks passed in the {run}, expected {expected_checks}")
         if abs(report["train_loss_gap_last_quarter_mean"]) > args.max_loss_gap:
             failed.append(f"the SDP4Bit training loss is {report['train_loss_gap_last_quarter_mean']:+.2%} "
                           f"from the exact run's over the last quarter (limit {args.max_loss_gap:.0%})")

@@ -185,11 +185,14 @@ def _own_buckets(optimizer) -> list:
     return [_adapter().bucket_layout(opt) for opt in _sub_optimizers(optimizer)]
 
 
-def current_layout(model, optimizer, stage_buckets: Optional[dict] = None) -> dict:
+def current_layout(model, optimizer, stage_buckets: Optional[dict] = None,
+                   global_batch_size: Optional[int] = None) -> dict:
     """What a checkpoint of this run records about how it was run (JSON-ready).
 
     ``buckets`` maps each pipeline stage to its optimizer buckets: all stages'
     (``stage_buckets``, gathered by the saving ranks), else only this rank's.
+    ``global_batch_size``: the training loop's, when it has one (the learning-rate
+    schedule and the data position count samples of that size).
     """
     from megatron_sdp4bit.megatron import adapters, patch
 
@@ -214,6 +217,7 @@ def current_layout(model, optimizer, stage_buckets: Optional[dict] = None) -> di
         "sdp4bit": config.to_dict() if config is not None else None,
         "buckets": stage_buckets if stage_buckets is not None else {_pipeline_stage(): _own_buckets(optimizer)},
         "bucket_size": getattr(ddp_config, "bucket_size", None),
+        "global_batch_size": global_batch_size,
     }
 
 
@@ -228,6 +232,12 @@ def _preset_name(config: Optional[dict]) -> str:
         if all(config.get(k) == v for k, v in known.items() if k not in ignored):
             return f"preset {name}"
     return "a custom SDP4Bit config"
+
+
+def _release(version: str) -> str:
+    """``0.19.2`` of ``0.19.2+3b25f53``: megatron-core 0.19 appends the git commit of the
+    directory it is imported from, which says nothing about the checkpoint."""
+    return version.split("+", 1)[0]
 
 
 def compare_layouts(directory: str, saved: dict, current: dict) -> Tuple[bool, List[str]]:
@@ -261,6 +271,14 @@ def compare_layouts(directory: str, saved: dict, current: dict) -> Tuple[bool, L
             f"{where} optimizer buckets of {[b['numel_unpadded'] for opt in saved_buckets if opt for b in opt]} "
             f"elements, this run's are {[b['numel_unpadded'] for opt in buckets if opt for b in opt]}: "
             f"the model's shape or the bucketing differ{hint}")
+    batch = saved.get("global_batch_size")
+    if batch is not None and current.get("global_batch_size") is not None and batch != current["global_batch_size"]:
+        # Its default is micro-batch x data-parallel size, so it changes silently with
+        # the number of ranks; the schedule and the data position count its samples.
+        raise CheckpointError(
+            f"{where} global batch size {batch}, this run has {current['global_batch_size']} (without "
+            f"--global-batch-size it is --micro-batch-size x data-parallel size): resume with "
+            f"--global-batch-size {batch}")
     reshard = saved["data_parallel_size"] != current["data_parallel_size"]
     if reshard and (current["tensor_model_parallel_size"] != 1 or current["pipeline_model_parallel_size"] != 1):
         raise CheckpointError(
@@ -268,7 +286,7 @@ def compare_layouts(directory: str, saved: dict, current: dict) -> Tuple[bool, L
             f"{current['data_parallel_size']}; resharding is supported with TP = PP = 1 only: "
             f"resume with {saved['data_parallel_size']} data-parallel ranks")
     warnings = []
-    if saved.get("megatron_core") and saved["megatron_core"] != current["megatron_core"]:
+    if saved.get("megatron_core") and _release(saved["megatron_core"]) != _release(current["megatron_core"]):
         warnings.append(f"warning: {where} megatron-core {saved['megatron_core']}, this run has "
                         f"{current['megatron_core']}; loading it (the checkpoint's contents are the same "
                         "in the supported releases)")
@@ -425,8 +443,9 @@ def _write_manifest(directory: str, iteration: int, layout: dict, entries: list)
 
 
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler,
-                    extra: Optional[dict] = None) -> str:
-    """Collective: every rank writes its file; returns the checkpoint directory."""
+                    extra: Optional[dict] = None, global_batch_size: Optional[int] = None) -> str:
+    """Collective: every rank writes its file; returns the checkpoint directory.
+    ``global_batch_size`` is recorded in the manifest (see ``current_layout``)."""
     rank, _ = _rank_and_world()
     final = _iter_dir(save_dir, iteration)
     tmp = final + ".tmp"
@@ -449,7 +468,8 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler,
     entries = _all_gather((os.path.basename(path), *file_digest(path)))  # also: all have written
     stage_buckets = dict(_all_gather((_pipeline_stage(), _own_buckets(optimizer))))
     if rank == 0:
-        _write_manifest(tmp, iteration, current_layout(model, optimizer, stage_buckets), entries)
+        _write_manifest(tmp, iteration, current_layout(model, optimizer, stage_buckets, global_batch_size),
+                        entries)
         if os.path.isdir(final):  # re-saving the same iteration: keep the old until the new is in
             shutil.rmtree(final + ".old", ignore_errors=True)
             shutil.move(final, final + ".old")
@@ -569,13 +589,15 @@ def _load_resharded(directory: str, saved_layout: dict, model, optimizer, schedu
     return state
 
 
-def load_checkpoint(load_dir: str, model, optimizer, scheduler, fallback: bool = False) -> Optional[dict]:
+def load_checkpoint(load_dir: str, model, optimizer, scheduler, fallback: bool = False,
+                    global_batch_size: Optional[int] = None) -> Optional[dict]:
     """Restore everything saved by ``save_checkpoint``; None when LOAD has no checkpoint.
 
     Collective. Verifies the checkpoint and compares its layout with this run's
     before anything is loaded, and raises ``CheckpointError`` on every rank alike
     when any rank cannot load (see the module docstring). ``fallback``: load the
-    newest earlier complete checkpoint when the latest is damaged. The returned
+    newest earlier complete checkpoint when the latest is damaged; ``global_batch_size``:
+    this run's, refused when it differs from the recorded one. The returned
     state carries ``directory`` (the checkpoint loaded); its ``extra["sdp4bit"]``
     is the layer's state for this rank, resharded when the data-parallel size
     changed.
@@ -584,7 +606,7 @@ def load_checkpoint(load_dir: str, model, optimizer, scheduler, fallback: bool =
         return None
     directory, manifest = _choose_checkpoint(load_dir, fallback)
     saved_layout = manifest["layout"] if manifest is not None else _legacy_layout(directory)
-    layout = current_layout(model, optimizer)
+    layout = current_layout(model, optimizer, global_batch_size=global_batch_size)
     try:
         reshard, warnings = compare_layouts(directory, saved_layout, layout)
         refusal = None

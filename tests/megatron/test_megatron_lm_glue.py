@@ -46,3 +46,22 @@ def test_extend_args_provider_keeps_the_scripts_own_provider(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--own-flag", "9", "--sdp4bit-preset", "zeropp"])
     args = fake_megatron_parse_args(megatron_lm.extend_args_provider(own))
     assert args.own_flag == 9 and args.sdp4bit_preset == "zeropp"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sdp4bit-weight-group-size", "3"], "error: --sdp4bit-weight-group-size 3: weight_group_size=3 must be "
+                                           "a positive multiple of 2"),
+    (["--sdp4bit-hadamard-block", "48"], "error: --sdp4bit-hadamard-block 48: "),
+    (["--sdp4bit-check-interval", "-1"], "error: --sdp4bit-check-interval -1: "),
+])
+def test_a_bad_sdp4bit_value_through_megatron_lm_is_one_line_and_exit_2(monkeypatch, capsys, argv, message):
+    """The launcher and the patch route call the wrapped parse_args: the same refusal as
+    the driver's, before Megatron-LM initializes anything, and nothing installed."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--sdp4bit", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        megatron_lm.wrap_parse_args(fake_megatron_parse_args)()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+    assert not patch.is_installed()

@@ -224,7 +224,7 @@ LAYOUT = {"world_size": 4, "data_parallel_size": 4, "tensor_model_parallel_size"
           "pipeline_model_parallel_size": 1, "megatron_core": "0.16.1",
           "sdp4bit": {"weight_mode": "diff", "grad_mode": "tlq-hs", "ranks_per_node": 2},
           "buckets": {"0": [[{"dtypes": ["float32", "float32"], "numel_unpadded": [1000]}]]},
-          "bucket_size": None}
+          "bucket_size": None, "global_batch_size": 8}
 
 
 def _with(**changes):
@@ -244,6 +244,11 @@ def test_layout_differences_are_refused_or_warned_in_one_line():
                bucket_size=600), "without --overlap-grad-reduce"),
         (_with(data_parallel_size=2, tensor_model_parallel_size=2),
          "resharding is supported with TP = PP = 1 only"),
+        # 4 -> 2 ranks without --global-batch-size halves its default: refused, not a silent
+        # change of the schedule and of where the data resumes
+        (_with(world_size=2, data_parallel_size=2, global_batch_size=4),
+         "global batch size 8, this run has 4 (without --global-batch-size it is --micro-batch-size x "
+         "data-parallel size): resume with --global-batch-size 8"),
     ]
     for current, message in refusals:
         with pytest.raises(CheckpointError) as info:
@@ -259,6 +264,11 @@ def test_layout_differences_are_refused_or_warned_in_one_line():
     assert not reshard and len(warnings) == 2
     assert "megatron-core 0.16.1, this run has 0.19.2" in warnings[0]
     assert "weight_mode diff -> off" in warnings[1]
+    # megatron-core 0.19 appends the working directory's git commit to its version: not a change
+    assert compare_layouts(d, _with(megatron_core="0.19.2+3b25f53"), _with(megatron_core="0.19.2+9d19c73")) \
+        == (False, [])
+    # checkpoints written before the batch size was recorded load as before
+    assert compare_layouts(d, _with(global_batch_size=None), LAYOUT) == (False, [])
 
 
 def test_each_pipeline_stage_is_compared_with_its_own_saved_buckets():
