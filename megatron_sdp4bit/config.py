@@ -13,14 +13,11 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_sdp4bit.quant.types import MAX_HADAMARD_BLOCK, SUPPORTED_BITS, codes_per_byte, is_hadamard_block
+
 WEIGHT_MODES = ("diff", "direct", "off")
 GRAD_MODES = ("tlq-hs", "tlq", "ulq", "off")
 ROUNDINGS = ("stochastic", "nearest")
-SUPPORTED_BITS = (2, 4, 8)
-
-
-def _is_power_of_two(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
 
 
 def _is_bool(value) -> bool:
@@ -39,17 +36,19 @@ class ConfigError(ValueError):
         self.field = field
 
 
+_BITS_IN_WORDS = f"{', '.join(map(str, SUPPORTED_BITS[:-1]))} or {SUPPORTED_BITS[-1]}"
+
 ALLOWED = {
     "weight_mode": f"one of {', '.join(WEIGHT_MODES)}",
     "grad_mode": f"one of {', '.join(GRAD_MODES)}",
     "rounding": f"one of {', '.join(ROUNDINGS)}",
-    "weight_bits": "2, 4 or 8",
-    "grad_bits_intra": "2, 4 or 8",
-    "grad_bits_inter": "2, 4 or 8",
+    "weight_bits": _BITS_IN_WORDS,
+    "grad_bits_intra": _BITS_IN_WORDS,
+    "grad_bits_inter": _BITS_IN_WORDS,
     "weight_group_size": "a positive multiple of 8 / weight_bits (codes fill whole bytes)",
     "grad_group_size_intra": "a positive multiple of 8 / its bits and, for tlq-hs, of hadamard_block",
     "grad_group_size_inter": "a positive multiple of 8 / its bits and, for tlq-hs, of hadamard_block",
-    "hadamard_block": "a power of two in 2..256",
+    "hadamard_block": f"a power of two in 2..{MAX_HADAMARD_BLOCK}",
     "ranks_per_node": "an integer >= 1 (default: LOCAL_WORLD_SIZE)",
     "pipeline_chunks": "an integer >= 1",
     "seed": "an integer >= 0",
@@ -60,9 +59,12 @@ ALLOWED = {
 themselves are in ``SDP4BitConfig.__post_init__``."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class SDP4BitConfig:
-    """How weights and gradients are compressed on the wire."""
+    """How weights and gradients are compressed on the wire.
+
+    Frozen: every value is checked once, when the config is made; a change is a new
+    config (``replace``), checked again."""
 
     weight_mode: str = "diff"
     """Weight all-gather: ``diff`` = qWD (quantized weight differences, the paper's
@@ -128,15 +130,15 @@ class SDP4BitConfig:
             if _is_bool(value) or value not in SUPPORTED_BITS:
                 raise ConfigError(name, f"{name}={value!r} is not supported; use one of {SUPPORTED_BITS}")
         self._check_int("hadamard_block", minimum=2)
-        if not _is_power_of_two(self.hadamard_block) or self.hadamard_block > 256:
+        if not is_hadamard_block(self.hadamard_block):
             raise ConfigError("hadamard_block", f"hadamard_block={self.hadamard_block!r} must be "
-                              "a power of two in 2..256 (2, 4, ..., 256)")
+                              f"a power of two in 2..{MAX_HADAMARD_BLOCK} (2, 4, ..., {MAX_HADAMARD_BLOCK})")
         # Codes are packed several to a byte, so a group must fill whole bytes.
         for name, bits in (("weight_group_size", self.weight_bits),
                            ("grad_group_size_intra", self.effective_grad_bits_intra),
                            ("grad_group_size_inter", self.grad_bits_inter)):
             self._check_int(name, minimum=1)
-            per_byte = 8 // bits
+            per_byte = codes_per_byte(bits)
             if getattr(self, name) % per_byte:
                 raise ConfigError(name,
                     f"{name}={getattr(self, name)!r} must be a positive multiple of {per_byte} "

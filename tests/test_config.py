@@ -40,11 +40,21 @@ def parse(argv):
         (dict(pipeline_chunks=0), r"pipeline_chunks=0 must be an integer >= 1"),
         (dict(seed=-1), r"seed=-1 must be an integer >= 0"),
         (dict(grad_start_iter=-5), r"grad_start_iter=-5 must be an integer >= 0"),
+        (dict(check_interval=-1), r"check_interval=-1 must be an integer >= 0"),
+        (dict(check_interval=2.5), r"check_interval=2.5 must be an integer >= 0"),
     ],
 )
 def test_bad_values_say_what_to_change(changes, message):
     with pytest.raises(ValueError, match=message):
         SDP4BitConfig(**changes)
+
+
+def test_a_made_config_cannot_be_changed_past_its_checks():
+    config = SDP4BitConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.weight_group_size = 3  # would only have failed at the first collective
+    with pytest.raises(ValueError, match="weight_group_size=3 must be a positive multiple of 2"):
+        config.replace(weight_group_size=3)
 
 
 def test_valid_edge_values_are_accepted():

@@ -122,11 +122,8 @@ def default_ranks_per_node() -> int:
 
 
 def _resolve_ranks_per_node(ranks_per_node: Optional[int]) -> int:
-    if ranks_per_node is None:
-        return default_ranks_per_node()
-    if not isinstance(ranks_per_node, int) or ranks_per_node <= 0:
-        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be a positive integer or None")
-    return ranks_per_node
+    """The value to plan with (checked by ``plan_node_layout``, its one rule)."""
+    return default_ranks_per_node() if ranks_per_node is None else ranks_per_node
 
 
 def _collective_device(group) -> torch.device:
@@ -226,7 +223,8 @@ def _make_topology(group, rpn: int, strict: bool) -> Topology:
             raise ValueError(layout.fallback_reason)
         if layout.fallback_reason not in _WARNED:
             _WARNED.add(layout.fallback_reason)
-            logger.warning("%s; using one flat all-to-all level instead.", layout.fallback_reason)
+            if me == ranks[0]:  # every member decides alike (agreement checked above): one says it
+                logger.warning("%s; using one flat all-to-all level instead.", layout.fallback_reason)
     if layout.is_two_level:
         return _two_level(group, ranks, me, layout)
     return _single_level(group, ranks, me, layout)

@@ -5,7 +5,16 @@ from dataclasses import dataclass
 
 import torch
 
+# The wire format's rules, defined here once: SDP4BitConfig checks its fields with
+# them (naming the field), the quantizer functions check their arguments with them.
 SUPPORTED_BITS = (2, 4, 8)
+MAX_HADAMARD_BLOCK = 256  # the kernels' largest in-register butterfly
+
+
+def is_hadamard_block(block) -> bool:
+    """A power of two in 2..MAX_HADAMARD_BLOCK."""
+    return (isinstance(block, int) and not isinstance(block, bool)
+            and 2 <= block <= MAX_HADAMARD_BLOCK and not block & (block - 1))
 
 
 def codes_per_byte(bits: int) -> int:
@@ -50,9 +59,9 @@ def check_same_numel(name: str, tensor: torch.Tensor, other_name: str, numel: in
 
 
 def check_hadamard_block(block: int) -> None:
-    if not isinstance(block, int) or block < 2 or block > 256 or block & (block - 1):
+    if not is_hadamard_block(block):
         raise ValueError(
-            f"hadamard block={block!r} must be a power of two between 2 and 256"
+            f"hadamard block={block!r} must be a power of two between 2 and {MAX_HADAMARD_BLOCK}"
         )
 
 
