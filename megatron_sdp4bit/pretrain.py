@@ -330,13 +330,14 @@ def run(args, with_weights_hash: bool = False) -> dict:
           f"{num_microbatches} micro-batches of {args.micro_batch_size} per rank")
     init_model_parallel(args.seed, layout)  # seeds torch and megatron's RNG tracker too
     config = args.sdp4bit_config
-    from megatron_sdp4bit import comm
     from megatron_sdp4bit.megatron import patch
 
-    comm.reset_generators()  # a run's quantization noise depends on its seed only
     quantized = config is not None and config.enabled
     if config is None:  # exact collectives, counted by the layer (bit-identical to stock)
         config = preset("baseline")
+    # A fresh layer: its state (step count, rounding streams, ...) starts with this run,
+    # so a run's quantization noise depends on its seed only.
+    patch.uninstall()
     patch.install(config)
     patch.set_metrics_interval(args.log_interval)  # sampled on logged steps only
     _log0(f"sdp4bit: {config.to_dict() if quantized else 'off (exact collectives)'}")

@@ -14,6 +14,16 @@
 set -euo pipefail
 py=$1
 version=$2
+# Refuse, before installing anything, a release without an adapter (the list lives in
+# adapters/__init__.py, which imports nothing but the standard library).
+"$py" - "$version" <<'PY'
+import runpy, sys
+adapters = runpy.run_path("megatron_sdp4bit/megatron/adapters/__init__.py")
+version = sys.argv[1]
+if adapters["minor_of"](version) not in adapters["ADAPTER_MODULES"]:
+    sys.exit(f"MCORE={version}: not a supported megatron-core release; supported: "
+             f"{', '.join(adapters['ADAPTER_MODULES'])}")
+PY
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
 echo "torch==$("$py" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$constraints"

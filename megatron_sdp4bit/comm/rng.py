@@ -5,6 +5,11 @@ the rounding errors of a sum add up instead of averaging out), and a rerun with
 the same seed must draw the same noise. A stream is created on first use from
 ``hash(seed, global rank, purpose)`` and then advances call after call, so the
 n-th collective of a run always sees the same numbers.
+
+The streams are a ``NoiseStreams`` object: the patch layer owns one in its state
+(saved and restored with its checkpoints) and hands its generators to the
+collectives; a caller of the collectives that passes no generator draws from
+this module's default set, which ``reset_generators`` and friends manage.
 """
 from __future__ import annotations
 
@@ -14,9 +19,6 @@ from typing import Optional
 
 import torch
 
-_LOCK = threading.Lock()
-_GENERATORS: dict = {}
-
 
 def stream_seed(seed: int, global_rank: int, purpose: str) -> int:
     """A 63-bit seed that differs for every (seed, rank, purpose)."""
@@ -24,25 +26,60 @@ def stream_seed(seed: int, global_rank: int, purpose: str) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1
 
 
+class NoiseStreams:
+    """The generators of one owner, one per (device, seed, global rank, purpose)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._generators: dict = {}
+
+    def generator_for(self, device: torch.device, seed: int, global_rank: int,
+                      purpose: str) -> torch.Generator:
+        """The generator of this stream on ``device`` (created and seeded on first use)."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (str(device), seed, global_rank, purpose)
+        with self._lock:
+            gen = self._generators.get(key)
+            if gen is None:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(stream_seed(seed, global_rank, purpose))
+                self._generators[key] = gen
+            return gen
+
+    def reset(self) -> None:
+        """Forget every stream: the next draw starts again from its seed."""
+        with self._lock:
+            self._generators.clear()
+
+    def states(self) -> dict:
+        """Every stream's state, for checkpoints (keys are picklable tuples)."""
+        with self._lock:
+            return {key: gen.get_state() for key, gen in self._generators.items()}
+
+    def set_states(self, states: dict) -> None:
+        """Restore the streams saved by ``states`` (others are forgotten)."""
+        with self._lock:
+            self._generators.clear()
+            for key, state in states.items():
+                gen = torch.Generator(device=torch.device(key[0]))
+                gen.set_state(state.to("cpu") if hasattr(state, "to") else state)
+                self._generators[key] = gen
+
+
+_DEFAULT_STREAMS = NoiseStreams()  # for callers of the collectives that pass no generator
+
+
 def generator_for(device: torch.device, seed: int, global_rank: int,
                   purpose: str) -> torch.Generator:
-    """The cached generator of this stream on ``device`` (created and seeded on first use)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (str(device), seed, global_rank, purpose)
-    with _LOCK:
-        gen = _GENERATORS.get(key)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(stream_seed(seed, global_rank, purpose))
-            _GENERATORS[key] = gen
-        return gen
+    """The default set's generator of this stream (see ``NoiseStreams.generator_for``)."""
+    return _DEFAULT_STREAMS.generator_for(device, seed, global_rank, purpose)
 
 
 def pick_generator(explicit: Optional[torch.Generator], rounding: str, device: torch.device,
                    seed: int, global_rank: int, purpose: str) -> Optional[torch.Generator]:
-    """The caller's generator if given, else this rank's stream; None for nearest rounding."""
+    """The caller's generator if given, else this rank's default stream; None for nearest rounding."""
     if rounding != "stochastic":
         return None
     if explicit is not None:
@@ -51,23 +88,15 @@ def pick_generator(explicit: Optional[torch.Generator], rounding: str, device: t
 
 
 def reset_generators() -> None:
-    """Forget every stream: the next collective starts again from its seed."""
-    with _LOCK:
-        _GENERATORS.clear()
+    """Forget the default streams: the next collective starts again from its seed."""
+    _DEFAULT_STREAMS.reset()
 
 
 def generator_states() -> dict:
-    """Every stream's state, for checkpoints (keys are picklable tuples)."""
-    with _LOCK:
-        return {key: gen.get_state() for key, gen in _GENERATORS.items()}
+    """The default streams' states (keys are picklable tuples)."""
+    return _DEFAULT_STREAMS.states()
 
 
 def set_generator_states(states: dict) -> None:
-    """Restore the streams saved by ``generator_states`` (others are forgotten)."""
-    with _LOCK:
-        _GENERATORS.clear()
-        for key, state in states.items():
-            device = torch.device(key[0])
-            gen = torch.Generator(device=device)
-            gen.set_state(state.to("cpu") if hasattr(state, "to") else state)
-            _GENERATORS[key] = gen
+    """Restore the default streams saved by ``generator_states``."""
+    _DEFAULT_STREAMS.set_states(states)

@@ -50,16 +50,17 @@ HELPERS_ENV = "SDP4BIT_DATASET_HELPERS"
 """Set to ``numpy`` to use the NumPy helpers even where the compiled ones exist."""
 
 
-def _helpers_of_this_release() -> Tuple[str, Tuple[str, ...]]:
-    """(module name of megatron's compiled helpers, the functions we have twins of),
-    from the patch layer's adapter for the installed megatron-core."""
+def _helpers_of_this_release() -> Tuple[str, Tuple[str, ...], str]:
+    """(module name of megatron's compiled helpers, the functions we have twins of, the
+    module that imports them), from the patch layer's adapter for the installed
+    megatron-core."""
     from megatron_sdp4bit.megatron.adapters import current_adapter
 
     adapter = current_adapter()
-    return adapter.dataset_helpers_module, adapter.dataset_helper_names
+    return adapter.dataset_helpers_module, adapter.dataset_helper_names, adapter.dataset_helpers_importer
 
 
-_CPP_MODULE, _HELPER_NAMES = _helpers_of_this_release()
+_CPP_MODULE, _HELPER_NAMES, _HELPERS_IMPORTER = _helpers_of_this_release()
 
 Blend = Tuple[List[str], Optional[List[float]]]
 
@@ -85,7 +86,7 @@ def ensure_dataset_helpers(force_numpy: Optional[bool] = None) -> str:
     for name in helper_names:
         setattr(module, name, getattr(dataset_helpers, name))
     sys.modules[cpp_module] = module
-    helpers = sys.modules.get("megatron.core.datasets.helpers")
+    helpers = sys.modules.get(_HELPERS_IMPORTER)
     if helpers is not None:  # imported earlier: rebind the names it copied
         for name in helper_names:
             setattr(helpers, name, getattr(dataset_helpers, name))

@@ -364,12 +364,12 @@ def _apply_patches(adapter) -> None:
         _set(torch.cuda, name, twin)
 
     # 1. RNG tracker.
-    _set(random, "_get_cuda_rng_state", _cpu_get_rng_state)
-    _set(random, "_set_cuda_rng_state", _cpu_set_rng_state)
-    _set(random.CudaRNGStatesTracker, "add", _cpu_tracker_add)
-    _set(random.CudaRNGStatesTracker, "fork",
-         _make_cpu_tracker_fork(random._MODEL_PARALLEL_RNG_TRACKER_NAME))
-    seed_fn = random.model_parallel_cuda_manual_seed
+    get_state, set_state = sites["rng_state_functions"]
+    _set(random, get_state, _cpu_get_rng_state)
+    _set(random, set_state, _cpu_set_rng_state)
+    _set(sites["rng_tracker"], "add", _cpu_tracker_add)
+    _set(sites["rng_tracker"], "fork", _make_cpu_tracker_fork(sites["rng_tracker_name"]))
+    seed_fn = sites["rng_seed_function"]
     _rebind_everywhere(seed_fn, _seed_cpu_default_generator_too(seed_fn))
 
     # 2. Functions that name CUDA in device literals or type-name checks.

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Tuple
@@ -236,13 +237,13 @@ def _skip_jit_warmup(tp_size=None) -> None:
     """3. Stand-in for ``initialize._warmup_jit_function``: nothing to warm up on CPU."""
 
 
-def _compile_helpers_unless_present(original: Callable) -> Callable:
-    """4. Skip ``make`` when the compiled dataset helpers already import."""
+def _compile_helpers_unless_present(original: Callable, helpers_module: str) -> Callable:
+    """4. Skip ``make`` when the compiled dataset helpers (``helpers_module``) already import."""
 
     def compile_helpers():
         if _enabled:
             try:
-                import megatron.core.datasets.helpers_cpp  # noqa: F401
+                importlib.import_module(helpers_module)
                 return None
             except ImportError:
                 pass
@@ -268,7 +269,7 @@ def _cuda_names_on_cpu(original: Callable) -> Callable:
     return _marked(wrapper, original)
 
 
-def _apply(sites: dict) -> None:
+def _apply(sites: dict, helpers_module: str) -> None:
     _rebind_in_training(sites["initialize_megatron"],
                         _initialize_megatron_on_cpu(sites["initialize_megatron"]))
     for owner, name in sites["one_device"]:
@@ -276,7 +277,7 @@ def _apply(sites: dict) -> None:
     owner, name = sites["jit_warmup"]
     _set(owner, name, _skip_jit_warmup)
     owner, name = sites["compile_helpers"]
-    _set(owner, name, _compile_helpers_unless_present(vars(owner)[name]))
+    _set(owner, name, _compile_helpers_unless_present(vars(owner)[name], helpers_module))
     for owner, name in sites["rng_save_restore"]:
         _set(owner, name, _with_torch_cuda(vars(owner)[name], _CPU_RNG_AS_CUDA))
     _rebind_in_training(sites["device_arch"], _no_cuda_arch)
@@ -308,7 +309,8 @@ def enable_cpu_training() -> None:
     from megatron_sdp4bit.megatron.adapters import current_adapter
 
     adapter = current_adapter()
-    if not hasattr(adapter, "cpu_training_sites"):
+    sites = adapter.cpu_training_sites()
+    if sites is None:
         raise RuntimeError(
             f"CPU training: not available for megatron-core {adapter.minor} (the sites in "
             f"megatron.training are known for 0.19 only); cpu.py's backend for "
@@ -316,7 +318,7 @@ def enable_cpu_training() -> None:
     started_backend = not cpu.is_cpu_backend_enabled()
     cpu.enable_cpu_backend()
     try:
-        _apply(adapter.cpu_training_sites())
+        _apply(sites, adapter.dataset_helpers_module)
     except BaseException:
         _restore_all()
         if started_backend:

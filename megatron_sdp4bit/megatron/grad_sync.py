@@ -20,7 +20,7 @@ from megatron_sdp4bit.megatron.handles import Handles
 
 def _exact(layer, bucket_group, force_all_reduce):
     adapter = layer.adapter
-    ddp_config = bucket_group.ddp_config
+    ddp_config = adapter.ddp_config(bucket_group)
     if (ddp_config.use_distributed_optimizer and not force_all_reduce
             and not adapter.grad_sync_already_dispatched(bucket_group)):
         record_exact(layer, bucket_group, "reduce_scatter", adapter.grad_buffers(bucket_group))
@@ -32,7 +32,7 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
     state, adapter = layer.state, layer.adapter
     if not state.grads_quantized_now() or force_all_reduce:
         return _exact(layer, bucket_group, force_all_reduce)
-    check_ddp_config(adapter, bucket_group.ddp_config)
+    check_ddp_config(adapter, adapter.ddp_config(bucket_group))
     group, size, rank = adapter.collective_group(bucket_group)
     if size == 1:
         return _exact(layer, bucket_group, force_all_reduce)
@@ -43,7 +43,7 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
     if state.metrics.sample_now(state.iteration) and state.grad_errors_sampled_at != state.iteration:
         state.grad_errors_sampled_at = state.iteration
         state.metrics.record(quant_metrics.grad_quantization_errors(grads[0], state.config))
-    ddp_config = bucket_group.ddp_config
+    ddp_config = adapter.ddp_config(bucket_group)
     op = torch.distributed.ReduceOp.AVG if ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     async_op = bool(ddp_config.overlap_grad_reduce)
     if state.grad_reduce_in_flight is not None:
@@ -59,7 +59,8 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
         shard = grad_data.numel() // size
         local_view = grad_data[rank * shard:(rank + 1) * shard]
         handles.append(comm.quantized_reduce_scatter(
-            local_view, grad_data, op=op, group=group, config=state.config, async_op=async_op))
+            local_view, grad_data, op=op, group=group, config=state.config, async_op=async_op,
+            generator=state.generator(grad_data.device, "grads")))
     handle = Handles(handles) if async_op else None
     state.grad_reduce_in_flight = handle
     adapter.set_grad_reduce_handle(bucket_group, handle)

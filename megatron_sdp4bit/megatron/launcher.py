@@ -25,10 +25,13 @@ def _patch_megatron_lm_parser() -> None:
         import megatron.training.arguments as arguments
         import megatron.training.initialize as initialize
     except ImportError as exc:
+        from megatron_sdp4bit.megatron.adapters import supported_minors
+
         raise SystemExit(
             f"megatron_sdp4bit.launch: cannot import Megatron-LM's megatron.training ({exc}). "
-            "Pass the path of a script inside a Megatron-LM checkout (core_v0.16.1), and "
-            "install that checkout's requirements."
+            "Pass the path of a script inside a Megatron-LM checkout of a supported release "
+            f"(megatron-core {', '.join(supported_minors())}), and install that checkout's "
+            "requirements."
         ) from exc
     from megatron_sdp4bit.megatron.megatron_lm import wrap_parse_args
 

@@ -86,21 +86,22 @@ class SDP4BitLayer:
             for key, bucket in self.adapter.buffer_buckets(opt):
                 kept = self.state.buckets.get(bucket)
                 if kept is not None and kept.main_shard is not None \
-                        and bucket.param_data.dtype == torch.float32:
+                        and self.adapter.bucket_param_data(bucket).dtype == torch.float32:
                     main_shards[key] = kept.main_shard.clone()
-        return {"iteration": self.state.iteration, "rng": comm.generator_states(),
+        return {"iteration": self.state.iteration, "rng": self.state.noise.states(),
                 "main_shards": main_shards}
 
     def load_state_dict(self, saved: dict, optimizer) -> None:
         if not saved:
             return
         self.state.iteration = saved["iteration"]
-        comm.set_generator_states(saved["rng"])
+        self.state.noise.set_states(saved["rng"])
         for opt in self.adapter.sub_optimizers(optimizer):
             for key, bucket in self.adapter.buffer_buckets(opt):
                 main = saved["main_shards"].get(key)
                 if main is not None:
-                    self.state.bucket(bucket).main_shard = main.to(bucket.param_data.device)
+                    self.state.bucket(bucket).main_shard = main.to(
+                        self.adapter.bucket_param_data(bucket).device)
 
 
 def _ddp_init(layer, ddp, *args, **kwargs):
@@ -108,7 +109,7 @@ def _ddp_init(layer, ddp, *args, **kwargs):
     state = layer.state
     if not state.config.enabled:
         return
-    check_ddp_config(layer.adapter, ddp.ddp_config)
+    check_ddp_config(layer.adapter, layer.adapter.ddp_config(ddp))
     if not state.config_checked:
         check_same_config_on_all_ranks(state.config)
         state.config_checked = True

@@ -23,13 +23,14 @@ def optimizer_memory(layer, optimizer, params: int) -> LayerMemory:
             continue
         levels = (get_topology(adapter.optimizer_process_group(sub), state.config.ranks_per_node).levels
                   if dp > 1 else ())
-        ddp_config = sub.ddp_config
+        ddp_config = adapter.ddp_config(sub)
+        grads = [adapter.bucket_grad_data(bucket) for bucket in buckets]
+        params_data = [adapter.bucket_param_data(bucket) for bucket in buckets]
         part = layer_memory(
-            [bucket.grad_data.numel() for bucket in buckets], dp, state.config, params=params,
+            [grad.numel() for grad in grads], dp, state.config, params=params,
             node_members=levels[0].size if len(levels) == 2 else 0,
-            fp32_params=any(bucket.param_data is not None and bucket.param_data.dtype == torch.float32
-                            for bucket in buckets),
-            grad_bytes=max(bucket.grad_data.element_size() for bucket in buckets),
+            fp32_params=any(data is not None and data.dtype == torch.float32 for data in params_data),
+            grad_bytes=max(grad.element_size() for grad in grads),
             overlap_grad_reduce=bool(ddp_config.overlap_grad_reduce),
             overlap_param_gather=bool(ddp_config.overlap_param_gather))
         held += part.held_bytes

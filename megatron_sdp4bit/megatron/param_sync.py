@@ -40,7 +40,7 @@ def _check_replicas(layer, optimizer) -> None:
         return
     if adapter.optimizer_group(optimizer)[1] == 1:
         return
-    buffers = [(f"buffer {b} bucket {k}", bucket.param_data)
+    buffers = [(f"buffer {b} bucket {k}", adapter.bucket_param_data(bucket))
                for (b, k), bucket in adapter.buffer_buckets(optimizer)]
     consistency.check_replicas(buffers, adapter.optimizer_process_group(optimizer), state.iteration)
     state.replica_checks_passed += 1  # check_replicas raises on any difference
@@ -76,7 +76,7 @@ def copy_main_params_to_model_params(layer, optimizer):
     state, adapter = layer.state, layer.adapter
     if not (state.in_optimizer_step and _weights_quantized(layer, optimizer)):
         return layer.original("optimizer", "_copy_main_params_to_model_params")(optimizer)
-    check_ddp_config(adapter, optimizer.ddp_config)
+    check_ddp_config(adapter, adapter.ddp_config(optimizer))
     rank, size = adapter.optimizer_group(optimizer)
     sample = state.metrics.sample_now(state.iteration)
     for bucket in adapter.optimizer_buckets(optimizer):
@@ -101,7 +101,7 @@ def copy_main_params_to_model_params(layer, optimizer):
 
 def start_param_sync(layer, bucket_group, force_sync: bool = False):
     state, adapter = layer.state, layer.adapter
-    buckets = bucket_group.buckets
+    buckets = adapter.group_buckets(bucket_group)
     fresh = all(b in state.buckets and state.buckets[b].fresh for b in buckets)
     if not state.config.quantize_weights or not fresh:
         if not (force_sync and adapter.param_gather_in_flight(bucket_group)):
@@ -111,14 +111,14 @@ def start_param_sync(layer, bucket_group, force_sync: bool = False):
         adapter.finish_pending_param_gather(bucket_group)
         return
     assert not adapter.param_gather_in_flight(bucket_group)
-    async_op = bool(bucket_group.ddp_config.overlap_param_gather) and not force_sync
+    async_op = bool(adapter.ddp_config(bucket_group).overlap_param_gather) and not force_sync
     group, size, rank = adapter.collective_group(bucket_group)
     kept = [state.bucket(b) for b in buckets]
     handles = []
     for param_data, bucket_state in zip(adapter.param_buffers(bucket_group), kept):
         handles.append(comm.quantized_all_gather_weights(
             param_data, bucket_state.main_shard, group=group, config=state.config,
-            async_op=async_op))
+            async_op=async_op, generator=state.generator(bucket_state.main_shard.device, "weights")))
         bucket_state.fresh = False
     first_bucket, first = buckets[0], kept[0]
 

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from megatron_sdp4bit.comm.rng import NoiseStreams
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron.quant_metrics import QuantErrorMetrics
 
@@ -50,6 +51,8 @@ class LayerState:
     grad_errors_sampled_at: int = -1
     """One gradient-error sample per iteration, not one per bucket group."""
     metrics: QuantErrorMetrics = field(default_factory=QuantErrorMetrics)
+    noise: NoiseStreams = field(default_factory=NoiseStreams)
+    """This rank's stochastic-rounding streams (saved with the layer's checkpoint state)."""
     buckets: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
 
     def bucket(self, bucket) -> BucketState:
@@ -57,6 +60,13 @@ class LayerState:
         if state is None:
             state = self.buckets[bucket] = BucketState()
         return state
+
+    def generator(self, device, purpose: str) -> Optional[torch.Generator]:
+        """The rounding stream for ``purpose`` (``grads`` or ``weights``) on ``device``;
+        None with nearest rounding."""
+        if self.config.rounding != "stochastic":
+            return None
+        return self.noise.generator_for(device, self.config.seed, torch.distributed.get_rank(), purpose)
 
     def grads_quantized_now(self) -> bool:
         return self.config.quantize_grads and self.iteration >= self.config.grad_start_iter

@@ -117,10 +117,6 @@ def _log0(message: str) -> None:
         print(message, flush=True)
 
 
-def _sub_optimizers(optimizer):
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
 def check_writable(save_dir: str) -> None:
     """Fail before training, not at the first save, when SAVE cannot be written."""
     try:
@@ -182,7 +178,7 @@ def _pipeline_stage() -> str:
 
 
 def _own_buckets(optimizer) -> list:
-    return [_adapter().bucket_layout(opt) for opt in _sub_optimizers(optimizer)]
+    return [_adapter().bucket_layout(opt) for opt in _adapter().sub_optimizers(optimizer)]
 
 
 def current_layout(model, optimizer, stage_buckets: Optional[dict] = None,
@@ -453,11 +449,12 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler,
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a killed save
         os.makedirs(tmp)
     _barrier()
+    sub_optimizers = _adapter().sub_optimizers(optimizer)
     state = {
         "iteration": iteration,
         "model": model.state_dict() if _model_holder()[0] == 0 else None,
-        "optimizer": [opt.state_dict() for opt in _sub_optimizers(optimizer)],
-        "param_state": [_adapter().parameter_state_for_save(opt) for opt in _sub_optimizers(optimizer)],
+        "optimizer": [opt.state_dict() for opt in sub_optimizers],
+        "param_state": [_adapter().parameter_state_for_save(opt) for opt in sub_optimizers],
         "scheduler": scheduler.state_dict(),
         "rng": rng_state(),
         "extra": extra or {},
@@ -518,10 +515,11 @@ def _load_same_layout(directory: str, model, optimizer, scheduler) -> dict:
     if model_state is None:
         model_state = _read(_rank_file(directory, _model_holder()[1]), mmap=True)["model"]
     model.load_state_dict(model_state)
-    for opt, opt_state, param_state in zip(_sub_optimizers(optimizer), state["optimizer"], state["param_state"]):
+    for opt, opt_state, param_state in zip(_adapter().sub_optimizers(optimizer), state["optimizer"],
+                                           state["param_state"]):
         opt.load_state_dict(opt_state)
         if param_state is not None:
-            opt.load_parameter_state_from_dp_reshardable(param_state)
+            _adapter().load_parameter_state(opt, param_state)
         _adapter().after_optimizer_load(opt)
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
@@ -574,11 +572,11 @@ def _load_resharded(directory: str, saved_layout: dict, model, optimizer, schedu
     state = dict(saved(rank if own else 0))
     model.load_state_dict(saved(0)["model"])
     adapter = _adapter()
-    for i, opt in enumerate(_sub_optimizers(optimizer)):
+    for i, opt in enumerate(_adapter().sub_optimizers(optimizer)):
         opt.load_state_dict(state["optimizer"][i])
         param_state = adapter.reshard_parameter_state(opt, lambda k: saved(k)["param_state"][i], saved_size)
         if param_state is not None:
-            opt.load_parameter_state_from_dp_reshardable(param_state)
+            adapter.load_parameter_state(opt, param_state)
         adapter.after_optimizer_load(opt)
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])

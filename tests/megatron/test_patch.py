@@ -41,12 +41,16 @@ def _train(spec: TinyGPTSpec, config, steps: int):
                    for t in (bucket.main_shard, bucket.reconstructed) if t is not None)
         params = sum(p.numel() for p in trainer.model.parameters())
         memory = (held, patch.memory(trainer.optimizer, params).held_bytes)
+        # The rounding streams are the layer's own (checkpointed with it), not comm's defaults.
+        streams = sorted({key[3] for key in layer.state.noise.states()})
+        default_streams = sorted({key[3] for key in comm.generator_states()})
     patch.uninstall()
     return {
         "losses": [r.loss for r in records],
         "hashes": [r.weights_sha256 for r in records],
         "buckets": trainer.num_buckets,
         "memory": memory,
+        "streams": (streams, default_streams) if config is not None else None,
     }
 
 
@@ -139,6 +143,12 @@ def test_reported_held_memory_is_what_the_layer_holds(matrix_runs, name):
         assert actual == reported > 0, f"{name}: holds {actual} bytes, reports {reported}"
 
 
+def test_the_layer_draws_its_rounding_noise_from_its_own_streams(matrix_runs):
+    _stock, sdp = _by_name(matrix_runs)["bf16"]
+    for rank in sdp:
+        assert rank["streams"] == (["grads", "weights"], [])
+
+
 def test_several_buckets_were_exercised(matrix_runs):
     stock, _sdp = _by_name(matrix_runs)["bf16-overlap-grad"]
     assert stock[0]["buckets"] > 1
@@ -214,6 +224,8 @@ def test_unsupported_megatron_version_is_refused(monkeypatch):
 
     monkeypatch.setattr(compat, "megatron_version", lambda: "0.99.0")
     monkeypatch.delenv(compat.FORCE_ENV, raising=False)
-    with pytest.raises(RuntimeError, match="supports megatron-core 0.16, 0.17, 0.18, 0.19"):
+    from megatron_sdp4bit.megatron.adapters import supported_minors
+
+    with pytest.raises(RuntimeError, match=f"supports megatron-core {', '.join(supported_minors())}"):
         compat.check_version()
     assert compat.check_version(force=True) == "0.99.0"

@@ -35,8 +35,8 @@ def megatron_version() -> str:
         import megatron.core as mcore
     except ImportError as exc:  # pragma: no cover - exercised only without megatron
         raise ImportError(
-            "megatron-core is not installed: `pip install megatron-core` (0.16.1 to 0.19.x; "
-            "`make test` / `make train` install it)") from exc
+            f"megatron-core is not installed: `pip install megatron-core` (releases "
+            f"{', '.join(supported_minors())}; `make test` / `make train` install it)") from exc
     return getattr(mcore, "__version__", "unknown")
 
 

@@ -76,6 +76,25 @@ class MegatronAdapter:
         """Human-readable names of enabled DDP options the layer cannot quantize."""
         raise NotImplementedError
 
+    # -------------------------------------------------------------- bucket fields
+
+    def ddp_config(self, owner):
+        """The DistributedDataParallelConfig a DDP chunk, bucket group or distributed
+        optimizer was built with."""
+        raise NotImplementedError
+
+    def group_buckets(self, bucket_group) -> List[Any]:
+        """The buckets of a bucket group, in megatron's order."""
+        raise NotImplementedError
+
+    def bucket_grad_data(self, bucket) -> torch.Tensor:
+        """A bucket's flat gradient buffer (all data-parallel ranks' shards)."""
+        raise NotImplementedError
+
+    def bucket_param_data(self, bucket) -> Optional[torch.Tensor]:
+        """A bucket's flat parameter buffer (None where a release has none)."""
+        raise NotImplementedError
+
     # -------------------------------------------------------------- bucket groups
 
     def collective_group(self, bucket_group) -> Tuple[Any, int, int]:
@@ -154,6 +173,11 @@ class MegatronAdapter:
         """This rank's shards in megatron's "dp_reshardable" form, loadable again."""
         raise NotImplementedError
 
+    def load_parameter_state(self, optimizer, param_state: dict) -> None:
+        """Restore shards in the form ``parameter_state_for_save`` (or
+        ``reshard_parameter_state``) returned."""
+        raise NotImplementedError
+
     def after_optimizer_load(self, optimizer) -> None:
         """Fix-ups megatron needs after ``load_state_dict`` to continue the same run."""
         raise NotImplementedError
@@ -179,6 +203,11 @@ class MegatronAdapter:
         """What the CPU backend redirects in this release (see ``cpu.py``)."""
         raise NotImplementedError
 
+    def cpu_training_sites(self) -> Optional[dict]:
+        """What ``cpu_training.py`` redirects in ``megatron.training``; None where that is
+        not worked out for the release (then CPU training is refused, changing nothing)."""
+        return None
+
     # ------------------------------------------------------------ dataset helpers
 
     dataset_helpers_module: str = ""
@@ -186,3 +215,6 @@ class MegatronAdapter:
 
     dataset_helper_names: Tuple[str, ...] = ()
     """Functions of that module that ``data/dataset_helpers.py`` has NumPy twins of."""
+
+    dataset_helpers_importer: str = ""
+    """The Python module that copies those functions from the compiled one at import."""

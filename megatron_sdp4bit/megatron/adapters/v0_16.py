@@ -13,6 +13,7 @@ class Adapter(MegatronAdapter):
     tested_versions = ("0.16.1",)
 
     dataset_helpers_module = "megatron.core.datasets.helpers_cpp"
+    dataset_helpers_importer = "megatron.core.datasets.helpers"
     dataset_helper_names = ("build_sample_idx_int32", "build_sample_idx_int64",
                             "build_blending_indices", "build_exhaustive_blending_indices")
 
@@ -39,6 +40,20 @@ class Adapter(MegatronAdapter):
                 found.append(flag)
         return found
 
+    # -------------------------------------------------------------- bucket fields
+
+    def ddp_config(self, owner):
+        return owner.ddp_config
+
+    def group_buckets(self, bucket_group) -> List[Any]:
+        return list(bucket_group.buckets)
+
+    def bucket_grad_data(self, bucket) -> torch.Tensor:
+        return bucket.grad_data
+
+    def bucket_param_data(self, bucket) -> Optional[torch.Tensor]:
+        return bucket.param_data
+
     # -------------------------------------------------------------- bucket groups
 
     def collective_group(self, bucket_group) -> Tuple[Any, int, int]:
@@ -47,10 +62,10 @@ class Adapter(MegatronAdapter):
                 bucket_group.intra_distributed_optimizer_instance_rank)
 
     def grad_buffers(self, bucket_group) -> List[torch.Tensor]:
-        return [bucket.grad_data for bucket in bucket_group.buckets]
+        return [self.bucket_grad_data(bucket) for bucket in self.group_buckets(bucket_group)]
 
     def param_buffers(self, bucket_group) -> List[Optional[torch.Tensor]]:
-        return [bucket.param_data for bucket in bucket_group.buckets]
+        return [self.bucket_param_data(bucket) for bucket in self.group_buckets(bucket_group)]
 
     def ddp_bucket_groups(self, ddp) -> List[Any]:
         return list(ddp.bucket_groups)
@@ -138,6 +153,9 @@ class Adapter(MegatronAdapter):
                         for entry in bucket:
                             entry.setdefault("padding", False)
         return state
+
+    def load_parameter_state(self, optimizer, param_state: dict) -> None:
+        optimizer.load_parameter_state_from_dp_reshardable(param_state)
 
     def after_optimizer_load(self, optimizer) -> None:
         """``DistributedOptimizer.load_state_dict`` stores one ``step`` tensor object for
@@ -238,7 +256,9 @@ class Adapter(MegatronAdapter):
         ``type_named_functions`` / ``functions``: module functions, rebound wherever
         loaded ``megatron.core`` modules hold them; ``methods``: (class, name) pairs of
         methods with literals (later releases). ``rng``: the tensor-parallel random
-        module. ``imports``: modules to load first so that every binding is seen.
+        module, with the names of its CUDA RNG-state functions (``rng_state_functions``:
+        get, set), its tracker class (``rng_tracker``), the tracker's model-parallel
+        state name (``rng_tracker_name``) and the seeding function (``rng_seed_function``).
         """
         import megatron.core.fusions.fused_softmax  # noqa: F401  (binds the causal masks)
         from megatron.core import tensor_parallel  # noqa: F401
@@ -250,6 +270,10 @@ class Adapter(MegatronAdapter):
 
         return {
             "rng": random,
+            "rng_state_functions": ("_get_cuda_rng_state", "_set_cuda_rng_state"),
+            "rng_tracker": random.CudaRNGStatesTracker,
+            "rng_tracker_name": random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+            "rng_seed_function": random.model_parallel_cuda_manual_seed,
             "type_named_inits": [distrib_optimizer.DistributedOptimizer,
                                  optimizer.Float16OptimizerWithFloat16Params],
             # The grad scalers' tensors (a loss scale, also a constant 1.0, turns on
