@@ -5,12 +5,19 @@ pip pull a multi-GB CUDA build on machines that have none, and on a user's GPU
 box it would replace the torch they already have. ``make test`` / ``make train``
 install ``torch==2.13.0`` only when torch is not importable.
 """
+import os
+import runpy
+
 from setuptools import find_packages, setup
 
-# The layer has one adapter per megatron-core minor release, 0.16 to 0.19
-# (megatron_sdp4bit/megatron/adapters/). Releases after 0.16 declare Python >=3.12,
-# so on 3.11 pip picks 0.16.1 by itself.
-megatron_core = "megatron-core>=0.16.1,<0.20"
+# The layer has one adapter per megatron-core minor release
+# (megatron_sdp4bit/megatron/adapters/vMAJOR_MINOR.py): the bound follows the newest.
+# Releases after 0.16 declare Python >=3.12, so on 3.11 pip picks 0.16.1 by itself.
+_adapters = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_sdp4bit", "megatron",
+                         "adapters", "__init__.py")
+_newest = list(runpy.run_path(_adapters)["ADAPTER_MODULES"])[-1]
+_major, _minor = map(int, _newest.split("."))
+megatron_core = f"megatron-core>=0.16.1,<{_major}.{_minor + 1}"
 
 setup(
     name="megatron_sdp4bit",

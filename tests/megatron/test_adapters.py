@@ -29,6 +29,22 @@ def test_each_minor_gets_its_adapter(version, cls):
     assert type(adapters.adapter_for(version)) is cls
 
 
+def test_the_adapter_files_are_the_supported_releases_and_setup_follows_the_newest():
+    import os
+    import re
+
+    here = os.path.dirname(adapters.__file__)
+    files = sorted(name for name in os.listdir(here) if re.fullmatch(r"v\d+_\d+\.py", name))
+    assert [module.rsplit(".", 1)[1] + ".py" for module in adapters.ADAPTER_MODULES.values()] == files
+    assert list(adapters.ADAPTER_MODULES) == sorted(adapters.ADAPTER_MODULES,
+                                                    key=lambda v: tuple(map(int, v.split("."))))
+    setup_py = os.path.join(here, "..", "..", "..", "setup.py")
+    requirement = {}
+    exec(open(setup_py).read().split("\nsetup(")[0], {"__file__": setup_py}, requirement)
+    major, minor = map(int, list(adapters.ADAPTER_MODULES)[-1].split("."))
+    assert requirement["megatron_core"] == f"megatron-core>=0.16.1,<{major}.{minor + 1}"
+
+
 def test_unsupported_release_is_refused_unless_forced(monkeypatch):
     monkeypatch.delenv(adapters.FORCE_ENV, raising=False)
     for version in ("0.15.3", "0.20.0", "1.0.0"):

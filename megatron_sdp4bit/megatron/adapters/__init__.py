@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 
 FORCE_ENV = "SDP4BIT_FORCE_MEGATRON_VERSION"
+_PACKAGE = "megatron_sdp4bit.megatron.adapters"  # spelled out: scripts run this file by path
 
-ADAPTER_MODULES = {
-    "0.16": "megatron_sdp4bit.megatron.adapters.v0_16",
-    "0.17": "megatron_sdp4bit.megatron.adapters.v0_17",
-    "0.18": "megatron_sdp4bit.megatron.adapters.v0_18",
-    "0.19": "megatron_sdp4bit.megatron.adapters.v0_19",
-}
-"""Supported minor releases, oldest first. Adding one: a module here + its tests."""
+
+def _adapter_modules() -> dict:
+    """``{"0.16": "megatron_sdp4bit.megatron.adapters.v0_16", ...}``: every ``vMAJOR_MINOR.py``
+    next to this file, oldest first. Reads file names only (no import), so that
+    ``scripts/mcore_venv.sh`` and ``setup.py`` can read the list without torch."""
+    found = {}
+    for name in os.listdir(os.path.dirname(os.path.abspath(__file__))):
+        match = re.fullmatch(r"v(\d+)_(\d+)\.py", name)
+        if match:
+            found[(int(match[1]), int(match[2]))] = f"{_PACKAGE}.{name[:-3]}"
+    return {f"{major}.{minor}": found[(major, minor)] for major, minor in sorted(found)}
+
+
+ADAPTER_MODULES = _adapter_modules()
+"""Supported minor releases, oldest first: one ``vMAJOR_MINOR.py`` module each, so adding
+a release is adding its module (and its tests)."""
 
 
 def minor_of(version: str) -> str:
