@@ -102,12 +102,24 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 18
 
     Results are returned in rank order and must be picklable. If a rank raises, the
     others are killed and ``RankFailed`` carries its traceback; if the world does not
-    finish within ``timeout_s`` seconds, ``TimeoutError`` is raised.
+    finish within ``timeout_s`` seconds, ``TimeoutError`` is raised. A world whose
+    rendezvous port was taken between ``free_port`` and the bind (another process
+    on the machine) is started again on a new port, up to twice.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    for attempt in range(3):
+        try:
+            return _spawn_once(fn, world_size, args, timeout_s)
+        except RankFailed as failure:
+            if "EADDRINUSE" not in str(failure) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float) -> List[Any]:
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
