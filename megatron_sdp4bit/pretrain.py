@@ -313,19 +313,21 @@ def run(args, with_weights_hash: bool = False) -> dict:
     from megatron_sdp4bit.megatron.consistency import weights_sha256
     from megatron_sdp4bit.training import checkpoint
     from megatron_sdp4bit.training.distributed import (all_reduce_mean, all_reduce_sum,
+                                                       check_backend_layout, describe_placement,
                                                        init_distributed, init_model_parallel,
                                                        is_loss_rank, parallel_layout, parallel_ranks)
     from megatron_sdp4bit.training.fusions import choose_fusions
     from megatron_sdp4bit.training.metrics import MetricsLogger, plot_losses
     from megatron_sdp4bit.training.model import ModelChunks, build_model, build_optimizer
 
-    device = init_distributed()
+    device = init_distributed(args.distributed_backend)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     layout = parallel_layout(args, world)  # a bad TP/PP/VP layout stops here, naming the flag
+    check_backend_layout(device, torch.distributed.get_backend(), layout)
     num_microbatches = args.global_batch_size // (args.micro_batch_size * layout.data)
     if args.save:
         checkpoint.check_writable(args.save)
-    _log0(f"device: {device} ({'nccl' if device == 'cuda' else 'gloo + CPU backend'}), "
+    _log0(f"device: {describe_placement(device)}, "
           f"{world} ranks{f' ({layout.describe()})' if world != layout.data else ''}, "
           f"{num_microbatches} micro-batches of {args.micro_batch_size} per rank")
     init_model_parallel(args.seed, layout)  # seeds torch and megatron's RNG tracker too

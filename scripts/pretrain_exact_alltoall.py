@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_sdp4bit.comm import exact_alltoall, handles  # noqa: E402
+from megatron_sdp4bit.comm import exact_alltoall, primitives  # noqa: E402
 
 
 def main() -> int:
@@ -31,7 +31,7 @@ def main() -> int:
     from megatron.core.distributed import param_and_grad_buffer
 
     param_and_grad_buffer.dist_reduce_scatter_func = exact_alltoall.alltoall_reduce_scatter
-    handles._reduce_scatter_flat = exact_alltoall.alltoall_reduce_scatter
+    primitives._reduce_scatter_flat = exact_alltoall.alltoall_reduce_scatter
     from megatron_sdp4bit import pretrain
 
     return pretrain.main()

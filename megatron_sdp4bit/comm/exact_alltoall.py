@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_sdp4bit.comm.handles import PendingCollective, all_to_all_equal, finish_or_handle
+from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
 
 
 def alltoall_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
@@ -39,7 +39,7 @@ def alltoall_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.R
     if input.dtype != output.dtype:
         raise ValueError(f"input ({input.dtype}) and output ({output.dtype}) must share a dtype")
     received = torch.empty_like(input).view(-1)
-    work = all_to_all_equal(received, input.contiguous().view(-1), group, async_op=True)
+    work = dist.all_to_all_single(received, input.contiguous().view(-1), group=group, async_op=True)
 
     def finish() -> None:
         work.wait()

@@ -37,12 +37,8 @@ import torch.distributed as dist
 
 from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
 from megatron_sdp4bit.comm.checks import check_float_tensors
-from megatron_sdp4bit.comm.handles import (
-    PendingCollective,
-    all_to_all_equal,
-    finish_or_handle,
-    reduce_scatter_flat,
-)
+from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
+from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, Chunk, chunk_count, chunk_plan, lcm
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import Level, Topology, get_topology, peer_split
@@ -164,9 +160,7 @@ class _QuantizedReduceScatter:
                              MAX_CHUNK_ELEMENTS)
         self.unlaunched = deque(chunk_plan(self.shard, align, chunks))
         self.rows = input.view(topology.dp_size, self.shard)
-        order = topology.send_order
-        self.order = (None if order == tuple(range(len(order)))
-                      else torch.tensor(order, dtype=torch.long, device=input.device))
+        self.order = topology.send_order_index(input.device)
         self.scale = 1.0 / topology.dp_size if average else 1.0
         self.generator = pick_generator(generator, config.rounding, input.device, config.seed,
                                         topology.global_rank, "grads")

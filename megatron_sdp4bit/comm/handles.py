@@ -1,4 +1,4 @@
-"""Async handles shaped like ``torch.distributed.Work``, and thin torch.distributed shims.
+"""Async handles shaped like ``torch.distributed.Work``.
 
 A quantized collective is several communication calls with tensor math in
 between. ``async_op=True`` issues the first calls and returns a
@@ -9,28 +9,6 @@ same order it launched them (as Megatron does); a second ``wait()`` is a no-op.
 from __future__ import annotations
 
 from typing import Callable, Optional
-
-import torch
-import torch.distributed as dist
-
-# torch 2.13 renamed the tensor forms; older versions only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
-    """Concatenate every rank's equal-sized ``input`` into ``output``."""
-    return _all_gather_flat(output, input, group=group, async_op=async_op)
-
-
-def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op, group, async_op: bool):
-    """The exact reduce-scatter (rank r gets shard r of the reduction)."""
-    return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
-
-
-def all_to_all_equal(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = True):
-    """All-to-all of equal chunks: chunk j of ``input`` goes to group rank j."""
-    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
 class PendingCollective:

@@ -59,13 +59,31 @@ class NoiseStreams:
             return {key: gen.get_state() for key, gen in self._generators.items()}
 
     def set_states(self, states: dict) -> None:
-        """Restore the streams saved by ``states`` (others are forgotten)."""
+        """Restore the streams saved by ``states`` (others are forgotten), each on this
+        process's device of the type it was saved on: a resume may put a rank on
+        another GPU than the one that saved it (another launcher, another GPU count).
+        Streams of a device type this process does not have (a GPU run resumed on a
+        CPU) are dropped: they start again from their seed."""
         with self._lock:
             self._generators.clear()
-            for key, state in states.items():
-                gen = torch.Generator(device=torch.device(key[0]))
+            for (saved_device, *rest), state in states.items():
+                device = device_here(saved_device)
+                if device is None:
+                    continue
+                gen = torch.Generator(device=device)
                 gen.set_state(state.to("cpu") if hasattr(state, "to") else state)
-                self._generators[key] = gen
+                self._generators[(str(device), *rest)] = gen
+
+
+def device_here(saved_device: str) -> Optional[torch.device]:
+    """This process's device of ``saved_device``'s type: a CUDA device becomes the
+    current one, whatever index it had; None when there is no CUDA here."""
+    device = torch.device(saved_device)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 _DEFAULT_STREAMS = NoiseStreams()  # for callers of the collectives that pass no generator

@@ -26,7 +26,7 @@ import hashlib
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -77,6 +77,7 @@ class Topology:
     inter_group: Optional[object]
     send_order: tuple[int, ...]  # DP shard in each slot of the first hop's buffer
     fallback_reason: Optional[str]
+    _order_on_device: dict = field(default_factory=dict, repr=False)
 
     @property
     def dp_size(self) -> int:
@@ -95,6 +96,20 @@ class Topology:
         if self.inter_group is not None:
             hops.append(Level("inter", self.inter_group, self.num_nodes))
         return tuple(hops)
+
+    def send_order_index(self, device) -> Optional[torch.Tensor]:
+        """``send_order`` as a long tensor on ``device`` (None when it is the identity),
+        built once per device: on a GPU, building it from the tuple is a blocking
+        host-to-device copy, which inside every reduce-scatter would stall the
+        backward pass once per bucket."""
+        if self.send_order == tuple(range(len(self.send_order))):
+            return None
+        key = str(device)
+        index = self._order_on_device.get(key)
+        if index is None:
+            index = torch.tensor(self.send_order, dtype=torch.long, device=device)
+            self._order_on_device[key] = index
+        return index
 
     @property
     def same_node_peers(self) -> int:

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
 from megatron_sdp4bit.comm.checks import check_float_tensors
-from megatron_sdp4bit.comm.handles import PendingCollective, all_gather_flat, finish_or_handle
+from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
+from megatron_sdp4bit.comm.primitives import all_gather_flat
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import peer_split

@@ -35,3 +35,36 @@ def check_ddp_config(adapter, ddp_config) -> None:
         raise RuntimeError(
             f"SDP4Bit does not support {', '.join(unsupported)} yet: turn "
             f"{'it' if len(unsupported) == 1 else 'them'} off, or drop the --sdp4bit flags")
+
+
+def check_host_staged_ddp(ddp_config) -> None:
+    """gloo on CUDA tensors: the layer runs the exact bucket collectives itself, the
+    distributed optimizer's reduce-scatter and all-gather (``exact_sync`` paths)."""
+    if not ddp_config.use_distributed_optimizer:
+        raise RuntimeError(
+            "--distributed-backend gloo on GPUs needs the distributed optimizer "
+            "(--use-distributed-optimizer): megatron's coalesced gradient all-reduce cannot run "
+            "on CUDA tensors over gloo")
+    if ddp_config.num_distributed_optimizer_instances > 1:
+        raise RuntimeError("--distributed-backend gloo on GPUs runs one distributed optimizer "
+                           "instance: drop --num-distributed-optimizer-instances")
+
+
+def check_model_config(model_config) -> None:
+    """Model features the layer does not handle: CUDA graphs replay megatron's own
+    bucket collectives and would bypass (or capture) the quantized ones."""
+    graphs = getattr(model_config, "cuda_graph_impl", "none") not in (None, "none")
+    if graphs or getattr(model_config, "enable_cuda_graph", False) \
+            or getattr(model_config, "external_cuda_graph", False):
+        raise RuntimeError("SDP4Bit does not support CUDA graphs (--cuda-graph-impl, "
+                           "--enable-cuda-graph, --external-cuda-graph): turn them off, or drop "
+                           "the --sdp4bit flags")
+
+
+def check_optimizer_config(optimizer_config) -> None:
+    """``overlap_param_gather_with_optimizer_step`` starts the first model chunk's
+    all-gather from inside the chained optimizer's step, between its sub-optimizers'
+    steps: a path the layer is not tested on, so it is refused rather than trusted."""
+    if getattr(optimizer_config, "overlap_param_gather_with_optimizer_step", False):
+        raise RuntimeError("SDP4Bit does not support --overlap-param-gather-with-optimizer-step: "
+                           "drop it (keep --overlap-param-gather), or drop the --sdp4bit flags")

@@ -2,8 +2,12 @@
 
 Replaces ``_ParamAndGradBucketGroup.start_grad_sync``. Megatron's own method runs
 whenever nothing is quantized (quantization off, before ``grad_start_iter``, a
-forced all-reduce, or a one-rank group, where a reduce-scatter is a copy); the
-version-specific work megatron does before its collective comes from the adapter.
+forced all-reduce, or a one-rank group, where a reduce-scatter is a copy), except
+where its collectives cannot run: on gloo with CUDA tensors
+(``LayerState.own_exact_collectives``) megatron's coalesced reduce-scatter is not
+staged through host memory, so the layer issues the exact one per bucket itself,
+through ``comm``. The version-specific work megatron does before its collective
+comes from the adapter.
 """
 from __future__ import annotations
 
@@ -12,13 +16,14 @@ from typing import Optional
 import torch
 
 from megatron_sdp4bit import comm
+from megatron_sdp4bit.comm.primitives import all_reduce_flat
 from megatron_sdp4bit.megatron import quant_metrics
 from megatron_sdp4bit.megatron.accounting import record_exact
 from megatron_sdp4bit.megatron.checks import check_ddp_config
 from megatron_sdp4bit.megatron.handles import Handles
 
 
-def _exact(layer, bucket_group, force_all_reduce):
+def _megatron(layer, bucket_group, force_all_reduce):
     adapter = layer.adapter
     ddp_config = adapter.ddp_config(bucket_group)
     if (ddp_config.use_distributed_optimizer and not force_all_reduce
@@ -30,17 +35,18 @@ def _exact(layer, bucket_group, force_all_reduce):
 
 def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = False):
     state, adapter = layer.state, layer.adapter
-    if not state.grads_quantized_now() or force_all_reduce:
-        return _exact(layer, bucket_group, force_all_reduce)
-    check_ddp_config(adapter, adapter.ddp_config(bucket_group))
+    quantize = state.grads_quantized_now() and not force_all_reduce
     group, size, rank = adapter.collective_group(bucket_group)
-    if size == 1:
-        return _exact(layer, bucket_group, force_all_reduce)
+    if not (quantize and size > 1) and not state.own_exact_collectives:
+        return _megatron(layer, bucket_group, force_all_reduce)
+    if quantize:
+        check_ddp_config(adapter, adapter.ddp_config(bucket_group))
     if adapter.grad_sync_already_dispatched(bucket_group):
         return  # already dispatched during the first batch (as megatron does)
     adapter.before_grad_reduce(bucket_group)
     grads = adapter.grad_buffers(bucket_group)
-    if state.metrics.sample_now(state.iteration) and state.grad_errors_sampled_at != state.iteration:
+    if quantize and state.metrics.sample_now(state.iteration) \
+            and state.grad_errors_sampled_at != state.iteration:
         state.grad_errors_sampled_at = state.iteration
         state.metrics.record(quant_metrics.grad_quantization_errors(grads[0], state.config))
     ddp_config = adapter.ddp_config(bucket_group)
@@ -54,13 +60,17 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
         # it). Megatron's own wait on that handle is then a no-op.
         state.grad_reduce_in_flight.wait()
         state.grad_reduce_in_flight = None
+    config = state.config if quantize else state.exact_config
     handles = []
     for grad_data in grads:
+        if force_all_reduce:  # the layer's own exact path only (megatron's does this otherwise)
+            handles.append(all_reduce_flat(grad_data, op, group, async_op))
+            continue
         shard = grad_data.numel() // size
         local_view = grad_data[rank * shard:(rank + 1) * shard]
         handles.append(comm.quantized_reduce_scatter(
-            local_view, grad_data, op=op, group=group, config=state.config, async_op=async_op,
-            generator=state.generator(grad_data.device, "grads")))
+            local_view, grad_data, op=op, group=group, config=config, async_op=async_op,
+            generator=state.generator(grad_data.device, "grads") if quantize else None))
     handle = Handles(handles) if async_op else None
     state.grad_reduce_in_flight = handle
     adapter.set_grad_reduce_handle(bucket_group, handle)

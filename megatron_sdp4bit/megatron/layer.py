@@ -23,7 +23,13 @@ import torch
 from megatron_sdp4bit import comm
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import grad_sync, param_sync
-from megatron_sdp4bit.megatron.checks import check_ddp_config, check_same_config_on_all_ranks
+from megatron_sdp4bit.comm.primitives import runs_on_host_staged_gloo
+from megatron_sdp4bit.megatron.checks import (
+    check_ddp_config,
+    check_host_staged_ddp,
+    check_model_config,
+    check_same_config_on_all_ranks,
+)
 from megatron_sdp4bit.megatron.state import LayerState
 
 logger = logging.getLogger(__name__)
@@ -104,12 +110,26 @@ class SDP4BitLayer:
                         self.adapter.bucket_param_data(bucket).device)
 
 
+def _megatron_collectives_cannot_run(adapter, ddp) -> bool:
+    """gloo on CUDA tensors: megatron's coalesced bucket collectives are not staged
+    through host memory there (``comm/primitives.py``); the layer issues them instead."""
+    for bucket_group in adapter.ddp_bucket_groups(ddp):
+        device = adapter.grad_buffers(bucket_group)[0].device
+        # megatron makes every group with the world's backend
+        return runs_on_host_staged_gloo(torch.distributed.group.WORLD, device)
+    return False
+
+
 def _ddp_init(layer, ddp, *args, **kwargs):
     layer.original("ddp", "__init__")(ddp, *args, **kwargs)
-    state = layer.state
+    state, adapter = layer.state, layer.adapter
+    if _megatron_collectives_cannot_run(adapter, ddp):
+        check_host_staged_ddp(adapter.ddp_config(ddp))
+        state.own_exact_collectives = True
     if not state.config.enabled:
         return
-    check_ddp_config(layer.adapter, layer.adapter.ddp_config(ddp))
+    check_ddp_config(adapter, adapter.ddp_config(ddp))
+    check_model_config(ddp.config)
     if not state.config_checked:
         check_same_config_on_all_ranks(state.config)
         state.config_checked = True

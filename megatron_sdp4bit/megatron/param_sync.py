@@ -14,16 +14,20 @@ Three of megatron's methods cooperate, all swapped by the layer:
   into every shard, the owner's included (sync, or an async handle megatron waits
   on as usual).
 
-With one rank in the group nothing is quantized: megatron's own methods run.
+With one rank in the group nothing is quantized: megatron's own methods run. So do
+they for the exact all-gather, except where megatron's coalesced one cannot run
+(gloo on CUDA tensors, ``LayerState.own_exact_collectives``): there the layer
+gathers each bucket itself.
 """
 from __future__ import annotations
 
 import torch
 
 from megatron_sdp4bit import comm
+from megatron_sdp4bit.comm.primitives import all_gather_flat
 from megatron_sdp4bit.megatron import consistency, quant_metrics
 from megatron_sdp4bit.megatron.accounting import record_exact
-from megatron_sdp4bit.megatron.checks import check_ddp_config
+from megatron_sdp4bit.megatron.checks import check_ddp_config, check_optimizer_config
 from megatron_sdp4bit.megatron.handles import Handles
 
 
@@ -48,6 +52,8 @@ def _check_replicas(layer, optimizer) -> None:
 
 def step_with_ready_grads(layer, optimizer) -> bool:
     state, adapter = layer.state, layer.adapter
+    if state.config.enabled:
+        check_optimizer_config(getattr(optimizer, "config", None))
     _check_replicas(layer, optimizer)
     if _weights_quantized(layer, optimizer):
         rank, size = adapter.optimizer_group(optimizer)
@@ -99,11 +105,27 @@ def copy_main_params_to_model_params(layer, optimizer):
         main_shard[offset:offset + numel].copy_(main_param.view(-1))
 
 
+def _own_exact_param_sync(layer, bucket_group, async_op: bool, force_sync: bool) -> None:
+    """Megatron's exact all-gather of each bucket's shard, one bucket at a time through
+    ``comm`` (gloo on CUDA, where megatron's coalesced one cannot run)."""
+    adapter = layer.adapter
+    group, size, rank = adapter.collective_group(bucket_group)
+    buffers = adapter.param_buffers(bucket_group)
+    record_exact(layer, bucket_group, "all_gather", buffers)
+    handles = []
+    for param_data in buffers:
+        flat = param_data.view(-1)
+        shard = flat.numel() // size
+        handles.append(all_gather_flat(flat, flat[rank * shard:(rank + 1) * shard], group, async_op))
+    adapter.set_param_gather_handle(bucket_group, Handles(handles) if async_op else None, force_sync)
+
+
 def start_param_sync(layer, bucket_group, force_sync: bool = False):
     state, adapter = layer.state, layer.adapter
     buckets = adapter.group_buckets(bucket_group)
     fresh = all(b in state.buckets and state.buckets[b].fresh for b in buckets)
-    if not state.config.quantize_weights or not fresh:
+    quantize = state.config.quantize_weights and fresh
+    if not (quantize or state.own_exact_collectives):
         if not (force_sync and adapter.param_gather_in_flight(bucket_group)):
             record_exact(layer, bucket_group, "all_gather", adapter.param_buffers(bucket_group))
         return layer.original("bucket_group", "start_param_sync")(bucket_group, force_sync=force_sync)
@@ -112,6 +134,8 @@ def start_param_sync(layer, bucket_group, force_sync: bool = False):
         return
     assert not adapter.param_gather_in_flight(bucket_group)
     async_op = bool(adapter.ddp_config(bucket_group).overlap_param_gather) and not force_sync
+    if not quantize:
+        return _own_exact_param_sync(layer, bucket_group, async_op, force_sync)
     group, size, rank = adapter.collective_group(bucket_group)
     kept = [state.bucket(b) for b in buckets]
     handles = []

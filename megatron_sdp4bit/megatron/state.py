@@ -50,6 +50,10 @@ class LayerState:
     completed when the next one starts."""
     grad_errors_sampled_at: int = -1
     """One gradient-error sample per iteration, not one per bucket group."""
+    own_exact_collectives: bool = False
+    """The layer issues the exact bucket collectives too, per bucket through ``comm``,
+    because megatron's coalesced ones cannot run here (gloo on CUDA tensors). Decided
+    once, when the first DDP model chunk is built."""
     metrics: QuantErrorMetrics = field(default_factory=QuantErrorMetrics)
     noise: NoiseStreams = field(default_factory=NoiseStreams)
     """This rank's stochastic-rounding streams (saved with the layer's checkpoint state)."""
@@ -67,6 +71,11 @@ class LayerState:
         if self.config.rounding != "stochastic":
             return None
         return self.noise.generator_for(device, self.config.seed, torch.distributed.get_rank(), purpose)
+
+    @property
+    def exact_config(self) -> SDP4BitConfig:
+        """``config`` with nothing quantized: the collectives of the layer's own exact path."""
+        return self.config.replace(weight_mode="off", grad_mode="off")
 
     def grads_quantized_now(self) -> bool:
         return self.config.quantize_grads and self.iteration >= self.config.grad_start_iter

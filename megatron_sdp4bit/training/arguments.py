@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overlap-param-gather", action="store_true")
     t.add_argument("--bucket-size", type=_POSITIVE_INT, default=None, help="elements per DDP bucket")
     t.add_argument("--seed", type=_NON_NEGATIVE_INT, default=1234)
+    t.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="default nccl with GPUs, gloo without; gloo on GPUs lets several ranks "
+                        "share a GPU (e.g. 4 data-parallel ranks on one), staging every "
+                        "collective through host memory: for checks, not for speed")
     t.add_argument("--tensor-model-parallel-size", type=_POSITIVE_INT, default=1,
                    help="TP: ranks that split each layer's weights (Megatron-LM's meaning)")
     t.add_argument("--pipeline-model-parallel-size", type=_POSITIVE_INT, default=1,

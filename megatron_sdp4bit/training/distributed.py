@@ -26,28 +26,90 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(timeout_minutes: float = 10.0) -> str:
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class ProcessPlacement:
+    """Where this rank runs: its process-group backend, device type and GPU."""
+
+    backend: str  # "nccl" or "gloo"
+    device: str  # "cuda" or "cpu"
+    gpu: Optional[int] = None  # this rank's CUDA device index (None on CPU)
+
+
+def place_process(backend: Optional[str], cuda_devices: int, local_rank: int,
+                  local_world_size: int) -> ProcessPlacement:
+    """The backend and device of a rank (Megatron-LM's ``--distributed-backend``).
+
+    ``backend`` None: NCCL where there are GPUs, gloo (with the CPU backend) where there
+    are none. NCCL takes one GPU per rank; gloo on a GPU machine lets ranks share the
+    visible GPUs (local rank r uses GPU r mod their count), which is how one GPU runs
+    several data-parallel ranks. A combination that cannot start raises ``ArgumentError``
+    naming the flag.
+    """
+    if backend is None:
+        backend = "nccl" if cuda_devices else "gloo"
+    if backend not in BACKENDS:
+        raise ArgumentError(f"--distributed-backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if not cuda_devices:
+        if backend == "nccl":
+            raise ArgumentError("--distributed-backend nccl needs CUDA GPUs and this machine has none; "
+                                "use gloo (the default without a GPU)")
+        return ProcessPlacement("gloo", "cpu")
+    if backend == "nccl" and local_world_size > cuda_devices:
+        raise ArgumentError(
+            f"{local_world_size} ranks on this node but {cuda_devices} GPU(s) visible: NCCL needs a "
+            "GPU per rank; start at most that many ranks per node, or add --distributed-backend gloo "
+            "to let ranks share GPUs (for checks: gloo stages every collective through host memory)")
+    return ProcessPlacement(backend, "cuda", local_rank % cuda_devices)
+
+
+def check_backend_layout(device: str, backend: str, layout: "ParallelLayout") -> None:
+    """gloo on GPUs carries data parallelism only: the pipeline's sends and receives of CUDA
+    tensors are not staged by gloo, and tensor parallelism over it is untested."""
+    if device == "cuda" and backend == "gloo" and (layout.tensor > 1 or layout.pipeline > 1):
+        raise ArgumentError(
+            f"--distributed-backend gloo on GPUs runs data parallelism only (it is there to run "
+            f"several data-parallel ranks on one GPU), not {layout.describe()}: use "
+            "--distributed-backend nccl with one GPU per rank for tensor or pipeline parallelism")
+
+
+def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.0) -> str:
     """Initialize torch.distributed from torchrun's variables (or as a single rank).
 
-    Returns ``"cuda"`` or ``"cpu"``: the device the run uses. Without a GPU the
-    run uses gloo and megatron_sdp4bit's CPU backend for megatron-core.
+    ``backend``: ``--distributed-backend`` (``place_process``). Returns ``"cuda"`` or
+    ``"cpu"``, the device the run uses. Without a GPU the run uses gloo and
+    megatron_sdp4bit's CPU backend for megatron-core; with gloo on GPUs, tensors stay on
+    the GPU and gloo copies them through host memory for each collective.
     """
     if "RANK" not in os.environ:  # plain `python -m ...`: one rank
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    placement = place_process(backend, cuda_devices, local_rank, local_world)
+    if placement.device == "cuda":
+        torch.cuda.set_device(placement.gpu)
     else:
         from megatron_sdp4bit.megatron.cpu import enable_cpu_backend
 
         enable_cpu_backend()
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
-    return "cuda" if use_cuda else "cpu"
+            backend=placement.backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return placement.device
+
+
+def describe_placement(device: str) -> str:
+    """The device line's words for this rank (after ``init_distributed``)."""
+    if device == "cpu":
+        return "cpu (gloo + CPU backend)"
+    if torch.distributed.get_backend() == "gloo":
+        return (f"cuda:{torch.cuda.current_device()} (gloo: ranks share the GPUs, each collective "
+                "staged through host memory)")
+    return "cuda (nccl)"
 
 
 # --- the parallel layout ------------------------------------------------------------------

@@ -3,7 +3,9 @@ quantization work at all with one data-parallel rank.
 
 Host syncs are counted by wrapping the tensor methods that read a device value
 on the host (``item``, ``tolist``, ``cpu``, ``__float__``, ``__int__``,
-``__bool__``) and attributing each call to the nearest caller outside torch:
+``__bool__``) and the factories that build a tensor from Python data
+(``torch.tensor``, ``torch.as_tensor``: on a GPU a blocking host-to-device copy),
+and attributing each call to the nearest caller outside torch:
 calls from ``megatron_sdp4bit/megatron`` or ``megatron_sdp4bit/comm`` (the code on
 a GPU step's path) fail the test. megatron's own syncs (grad norm, loss) and the
 quant package's torch reference (CPU only: CUDA tensors go to the Triton kernels)
@@ -19,6 +21,7 @@ from megatron_harness import TinyGPTSpec, spawn_ranks
 from megatron_sdp4bit.config import preset
 
 SYNC_METHODS = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__")
+FROM_PYTHON = ("tensor", "as_tensor")
 LAYER_DIRS = (os.path.join("megatron_sdp4bit", "megatron") + os.sep,
               os.path.join("megatron_sdp4bit", "comm") + os.sep)
 SDP = preset("sdp4bit", ranks_per_node=2)
@@ -45,6 +48,7 @@ class SyncCounter:
         self.calls = []
         self.active = False
         self.saved = {}
+        self.saved_factories = {}
 
     def _caller(self) -> str:
         frame = sys._getframe(2)
@@ -65,12 +69,24 @@ class SyncCounter:
                 return __original(tensor, *args, **kwargs)
 
             setattr(torch.Tensor, name, wrapper)
+        for name in FROM_PYTHON:
+            original = getattr(torch, name)
+            self.saved_factories[name] = original
+
+            def factory(*args, __original=original, __name=name, **kwargs):
+                if self.active:
+                    self.calls.append((f"torch.{__name}", self._caller()))
+                return __original(*args, **kwargs)
+
+            setattr(torch, name, factory)
 
     def uninstall(self):
         import torch
 
         for name, original in self.saved.items():
             setattr(torch.Tensor, name, original)
+        for name, original in self.saved_factories.items():
+            setattr(torch, name, original)
 
     def layer_calls(self):
         return [(name, where) for name, where in self.calls if any(d in where for d in LAYER_DIRS)]
