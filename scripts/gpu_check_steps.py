@@ -8,7 +8,10 @@ Steps (docs/gpu_check.md says what each checks):
   triton       compile + tests + dispatch of the Triton kernels (scripts/gpu_check_triton.py)
   large        the ~33M-element bit-identity check of the kernels against the reference
   bench        the kernel speed table (scripts/bench_quant.py)
-  train        the driver, 125M GPT on one GPU, presets sdp4bit / baseline / zeropp, step times
+  dp4          4 data-parallel ranks on the one GPU over gloo (2 emulated nodes x 2): the
+               quantized collectives on CUDA against the CPU reference, then the driver
+               for 30 iterations with SDP4Bit and exact side by side, replicas checked every step
+  train        the driver, 125M GPT on one GPU, presets sdp4bit / baseline, step times
   megatron_lm  Megatron-LM's pretrain_gpt.py via the launcher and via the patch
                (only with MEGATRON_LM_PATH at a core_v0.16.1 checkout)
 
@@ -40,8 +43,12 @@ import time
 from typing import Callable, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("env", "triton", "large", "bench", "train", "megatron_lm")
-PRESETS = ("sdp4bit", "baseline", "zeropp")
+# dp4 before train: the quantized path at DP>1 on CUDA has never run, the DP=1 overhead has
+STEPS = ("env", "triton", "large", "bench", "dp4", "train", "megatron_lm")
+# zeropp at DP=1 takes the same path as sdp4bit (one rank: nothing is quantized)
+PRESETS = ("sdp4bit", "baseline")
+DP4_PRESETS = ("sdp4bit", "baseline")
+DP4_LOSS_TOLERANCE = 0.01  # the CPU accuracy study's criterion (docs/results.md): within 1%
 RATIO_TARGET = 1.02  # sdp4bit step time / baseline step time
 CORPUS_FILES = ("tokenizer.json", "stdlib_text_document.bin", "stdlib_text_document.idx")
 
@@ -50,6 +57,10 @@ GPU_TRAIN = dict(layers=12, hidden=768, heads=12, seq=1024, micro_batch=8, iters
                  log_interval=10, warmup_iters=20)
 CPU_TRAIN = dict(layers=2, hidden=64, heads=4, seq=64, micro_batch=2, iters=4,
                  log_interval=1, warmup_iters=2)
+# 4 ranks on one GPU over gloo (every collective through host memory): a small model.
+GPU_DP4 = dict(layers=4, hidden=512, heads=8, seq=512, micro_batch=4, iters=30,
+               log_interval=5, warmup_iters=10, shard=1 << 20)
+CPU_DP4 = dict(CPU_TRAIN, shard=3000)
 
 
 # --- results -----------------------------------------------------------------------
@@ -298,14 +309,17 @@ def find_corpus(ctx: dict) -> tuple:
                                      f"{time.perf_counter() - start:.0f} s")
 
 
-def train_command(preset_name: str, shape: dict, corpus: str, work: str) -> List[str]:
-    return [
-        sys.executable, "-m", "megatron_sdp4bit.pretrain", "--sdp4bit-preset", preset_name,
+def train_command(preset_name: str, shape: dict, corpus: str, work: str,
+                  launcher: Optional[List[str]] = None, dp: int = 1, run_name: str = "") -> List[str]:
+    """The driver on ``shape``; ``launcher`` (torchrun) for ``dp`` ranks, else one process."""
+    run_dir = os.path.join(work, run_name or f"train-{preset_name}")
+    return (launcher or [sys.executable]) + [
+        "-m", "megatron_sdp4bit.pretrain", "--sdp4bit-preset", preset_name,
         "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
         "--num-attention-heads", str(shape["heads"]), "--seq-length", str(shape["seq"]),
         "--max-position-embeddings", str(shape["seq"]),
         "--micro-batch-size", str(shape["micro_batch"]),
-        "--global-batch-size", str(shape["micro_batch"]),
+        "--global-batch-size", str(shape["micro_batch"] * dp),
         "--bf16", "--use-distributed-optimizer", "--lr", "6e-4",
         "--train-iters", str(shape["iters"]), "--log-interval", str(shape["log_interval"]),
         "--eval-interval", str(10 * shape["iters"]), "--eval-iters", "1", "--split", "95,5,0",
@@ -313,7 +327,7 @@ def train_command(preset_name: str, shape: dict, corpus: str, work: str) -> List
         "--tokenizer-type", "StdlibBPETokenizer",
         "--tokenizer-model", os.path.join(corpus, "tokenizer.json"),
         "--data-cache-path", os.path.join(work, "dataset-cache"),
-        "--run-dir", os.path.join(work, f"train-{preset_name}"), "--no-progress-bar",
+        "--run-dir", run_dir, "--no-progress-bar",
     ]
 
 
@@ -322,6 +336,40 @@ def steady_step_time(records: List[dict], warmup_iters: int) -> Optional[float]:
     times = [r["step_time_s"] for r in records
              if r.get("kind") == "train" and r["iteration"] > warmup_iters]
     return statistics.median(times) if times else None
+
+
+def read_metrics(path: str) -> List[dict]:
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run_training(report: Report, ctx: dict, label: str, cmd: List[str], shape: dict,
+                 run_name: str, timeout: float) -> tuple:
+    """Run the driver, report ``label`` PASS/FAIL; ``(row of figures, its output)``."""
+    start = time.perf_counter()
+    rc, output = run_logged(cmd, timeout=time_limit(ctx, timeout), env=python_env())
+    seconds = time.perf_counter() - start
+    metrics = os.path.join(ctx["work"], run_name, "metrics.jsonl")
+    records = read_metrics(metrics)
+    if records:
+        shutil.copy(metrics, os.path.join(ctx["out"], f"{run_name}.jsonl"))
+    train = [r for r in records if r.get("kind") == "train"]
+    step = steady_step_time(records, shape["warmup_iters"])
+    loss = train[-1]["loss"] if train else math.nan
+    row = dict(step_time_s=step, final_loss=loss,
+               tokens_per_s=(shape["micro_batch"] * shape["seq"] / step) if step else None,
+               bytes_sent=sum(r.get("bytes_sent") or 0 for r in train))
+    if rc != 0:
+        report.add(label, "FAIL", "timed out" if rc is None else f"driver exit {rc}", seconds, **row)
+    elif not train or train[-1]["iteration"] != shape["iters"] or not math.isfinite(loss):
+        report.add(label, "FAIL", f"metrics.jsonl: {len(train)} windows, last loss {loss}",
+                   seconds, **row)
+    else:
+        report.add(label, "PASS", f"{shape['iters']} iterations, loss {loss:.4f}, "
+                   f"{step * 1e3:.1f} ms/step after iteration {shape['warmup_iters']}", seconds, **row)
+    return row, output
 
 
 def step_train(report: Report, ctx: dict) -> None:
@@ -338,32 +386,9 @@ def step_train(report: Report, ctx: dict) -> None:
     print(f"    {how}")
     rows = {}
     for name in PRESETS:
-        start = time.perf_counter()
-        rc, output = run_logged(train_command(name, shape, corpus, ctx["work"]),
-                                timeout=time_limit(ctx, 90 if ctx["smoke"] else 180), env=python_env())
-        seconds = time.perf_counter() - start
-        metrics = os.path.join(ctx["work"], f"train-{name}", "metrics.jsonl")
-        records = []
-        if os.path.isfile(metrics):
-            with open(metrics, encoding="utf-8") as f:
-                records = [json.loads(line) for line in f if line.strip()]
-            shutil.copy(metrics, os.path.join(ctx["out"], f"train-{name}.jsonl"))
-        train = [r for r in records if r.get("kind") == "train"]
-        step = steady_step_time(records, shape["warmup_iters"])
-        loss = train[-1]["loss"] if train else math.nan
-        rows[name] = dict(step_time_s=step, final_loss=loss,
-                          tokens_per_s=(shape["micro_batch"] * shape["seq"] / step) if step else None,
-                          bytes_sent=sum(r.get("bytes_sent") or 0 for r in train))
-        if rc != 0:
-            report.add(f"train.{name}", "FAIL", "timed out" if rc is None else f"driver exit {rc}",
-                       seconds, **rows[name])
-        elif not train or train[-1]["iteration"] != shape["iters"] or not math.isfinite(loss):
-            report.add(f"train.{name}", "FAIL", f"metrics.jsonl: {len(train)} windows, last loss {loss}",
-                       seconds, **rows[name])
-        else:
-            report.add(f"train.{name}", "PASS", f"{shape['iters']} iterations, loss {loss:.4f}, "
-                       f"{step * 1e3:.1f} ms/step after iteration {shape['warmup_iters']}",
-                       seconds, **rows[name])
+        rows[name], _ = run_training(report, ctx, f"train.{name}",
+                                     train_command(name, shape, corpus, ctx["work"]), shape,
+                                     f"train-{name}", 90 if ctx["smoke"] else 180)
     print(f"\n    step time, median of the log windows after iteration {shape['warmup_iters']} "
           f"(GPT {shape['layers']}x{shape['hidden']}, seq {shape['seq']}, micro-batch "
           f"{shape['micro_batch']}, DP=1):")
@@ -386,7 +411,88 @@ def step_train(report: Report, ctx: dict) -> None:
         report.add("train.ratio", "PASS" if ratio <= RATIO_TARGET else "FAIL", detail, ratio=ratio)
 
 
-# --- (f) Megatron-LM --------------------------------------------------------------------
+# --- (f) 4 data-parallel ranks on one GPU --------------------------------------------------
+
+REPLICA_CHECKS = re.compile(r"replica checks\s+(\d+) passed")
+
+
+def torchrun(ranks: int) -> List[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(ranks)]
+
+
+def dp4_collectives(report: Report, ctx: dict, shape: dict) -> None:
+    """4 gloo ranks (2 emulated nodes x 2) on the one GPU: every collective on CUDA tensors
+    against the CPU reference (megatron_sdp4bit.diagnostics.device_collectives)."""
+    out_json = os.path.join(ctx["out"], "device_collectives.json")
+    cmd = torchrun(4) + ["-m", "megatron_sdp4bit.diagnostics.device_collectives",
+                         "--device", "cpu" if ctx["smoke"] else "cuda", "--ranks-per-node", "2",
+                         "--shard", str(shape["shard"]), "--json", out_json]
+    start = time.perf_counter()
+    rc, _ = run_logged(cmd, timeout=time_limit(ctx, 90 if ctx["smoke"] else 150), env=python_env())
+    cases = []
+    if os.path.isfile(out_json):
+        with open(out_json, encoding="utf-8") as f:
+            cases = json.load(f)["cases"]
+    failed = [c for c in cases if not c["passed"]]
+    if rc is None or not cases:
+        detail = "timed out" if rc is None else f"exit {rc}, no results"
+    elif failed:
+        detail = f"{len(failed)} of {len(cases)} cases fail, e.g. {failed[0]['collective']} {failed[0]['case']}"
+    else:
+        detail = (f"{len(cases)} cases: nearest rounding bit-identical to the CPU reference, "
+                  "stochastic within the stated bound, weight replicas identical")
+    ok = rc == 0 and cases and not failed
+    report.add("dp4.collectives", "PASS" if ok else "FAIL", detail, time.perf_counter() - start,
+               worst_bound_ratio=max((c["bound_ratio"] for c in cases), default=None))
+
+
+def step_dp4(report: Report, ctx: dict) -> None:
+    shape = CPU_DP4 if ctx["smoke"] else GPU_DP4
+    if not ctx["env"]["megatron_core"]["present"]:
+        for name in ("dp4.collectives",) + tuple(f"dp4.train.{p}" for p in DP4_PRESETS):
+            report.add(name, "SKIP", "megatron-core is missing")
+        return
+    dp4_collectives(report, ctx, shape)
+    try:
+        corpus, how = find_corpus(ctx)
+    except Exception as exc:  # noqa: BLE001 - reported, the other steps go on
+        report.add("dp4.train", "FAIL", f"no corpus: {type(exc).__name__}: {exc}")
+        return
+    print(f"    {how}")
+    rows = {}
+    for name in DP4_PRESETS:
+        cmd = train_command(name, shape, corpus, ctx["work"], launcher=torchrun(4), dp=4,
+                            run_name=f"dp4-{name}") + [
+            "--distributed-backend", "gloo", "--sdp4bit-ranks-per-node", "2",
+            "--sdp4bit-check-interval", "1"]
+        rows[name], output = run_training(report, ctx, f"dp4.train.{name}", cmd, shape,
+                                          f"dp4-{name}", 120 if ctx["smoke"] else 150)
+        found = REPLICA_CHECKS.search(output)
+        rows[name]["replica_checks"] = int(found.group(1)) if found else 0
+    print(f"\n    DP=4 on one {'CPU' if ctx['smoke'] else 'GPU'} over gloo, 2 emulated nodes x 2 "
+          f"(GPT {shape['layers']}x{shape['hidden']}, seq {shape['seq']}, {shape['iters']} iterations):")
+    print(f"    {'preset':10s} {'ms/step':>9s} {'final loss':>11s} {'replica checks':>15s}")
+    for name, row in rows.items():
+        ms = f"{row['step_time_s'] * 1e3:9.1f}" if row["step_time_s"] else f"{'-':>9s}"
+        print(f"    {name:10s} {ms} {row['final_loss']:11.4f} {row['replica_checks']:15d}")
+    sdp, base = rows["sdp4bit"]["final_loss"], rows["baseline"]["final_loss"]
+    checks = [rows[name]["replica_checks"] for name in DP4_PRESETS]
+    if not (math.isfinite(sdp) and math.isfinite(base)):
+        report.add("dp4.loss", "SKIP", "a run did not finish")
+        return
+    gap = (sdp - base) / base
+    problems = [] if abs(gap) <= DP4_LOSS_TOLERANCE else [
+        f"SDP4Bit's loss is {gap:+.2%} off the exact run's (tolerance {DP4_LOSS_TOLERANCE:.0%})"]
+    if checks != [shape["iters"]] * len(DP4_PRESETS):
+        problems.append(f"replica checks {checks}, expected {shape['iters']} each (every step)")
+    detail = (f"final loss sdp4bit {sdp:.4f} vs exact {base:.4f} ({gap:+.2%}, tolerance "
+              f"{DP4_LOSS_TOLERANCE:.0%}); replicas bit-identical at every step ({checks})")
+    report.add("dp4.loss", "FAIL" if problems else "PASS", "; ".join(problems) or detail,
+               loss_gap=gap, replica_checks=checks)
+
+
+# --- (g) Megatron-LM --------------------------------------------------------------------
 
 def megatron_lm_version(path: str) -> Optional[str]:
     """The megatron-core version a Megatron-LM checkout carries (package_info.py), or None."""
@@ -465,7 +571,7 @@ def step_megatron_lm(report: Report, ctx: dict) -> None:
 
 RUNNERS: Dict[str, Callable[[Report, dict], None]] = {
     "env": step_env, "triton": step_triton, "bench": step_bench, "train": step_train,
-    "megatron_lm": step_megatron_lm,
+    "dp4": step_dp4, "megatron_lm": step_megatron_lm,
 }
 
 
@@ -475,8 +581,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--work", default=None, help="folder for everything else (default: a temp folder)")
     parser.add_argument("--cpu-smoke", action="store_true", help="run every step on CPU, tiny sizes")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
-    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 400)),
-                        help="time for the whole check (default 400 s, or $GPU_CHECK_BUDGET_S): "
+    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 380)),
+                        help="time for the whole check (default 380 s, or $GPU_CHECK_BUDGET_S): "
                         "steps are cut short or skipped so the summary is written within it")
     args = parser.parse_args(argv)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]

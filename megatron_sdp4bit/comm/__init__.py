@@ -18,6 +18,7 @@ from megatron_sdp4bit.comm.rng import NoiseStreams, generator_states, reset_gene
 from megatron_sdp4bit.comm.topology import (
     Topology,
     build_topologies,
+    forget_subgroups,
     get_topology,
     reset_topology_cache,
 )
@@ -25,7 +26,7 @@ from megatron_sdp4bit.comm.weights import quantized_all_gather_weights
 
 __all__ = [
     "quantized_all_gather_weights", "quantized_reduce_scatter", "PendingCollective",
-    "Topology", "get_topology", "build_topologies", "reset_topology_cache",
+    "Topology", "get_topology", "build_topologies", "reset_topology_cache", "forget_subgroups",
     "WireStats", "get_wire_stats", "reset_wire_stats", "NoiseStreams", "reset_generators",
     "generator_states", "set_generator_states",
 ]

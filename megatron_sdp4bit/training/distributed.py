@@ -255,6 +255,9 @@ def shutdown() -> None:
         try:
             from megatron.core import parallel_state
 
+            from megatron_sdp4bit.comm import forget_subgroups
+
             parallel_state.destroy_model_parallel()
+            forget_subgroups()  # no process group may outlive destroy_process_group
         finally:
             torch.distributed.destroy_process_group()

@@ -2,7 +2,7 @@
 
 Every case compares ``quantized_reduce_scatter`` with torch's exact
 ``reduce_scatter_tensor`` on the same inputs (and, for quantized modes, with
-the scale-derived bound of ``comm_bounds``).
+the scale-derived bound of ``comm.error_bounds``).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from comm_bounds import reduce_scatter_bound, tolerance
+from megatron_sdp4bit.comm.error_bounds import reduce_scatter_bound, tolerance
 from megatron_sdp4bit.comm import get_wire_stats, quantized_reduce_scatter, reset_wire_stats
 from megatron_sdp4bit.config import SDP4BitConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from comm_bounds import weight_bound
+from megatron_sdp4bit.comm.error_bounds import weight_bound
 from megatron_sdp4bit.comm import get_wire_stats, quantized_all_gather_weights, reset_wire_stats
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant import dequantize, quantize

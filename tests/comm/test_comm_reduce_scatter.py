@@ -1,7 +1,7 @@
 """Quantized reduce-scatter vs torch's exact reduce_scatter_tensor, on real gloo ranks.
 
 Inputs and the cases themselves live in comm_cases_grads.py / comm_cases_stats.py;
-the error bound and its derivation in comm_bounds.py.
+the error bound and its derivation in megatron_sdp4bit/comm/error_bounds.py.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_passthrough_is_bit_exact(results):
 
 
 def test_quantized_error_within_scale_bound(results):
-    """|out - exact| <= bound from the scales (comm_bounds.py), every element, every case."""
+    """|out - exact| <= bound from the scales (megatron_sdp4bit/comm/error_bounds.py), every element, every case."""
     worst = {}
     for rank, key, value in cases(results, "rs|"):
         if "ratio" in value:

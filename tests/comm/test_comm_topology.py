@@ -71,3 +71,34 @@ def test_bad_input_raises_value_error_that_says_what_to_change(results):
         assert message.startswith("ValueError") and expected[name] in message, \
             f"rank {rank} {name}: {message!r}"
     assert len(cases(results, "badinput|")) == len(expected) * len(results)
+
+
+def _forget_and_rebuild(rank: int, world: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_sdp4bit import comm
+    from megatron_sdp4bit.config import SDP4BitConfig
+
+    before = comm.get_topology(dist.group.WORLD, 2)
+    comm.forget_subgroups()
+    after = comm.get_topology(dist.group.WORLD, 2)  # collective: new subgroups, every rank
+    x = torch.arange(world * 256, dtype=torch.float32) * (rank + 1)
+    out = torch.empty(256)
+    comm.quantized_reduce_scatter(out, x, config=SDP4BitConfig(ranks_per_node=2, rounding="nearest"))
+    exact = torch.arange(rank * 256, (rank + 1) * 256, dtype=torch.float32) * sum(range(1, world + 1))
+    comm.forget_subgroups()  # what shutdown does before destroy_process_group
+    return {"rebuilt": after is not before and after.intra_group is not before.intra_group,
+            "two_level": after.is_two_level,
+            # within a 4-bit step of the largest value: the hops ran on the new subgroups
+            "close": float((out - exact).abs().max()) <= float(exact.abs().max()) / 7}
+
+
+def test_forgotten_subgroups_are_built_again_on_demand():
+    """``forget_subgroups`` (the driver's shutdown calls it before destroying the process
+    group, so that no group outlives it) leaves comm usable: the next collective builds
+    its subgroups again."""
+    from comm_harness import run_world
+
+    for result in run_world(_forget_and_rebuild, 4):
+        assert result == {"rebuilt": True, "two_level": True, "close": True}

@@ -2,8 +2,8 @@
 
 The GPU machine is lent rarely and briefly, so a check that breaks there costs a
 whole lease. ``--cpu-smoke`` runs the same steps on CPU with tiny sizes (Triton in
-its interpreter, the driver for 4 iterations of a 2-layer model with the three
-presets); the other tests cover the parts that differ on a GPU machine: missing
+its interpreter, the collectives and the driver at DP=4 on 4 CPU ranks, the
+driver for 4 iterations of a 2-layer model with two presets); the other tests cover the parts that differ on a GPU machine: missing
 packages, the Megatron-LM step's skip reasons, failures and the time budget.
 """
 from __future__ import annotations
@@ -55,10 +55,11 @@ def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
     got = _statuses(result.stdout)
     expected = {name: "PASS" for name in (
         "env", "triton.compile", "triton.tests", "triton.dispatch", "large", "bench",
-        "train.sdp4bit", "train.baseline", "train.zeropp")}
+        "dp4.collectives", "dp4.train.sdp4bit", "dp4.train.baseline", "dp4.loss",
+        "train.sdp4bit", "train.baseline")}
     expected.update({"train.ratio": "SKIP", "megatron_lm": "SKIP"})
     assert got == expected, result.stdout[-6000:]
-    assert "SUMMARY: 9 PASS, 0 FAIL, 2 SKIP -> PASS" in result.stdout
+    assert "SUMMARY: 12 PASS, 0 FAIL, 2 SKIP -> PASS" in result.stdout
     assert re.search(r"sdp4bit / baseline = \d+\.\d{4}", result.stdout)  # the side-by-side ratio
     assert "MEGATRON_LM_PATH is not set" in result.stdout
 
@@ -67,7 +68,7 @@ def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
     assert all((out / name).is_file() for name in files)  # nothing nested: the device returns files
     assert len(files) <= 8, files  # the device tool returns at most 8
     assert {"gpu_check.log", "gpu_check.json", "train-sdp4bit.jsonl", "train-baseline.jsonl",
-            "train-zeropp.jsonl"} <= set(files)
+            "dp4-sdp4bit.jsonl", "dp4-baseline.jsonl", "device_collectives.json"} <= set(files)
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["mode"] == "cpu-smoke" and report["result"] == "PASS" and report["failed"] == []
     assert {r["name"]: r["status"] for r in report["steps"]} == expected
@@ -79,7 +80,11 @@ def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
     ratio = [r for r in report["steps"] if r["name"] == "train.ratio"][0]
     assert ratio["ratio"] > 0
     log = (out / "gpu_check.log").read_text()
-    assert "SUMMARY:" in log and "[PASS] train.zeropp" in log
+    assert "SUMMARY:" in log and "[PASS] dp4.loss" in log
+    collectives = json.loads((out / "device_collectives.json").read_text())
+    assert collectives["world"] == 4 and collectives["cases"]
+    assert all(case["passed"] for case in collectives["cases"])
+    assert {case["collective"] for case in collectives["cases"]} == {"reduce_scatter", "all_gather"}
 
 
 def test_probe_reports_missing_and_broken_packages_without_crashing(tmp_path, monkeypatch):
@@ -136,8 +141,10 @@ def test_without_megatron_core_the_training_step_skips(tmp_path):
     ctx = dict(smoke=True, env={"megatron_core": {"present": False}}, work=str(tmp_path),
                out=str(tmp_path))
     steps.step_train(report, ctx)
+    steps.step_dp4(report, ctx)
     assert {r["name"]: r["status"] for r in report.results} == {
-        "train.sdp4bit": "SKIP", "train.baseline": "SKIP", "train.zeropp": "SKIP"}
+        "train.sdp4bit": "SKIP", "train.baseline": "SKIP", "dp4.collectives": "SKIP",
+        "dp4.train.sdp4bit": "SKIP", "dp4.train.baseline": "SKIP"}
 
 
 def test_megatron_lm_step_says_why_it_skips(tmp_path, monkeypatch):

@@ -1,6 +1,8 @@
 """Worst-case error of the quantized collectives, derived from the scales.
 
-Stated bound (what the tests assert). A symmetric quantizer with scale
+The collectives' error contract, as arithmetic a caller can evaluate: the CPU tests
+assert it on every case, and ``python -m megatron_sdp4bit.diagnostics.device_collectives``
+asserts it on a machine's own devices. Stated bound: A symmetric quantizer with scale
 ``s = absmax(group) / (2^(b-1) - 1)`` and stochastic rounding moves each value
 by less than ``s`` (nearest: at most ``s/2``). Hence for rank r's output element i:
 
@@ -11,9 +13,10 @@ by less than ``s`` (nearest: at most ``s/2``). Hence for rank r's output element
 - with the Hadamard transform the scales are those of H x, and the inverse
   H / B maps a per-element error bound e to at most mean(e over the block).
 
-``x`` is pre-scaled by 1/P for AVG. The tests add a small fp32-arithmetic
+``x`` is pre-scaled by 1/P for AVG. ``tolerance`` adds a small fp32-arithmetic
 slack and, for bf16 outputs, bf16's rounding (2^-8 relative). The Hadamard
-matrix here is built by Sylvester's doubling, independent of the package under test.
+matrix here is built by Sylvester's doubling and nothing here imports ``quant``:
+the bound is independent of the code it checks.
 """
 from __future__ import annotations
 

@@ -1,0 +1,195 @@
+"""The quantized collectives on this machine's devices, against the CPU reference.
+
+    torchrun --nproc-per-node 4 -m megatron_sdp4bit.diagnostics.device_collectives \
+        --ranks-per-node 2 [--device cuda] [--shard 1048576] [--json FILE]
+
+The ranks join one gloo group (on a GPU machine they share the visible GPUs, local
+rank r on GPU r mod their count, so one GPU runs 4 ranks) and each runs every case
+twice on the same inputs: on ``--device`` tensors (the Triton kernels on CUDA, the
+collectives' bytes staged through host memory by gloo) and on CPU tensors (the torch
+reference, the specification). With ``--ranks-per-node 2`` of 4 ranks the gradient
+reduce-scatter runs both hops (8-bit inside an emulated node, 4-bit across).
+
+Per case: the SDP4Bit reduce-scatter (TLq-HS) and the qWD weight all-gather; fp32
+and bf16; synchronous with 1 pipeline chunk, asynchronous with 4 (and the two
+mixed); an unaligned shard and a large one. What must hold:
+
+- nearest rounding: the device result equals the CPU reference bit for bit;
+- stochastic rounding: every element within the error bound the collectives state
+  (``comm/error_bounds.py``), and after a weight all-gather every rank holds the same
+  bytes.
+
+Exit status 0 when every case holds, 1 otherwise; rank 0 prints one line per case.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import sys
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_sdp4bit.comm import (
+    forget_subgroups,
+    quantized_all_gather_weights,
+    quantized_reduce_scatter,
+)
+from megatron_sdp4bit.comm.error_bounds import reduce_scatter_bound, tolerance, weight_bound
+from megatron_sdp4bit.config import SDP4BitConfig
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SCHEDULES = ((False, 1), (True, 4), (False, 4), (True, 1))  # (async_op, pipeline chunks)
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def _rank_input(seed: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's gradients: normal values with a few 50x outliers (what Hadamard is for)."""
+    gen = torch.Generator().manual_seed(seed * 1009 + dist.get_rank())
+    x = torch.randn(numel, generator=gen)
+    x[torch.rand(numel, generator=gen) < 0.002] *= 50
+    return x.to(dtype)
+
+
+def _finish(handle) -> None:
+    if handle is not None:
+        handle.wait()
+
+
+def _same_bytes_everywhere(t: torch.Tensor) -> bool:
+    digest = hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    everyone: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digest)
+    return len(set(everyone)) == 1
+
+
+def reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, seed) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = SDP4BitConfig(ranks_per_node=rpn, pipeline_chunks=chunks, rounding=rounding)
+    op = dist.ReduceOp.AVG if async_op else dist.ReduceOp.SUM
+    x = _rank_input(seed, world * shard, dtype)
+    outputs = {}
+    for where in (device, torch.device("cpu")):
+        out = torch.empty(shard, dtype=dtype, device=where)
+        _finish(quantized_reduce_scatter(out, x.to(where), op=op, config=config, async_op=async_op))
+        outputs[where.type] = out.cpu()
+    result = {}
+    if rounding == "nearest":
+        result["identical_to_reference"] = torch.equal(outputs[device.type], outputs["cpu"])
+    everyone = [torch.empty(world * shard) for _ in range(world)]
+    dist.all_gather(everyone, x.float())
+    inputs = torch.stack(everyone)
+    exact = inputs.double().view(world, world, shard)[:, rank].sum(0)
+    if op == dist.ReduceOp.AVG:
+        exact /= world
+    bound = reduce_scatter_bound(inputs, rank, config, world // rpn, op == dist.ReduceOp.AVG)
+    tol = tolerance(bound, exact, float(inputs.abs().amax(1).sum()), dtype)
+    result["bound_ratio"] = float(((outputs[device.type].double() - exact).abs() / tol).max())
+    return result
+
+
+def all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    config = SDP4BitConfig(ranks_per_node=rpn, rounding=rounding)
+    model = torch.randn(world * shard, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    own = model[rank * shard:(rank + 1) * shard]
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    main = own.float() + 0.01 * torch.randn(shard, generator=gen)  # one optimizer step's change
+    buffers = {}
+    for where in (device, torch.device("cpu")):
+        buffer = model.clone().to(where)
+        _finish(quantized_all_gather_weights(buffer, main.to(where), config=config, async_op=async_op))
+        buffers[where.type] = buffer.cpu()
+    result = {"replicas_identical": _same_bytes_everywhere(buffers[device.type])}
+    if rounding == "nearest":
+        result["identical_to_reference"] = torch.equal(buffers[device.type], buffers["cpu"])
+    new_own = buffers[device.type][rank * shard:(rank + 1) * shard].double()
+    bound = weight_bound(main, main - own.float(), config.weight_bits, config.weight_group_size, dtype)
+    result["bound_ratio"] = float(((new_own - main.double()).abs() / bound).max())
+    return result
+
+
+def passed(result: dict) -> bool:
+    return (result["bound_ratio"] <= 1.0 and result.get("identical_to_reference", True)
+            and result.get("replicas_identical", True))
+
+
+def run_cases(device: torch.device, shards, rpn: int) -> List[dict]:
+    cases = []
+    combos = itertools.product(DTYPES.items(), SCHEDULES, ROUNDINGS, shards)
+    for seed, ((dname, dtype), (async_op, chunks), rounding, shard) in enumerate(combos):
+        name = (f"{dname} {'async' if async_op else 'sync'} chunks={chunks} {rounding} "
+                f"shard={shard}")
+        rs = reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, seed)
+        cases.append(dict(rs, collective="reduce_scatter", case=name))
+        if chunks == 1:  # the all-gather has no pipeline chunks
+            ag = all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed)
+            cases.append(dict(ag, collective="all_gather", case=name.replace(" chunks=1", "")))
+    for case in cases:
+        case["passed"] = passed(case)
+    return cases
+
+
+def _describe(case: dict) -> str:
+    parts = [f"bound ratio {case['bound_ratio']:.3f}"]
+    for key, words in (("identical_to_reference", "bit-identical to the CPU reference"),
+                       ("replicas_identical", "replicas identical")):
+        if key in case:
+            parts.append(words if case[key] else "NOT " + words)
+    return (f"[{'PASS' if case['passed'] else 'FAIL'}] {case['collective']:14s} {case['case']}: "
+            + ", ".join(parts))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="device of the checked tensors (default cuda when there is one); "
+                             "cpu checks this check itself: both sides are the reference")
+    parser.add_argument("--ranks-per-node", type=int, default=2,
+                        help="ranks per emulated node (2 of 4: two-level reduce-scatter)")
+    parser.add_argument("--shard", type=int, default=1 << 20,
+                        help="elements per rank of the large case (an unaligned 4101 also runs)")
+    parser.add_argument("--json", default=None, help="write every case's result here (rank 0)")
+    args = parser.parse_args(argv)
+    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("gloo")
+    try:
+        world = dist.get_world_size()
+        if world % args.ranks_per_node:
+            raise SystemExit(f"--ranks-per-node {args.ranks_per_node} does not divide {world} ranks")
+        cases = run_cases(device, (4101, args.shard), args.ranks_per_node)
+        everyone: List[Optional[list]] = [None] * world
+        dist.all_gather_object(everyone, cases)
+    finally:
+        forget_subgroups()
+        dist.destroy_process_group()
+    # A case passes when it passed on every rank; the worst rank's figures are shown.
+    merged = []
+    for index, case in enumerate(cases):
+        per_rank = [rank_cases[index] for rank_cases in everyone]
+        worst = max(per_rank, key=lambda c: (not c["passed"], c["bound_ratio"]))
+        merged.append(dict(worst, passed=all(c["passed"] for c in per_rank)))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"device collectives: {world} gloo ranks, {world // args.ranks_per_node} emulated "
+              f"nodes x {args.ranks_per_node}, checked on {device} against the CPU reference")
+        for case in merged:
+            print(_describe(case))
+        failed = sum(not c["passed"] for c in merged)
+        print(f"device collectives: {len(merged) - failed} of {len(merged)} cases hold")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"device": str(device), "world": world, "cases": merged}, f, indent=1)
+    return 0 if all(c["passed"] for c in merged) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
