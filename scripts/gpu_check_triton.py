@@ -4,13 +4,16 @@
 Steps (each reported PASS/FAIL; the exit status is 0 only if all pass):
   compile:  every kernel variant compiles for this GPU's architecture with no
             FMA contraction, flush-to-zero or approximate division in the PTX;
-  tests:    tests/quant/test_triton.py on CUDA tensors with compiled kernels, and
-            tests/comm/test_comm_staging.py (the reduce-scatter's staging copy)
-            (SDP4BIT_TRITON_TEST_DEVICE=cuda): bit-identical to the CPU reference with
-            nearest rounding, stochastic rounding floor-or-ceil / unbiased / reproducible;
+  tests:    tests/quant/test_triton.py and test_triton_chunks.py (wire tensors, out=,
+            the rows op) on CUDA tensors with compiled kernels, tests/quant/test_warmup.py
+            (after warm_up the JIT cache gains no entry) and tests/comm/test_comm_staging.py
+            (the reduce-scatter's staging copy) (SDP4BIT_TRITON_TEST_DEVICE=cuda):
+            bit-identical to the CPU reference with nearest rounding, stochastic rounding
+            floor-or-ceil / unbiased / reproducible;
   large:    the gradient path (Hadamard quantize -> dequantize-sum-requantize ->
-            dequantize-sum) and the weight path on ~33M elements (many programs, the
-            default tile sizes), bit-identical to the CPU reference;
+            dequantize-sum, flat and through wire buffers with the rows op) and the
+            weight path on ~33M elements (many programs, the default tile sizes),
+            bit-identical to the CPU reference;
   dispatch: megatron_sdp4bit.quant sends CUDA tensors to the Triton backend;
   speed (information, never fails; not with --no-bench): median time of each op,
             Triton vs the torch reference on the same GPU.
@@ -37,7 +40,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ("compile", "tests", "large", "dispatch")
 # On CPU (the interpreter is slow): a few tests that cover every kernel once.
-CPU_TESTS = "quantize_nearest_is_bit_identical or dequantize_is_bit_identical or test_received_8bit"
+CPU_TESTS = ("quantize_nearest_is_bit_identical or dequantize_is_bit_identical or test_received_8bit"
+             " or k_chunk_consumers_read_like_the_flat_layout or rows_op_nearest")
+TEST_FILES = ("tests/quant/test_triton.py", "tests/quant/test_triton_chunks.py",
+              "tests/quant/test_warmup.py", "tests/comm/test_comm_staging.py")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,8 +107,7 @@ def step_tests(device: str, k_expr) -> str:
         env["TRITON_INTERPRET"] = "1"
         k_expr = k_expr or CPU_TESTS
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-           "tests/quant/test_triton.py", "tests/comm/test_comm_staging.py"] + (
-               ["-k", k_expr] if k_expr else [])
+           *TEST_FILES] + (["-k", k_expr] if k_expr else [])
     workers = int(os.environ.get("GPU_CHECK_TEST_WORKERS", "8"))
     if device == "cuda" and workers > 1 and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", str(workers)]  # Triton compiles each kernel variant: spread that over cores
@@ -161,7 +166,42 @@ def step_large(device: str, chunk: int) -> str:
     updated = T.dequantize_add_(model.clone().to(device), qw)  # clone: .to(cpu) is no copy
     if not _same(updated, R.dequantize_add_(model.clone(), rw)):
         problems.append("dequantize_add_")
+    problems += _large_wire_path(device, grads, ranks, chunk)
     return ", ".join(problems) + (" differ from the reference" if problems else "")
+
+
+def _same_quantized(actual, expected) -> bool:
+    flat = [q.codes.reshape(-1).view(torch.uint8) for q in (actual, expected)]
+    return _same(*flat) and _same(actual.scales.reshape(-1), expected.scales.reshape(-1))
+
+
+def _large_wire_path(device: str, grads: torch.Tensor, ranks: int, chunk: int) -> list:
+    """The collectives' wire path: the rows op (send order, a padded chunk) into a
+    2-segment send buffer, the requantize between wire views, the last sum."""
+    from megatron_sdp4bit.quant import reference as R
+    from megatron_sdp4bit.quant import triton_ops as T
+    from megatron_sdp4bit.quant.wire import empty_wire
+
+    problems = []
+    rows, order = grads.view(ranks, chunk), torch.tensor([2, 0, 3, 1])
+    # Columns [128, chunk - 100) padded to chunk - 128: like the last pipeline chunk of an
+    # unaligned shard (chunk is a multiple of 128).
+    args = (128, chunk - 228, chunk - 128, 8, 128, 32, "nearest")
+    sent = T.hadamard_quantize_rows(rows.to(device), order.to(device), *args, scale=1 / ranks,
+                                    out=empty_wire(2, 2 * (chunk - 128), 8, 128, device)[1])
+    expected = R.hadamard_quantize_rows(rows, order, *args, scale=1 / ranks,
+                                        out=empty_wire(2, 2 * (chunk - 128), 8, 128, "cpu")[1])
+    if not _same_quantized(sent, expected):
+        problems.append("hadamard_quantize_rows")
+    out = empty_wire(2, chunk - 128, 4, 128, device)[1]
+    T.dequantize_sum_requantize(sent, 2, 4, 128, "nearest", out=out)
+    expected = R.dequantize_sum_requantize(expected, 2, 4, 128, "nearest",
+                                           out=empty_wire(2, chunk - 128, 4, 128, "cpu")[1])
+    if not _same_quantized(out, expected):
+        problems.append("dequantize_sum_requantize (wire)")
+    if not _same(T.dequantize_sum(out, 2, 32), R.dequantize_sum(expected, 2, 32)):
+        problems.append("dequantize_sum (wire)")
+    return problems
 
 
 def step_dispatch(device: str) -> str:
@@ -198,7 +238,11 @@ def step_bench(numel: int) -> None:
         "hadamard_quantize 8b g128 (bf16)": lambda M: M.hadamard_quantize(x, 8, 128, 32),
         "dequantize_sum_requantize 4x 8b->4b": lambda M: M.dequantize_sum_requantize(q8, 4, 4, 128),
         "dequantize_sum 4x 8b + H^-1": lambda M: M.dequantize_sum(q8, 4, 32),
+        "hadamard_quantize_rows 8b (bf16, order)":
+            lambda M: M.hadamard_quantize_rows(rows, order, 0, width, width, 8, 128, 32),
     }
+    rows, width = x.view(8, -1), numel // 8
+    order = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7], device="cuda")
     print(f"    {numel / 2**20:.0f} Mi elements; median ms over 10 runs")
     print(f"    {'op':40s} {'triton':>8s} {'torch':>8s} {'speedup':>8s}")
     for name, op in ops.items():

@@ -16,12 +16,21 @@ from megatron_sdp4bit.quant import reference
 from megatron_sdp4bit.quant.hadamard import hadamard_transform
 from megatron_sdp4bit.quant.packing import pack_codes, unpack_codes
 from megatron_sdp4bit.quant.types import QuantizedTensor, codes_per_byte, qmax
+from megatron_sdp4bit.quant.wire import (
+    SEGMENT_ALIGN,
+    empty_wire,
+    segment_layout,
+    segment_nbytes,
+    wire_view,
+)
 
 __all__ = [
     "QuantizedTensor", "codes_per_byte", "qmax", "pack_codes", "unpack_codes",
     "hadamard_transform", "quantize", "dequantize", "quantize_weight_diff",
-    "dequantize_add_", "hadamard_quantize", "dequantize_sum_requantize",
-    "dequantize_sum", "backend_for",
+    "dequantize_add_", "hadamard_quantize", "hadamard_quantize_rows",
+    "dequantize_sum_requantize", "dequantize_sum", "backend_for",
+    "SEGMENT_ALIGN", "segment_layout", "segment_nbytes", "wire_view", "empty_wire",
+    "KernelSpec", "warm_up",
 ]
 
 
@@ -61,5 +70,8 @@ dequantize = _dispatch("dequantize")
 quantize_weight_diff = _dispatch("quantize_weight_diff")
 dequantize_add_ = _dispatch("dequantize_add_")
 hadamard_quantize = _dispatch("hadamard_quantize")
+hadamard_quantize_rows = _dispatch("hadamard_quantize_rows")
 dequantize_sum_requantize = _dispatch("dequantize_sum_requantize")
 dequantize_sum = _dispatch("dequantize_sum")
+
+from megatron_sdp4bit.quant.warmup import KernelSpec, warm_up  # noqa: E402  (uses the ops above)

@@ -4,31 +4,35 @@ Same names, signatures, return types and results as the reference: codes and
 scales are bit-identical with ``rounding="nearest"`` (but an all-zero group's
 scale is always +0, where the reference may give -0); with ``"stochastic"`` the
 scales are identical and each code is floor(v + u) with u from Triton's Philox
-stream keyed by a seed drawn from ``generator`` (so results are reproducible
-from the generator's state, but not equal to the reference's draws).
-``dequantize_sum*`` add the chunks in order 0, 1, ..., k-1 in fp32, as the
-reference does.
+stream keyed by a seed drawn from ``generator`` and the element's index (so
+results are reproducible from the generator's state, but not equal to the
+reference's draws). ``dequantize_sum*`` add the chunks in order 0, 1, ..., k-1
+in fp32, as the reference does.
 
-Each op is one kernel launch (plus output allocation): the Hadamard transform,
-the 1/DP scaling, the weight difference and the dequantize-sum-requantize step
-are fused into it. Importing this module raises ImportError when Triton is
-missing; the dispatcher in ``quant/__init__.py`` then uses the reference.
+Each op is one kernel launch (plus output allocation when no ``out`` is given):
+the Hadamard transform, the 1/DP scaling, the weight difference, the send-order
+staging of the reduce-scatter and the dequantize-sum-requantize step are fused
+into it, and a k-chunk (wire) tensor is read or written by the same launch
+(grid axis 1: the chunk). Importing this module raises ImportError when Triton
+is missing; the dispatcher in ``quant/__init__.py`` then uses the reference.
 
 The kernels run on CUDA tensors, or on CPU tensors when this module was first
 imported with TRITON_INTERPRET=1 (Triton's interpreter, used by the tests).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 import triton  # noqa: F401  (ImportError here tells the dispatcher to use the reference)
 
-from megatron_sdp4bit.quant.triton_kernels import launch
+from megatron_sdp4bit.quant.reference_stream import empty_quantized
+from megatron_sdp4bit.quant.triton_kernels import launch, launch_record
 from megatron_sdp4bit.quant.triton_kernels.dequantize_kernel import dequantize_kernel
 from megatron_sdp4bit.quant.triton_kernels.quantize_kernel import (
     SOURCE_CHUNKS,
+    SOURCE_ROWS,
     SOURCE_TENSOR,
     quantize_kernel,
 )
@@ -36,16 +40,20 @@ from megatron_sdp4bit.quant.triton_kernels.tile_math import INTERPRETED
 from megatron_sdp4bit.quant.types import (
     QuantizedTensor,
     check_format,
-    check_group_size,
     check_hadamard_block,
-    check_hadamard_group,
+    check_hadamard_chunks,
+    check_out,
+    check_out_chunks_whole,
+    check_quantized,
+    check_rows,
     check_same_numel,
-    num_groups,
+    chunks_to_sum,
+    codes_per_byte,
 )
 
 __all__ = [
     "quantize", "dequantize", "quantize_weight_diff", "dequantize_add_",
-    "hadamard_quantize", "dequantize_sum_requantize", "dequantize_sum",
+    "hadamard_quantize", "hadamard_quantize_rows", "dequantize_sum_requantize", "dequantize_sum",
 ]
 
 # Every launch: no FMA contraction, no flush-to-zero (see launch.exact_fp_options).
@@ -59,7 +67,7 @@ def _check_device(*tensors: torch.Tensor) -> None:
     for t in tensors[1:]:
         if t.device != device:
             raise ValueError(f"tensors are on different devices: {device} and {t.device}")
-    if device.type != "cuda" and not INTERPRETED:
+    if device.type != "cuda" and not INTERPRETED and not launch_record.active():
         raise ValueError(
             f"the Triton kernels run on CUDA tensors, got a {device.type} tensor: call "
             "megatron_sdp4bit.quant (it dispatches by device), or set TRITON_INTERPRET=1 "
@@ -68,50 +76,35 @@ def _check_device(*tensors: torch.Tensor) -> None:
 
 
 def _check_quantized(q: QuantizedTensor) -> None:
-    """q's codes and scales have the layout QuantizedTensor documents."""
-    if not isinstance(q, QuantizedTensor):
-        raise ValueError(f"expected a QuantizedTensor, got {type(q).__name__}")
-    check_group_size(q.group_size, q.bits)
-    if q.codes.dtype not in (torch.uint8, torch.int8):
-        raise ValueError(f"codes must be uint8 (or int8) bytes, got {q.codes.dtype}")
-    expected = QuantizedTensor.codes_nbytes(q.numel, q.bits, q.group_size)
-    if q.codes.numel() != expected:
-        raise ValueError(
-            f"codes hold {q.codes.numel()} bytes; {q.numel} elements of {q.bits} bits in "
-            f"groups of {q.group_size} need {expected}"
-        )
-    if q.scales.dtype != torch.float32 or q.scales.numel() != q.num_groups:
-        raise ValueError(
-            f"scales must be {q.num_groups} fp32 values, got {q.scales.numel()} {q.scales.dtype}"
-        )
-    if not (q.codes.is_contiguous() and q.scales.is_contiguous()):
-        raise ValueError("codes and scales must be contiguous; call .contiguous() on them")
+    check_quantized(q)
     _check_device(q.codes, q.scales)
 
 
-def _check_chunks(q: QuantizedTensor, num_chunks: int) -> int:
-    """Elements per chunk (same rules and messages as the reference)."""
-    if not isinstance(num_chunks, int) or num_chunks <= 0 or q.numel % num_chunks:
-        raise ValueError(f"{q.numel} elements cannot be split into {num_chunks} equal chunks")
-    chunk = q.numel // num_chunks
-    if chunk % q.group_size:
-        raise ValueError(
-            f"chunk of {chunk} elements is not a multiple of group_size={q.group_size}; "
-            "chunks must start on a group boundary"
-        )
-    return chunk
+def _output(out: Optional[QuantizedTensor], numel: int, bits: int, group_size: int,
+            dtype: torch.dtype, device: torch.device) -> QuantizedTensor:
+    """``out`` checked, or a new flat QuantizedTensor."""
+    if out is None:
+        return empty_quantized(bits, group_size, numel, dtype, device)
+    check_out(out, numel, bits, group_size, device)
+    _check_device(out.codes, out.scales)
+    return out
 
 
 # --- launches ----------------------------------------------------------------------
 
-def _empty_quantized(bits: int, group_size: int, numel: int, dtype: torch.dtype,
-                     device: torch.device) -> QuantizedTensor:
-    return QuantizedTensor(
-        codes=torch.empty(QuantizedTensor.codes_nbytes(numel, bits, group_size),
-                          dtype=torch.int8 if bits == 8 else torch.uint8, device=device),
-        scales=torch.empty(num_groups(numel, group_size), dtype=torch.float32, device=device),
-        bits=bits, group_size=group_size, numel=numel, dtype=dtype,
-    )
+def _chunk_strides(q: QuantizedTensor, num_chunks: int) -> Tuple[int, int]:
+    """(codes bytes, scales) from chunk c to chunk c + 1 of ``q``'s ``num_chunks`` chunks.
+
+    (0, 0) for one chunk: never used then, and a constant keeps the kernel variant
+    the same for a flat tensor and a one-segment wire view (Triton specialises on
+    the strides' divisibility).
+    """
+    if num_chunks == 1:
+        return 0, 0
+    if q.codes.dim() == 2:
+        return q.codes.stride(0), q.scales.stride(0)
+    n = q.numel // num_chunks
+    return n // codes_per_byte(q.bits), n // q.group_size
 
 
 def _codes_bytes(q: QuantizedTensor) -> torch.Tensor:
@@ -123,32 +116,47 @@ def _codes_bytes(q: QuantizedTensor) -> torch.Tensor:
 def _launch_quantize(out: QuantizedTensor, rounding: str, generator: Optional[torch.Generator],
                      *, x: Optional[torch.Tensor] = None, y: Optional[torch.Tensor] = None,
                      multiplier: float = 1.0, source: Optional[QuantizedTensor] = None,
-                     num_chunks: int = 1, hadamard_block: Optional[int] = None) -> QuantizedTensor:
-    """Fill ``out`` (allocated) from a float tensor ``x`` (- ``y``) or from ``source``'s chunks."""
+                     num_chunks: int = 1, rows: Optional[Tuple] = None,
+                     hadamard_block: Optional[int] = None) -> QuantizedTensor:
+    """Fill ``out`` (flat or k chunks) from a float tensor ``x`` (- ``y``), from
+    ``source``'s chunks, or (``rows`` = (order, start, valid, padded)) from rows ``x``."""
+    n = out.chunk_numel
     if out.numel == 0:
         return out
-    device = out.codes.device
-    seed = (launch.seed_tensor(generator, device) if rounding == "stochastic"
+    groups = out.num_groups // out.num_chunks
+    seed = (launch.seed_tensor(generator, out.codes.device) if rounding == "stochastic"
             else out.scales)  # never read: the pointer argument just needs a tensor
-    block, groups_per_program, grid = launch.quantize_tiling(out.num_groups, out.group_size)
-    if source is None:
-        x_view, x_bf16 = launch.kernel_view(x)
-        y_view, y_bf16 = launch.kernel_view(y) if y is not None else (x_view, False)
-        src_codes, src_scales, src_bits, src_group = out.codes, out.scales, 8, 1
-    else:
+    block, groups_per_program, grid = launch.quantize_tiling(groups, out.group_size,
+                                                             out.num_chunks)
+    codes_stride, scales_stride = _chunk_strides(out, out.num_chunks)
+    src_codes, src_scales, src_strides = out.codes, out.scales, (0, 0)
+    src_bits, src_group = 8, 1
+    order, row_stride, start, valid, groups_per_row = out.scales, 0, 0, 0, 0
+    if source is not None:
         x_view, x_bf16, y_view, y_bf16 = out.scales, False, out.scales, False
         src_codes, src_scales = _codes_bytes(source), source.scales
+        src_strides = _chunk_strides(source, num_chunks)
         src_bits, src_group = source.bits, source.group_size
+    else:
+        x_view, x_bf16 = launch.kernel_view(x)
+        y_view, y_bf16 = launch.kernel_view(y) if y is not None else (x_view, False)
+    if rows is not None:
+        row_order, start, valid, padded = rows
+        order = row_order if row_order is not None else order
+        row_stride, groups_per_row = x.stride(0), padded // out.group_size
+    tail = valid < rows[3] if rows is not None else n % out.group_size != 0
     with launch.device_guard(out.codes):
         quantize_kernel[grid](
             x_view, y_view, float(multiplier),
-            src_codes, src_scales, num_chunks, out.numel,
-            out.codes, out.scales, seed,
-            out.numel, out.num_groups,
-            SOURCE=SOURCE_TENSOR if source is None else SOURCE_CHUNKS,
+            src_codes, src_scales, src_strides[0], src_strides[1],
+            order, row_stride, start, valid, groups_per_row,
+            _codes_bytes(out), out.scales, codes_stride, scales_stride, seed,
+            n, groups,
+            SOURCE=(SOURCE_ROWS if rows is not None else
+                    SOURCE_TENSOR if source is None else SOURCE_CHUNKS),
             X_BF16=x_bf16, HAS_Y=y is not None, Y_BF16=y_bf16, SCALED=float(multiplier) != 1.0,
-            TAIL=out.numel % out.group_size != 0,
-            SRC_BITS=src_bits, SRC_GROUP=src_group,
+            TAIL=tail, SRC_BITS=src_bits, SRC_GROUP=src_group, NUM_CHUNKS=num_chunks,
+            HAS_ORDER=rows is not None and rows[0] is not None,
             BITS=out.bits, GROUP=out.group_size, GROUPS_PER_PROGRAM=groups_per_program,
             BLOCK=block, HADAMARD=hadamard_block or 0, STOCHASTIC=rounding == "stochastic",
             num_warps=launch.num_warps_for(block * groups_per_program), **_EXACT,
@@ -156,18 +164,23 @@ def _launch_quantize(out: QuantizedTensor, rounding: str, generator: Optional[to
     return out
 
 
-def _launch_dequantize(q: QuantizedTensor, out: torch.Tensor, numel: int, num_chunks: int = 1,
-                       hadamard_block: Optional[int] = None, accumulate: bool = False) -> torch.Tensor:
-    """Write (or with ``accumulate`` add) the chunk sum of ``q`` into contiguous ``out``."""
+def _launch_dequantize(q: QuantizedTensor, out: torch.Tensor, out_stride: int,
+                       num_chunks: int = 1, hadamard_block: Optional[int] = None,
+                       accumulate: bool = False) -> torch.Tensor:
+    """Write (``accumulate``: add) into ``out`` the sum of ``q``'s ``num_chunks`` chunks
+    (> 1), or each of q's chunks c at ``c * out_stride`` elements (``num_chunks`` 1)."""
+    written = q.num_chunks if num_chunks == 1 else 1
+    numel = q.numel // max(num_chunks, written)
     if numel == 0:
         return out
     out_view, out_bf16 = launch.kernel_view(out)
-    block, grid = launch.dequantize_tiling(numel, hadamard_block or 0)
+    codes_stride, scales_stride = _chunk_strides(q, max(num_chunks, written))
+    block, grid = launch.dequantize_tiling(numel, hadamard_block or 0, written)
     with launch.device_guard(q.codes):
         dequantize_kernel[grid](
-            _codes_bytes(q), q.scales, out_view, numel, num_chunks, numel,
-            BITS=q.bits, GROUP=q.group_size, BLOCK=block, HADAMARD=hadamard_block or 0,
-            OUT_BF16=out_bf16, ACCUMULATE=accumulate,
+            _codes_bytes(q), q.scales, out_view, numel, codes_stride, scales_stride, out_stride,
+            NUM_CHUNKS=num_chunks, BITS=q.bits, GROUP=q.group_size, BLOCK=block,
+            HADAMARD=hadamard_block or 0, OUT_BF16=out_bf16, ACCUMULATE=accumulate,
             num_warps=launch.num_warps_for(block), **_EXACT,
         )
     return out
@@ -181,13 +194,14 @@ def quantize(
     group_size: int = 2048,
     rounding: str = "stochastic",
     generator: Optional[torch.Generator] = None,
+    out: Optional[QuantizedTensor] = None,
 ) -> QuantizedTensor:
-    """Group-wise symmetric quantization of ``x`` (flattened)."""
+    """Group-wise symmetric quantization of ``x`` (flattened), into ``out`` if given."""
     check_format(bits, group_size, rounding)
     _check_device(x)
     flat = launch.flat_input(x)
-    out = _empty_quantized(bits, group_size, flat.numel(), x.dtype, x.device)
-    return _launch_quantize(out, rounding, generator, x=flat)
+    result = _output(out, flat.numel(), bits, group_size, x.dtype, x.device)
+    return _launch_quantize(result, rounding, generator, x=flat)
 
 
 def dequantize(q: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -197,7 +211,7 @@ def dequantize(q: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torch
     if out_dtype not in launch.NATIVE_FLOATS and out_dtype != torch.bfloat16:
         return dequantize(q, torch.float32).to(out_dtype)  # e.g. an integer dtype: as the reference
     out = torch.empty(q.numel, dtype=out_dtype, device=q.device)
-    return _launch_dequantize(q, out, q.numel)
+    return _launch_dequantize(q, out, q.chunk_numel if q.num_chunks > 1 else 0)
 
 
 def quantize_weight_diff(
@@ -207,31 +221,41 @@ def quantize_weight_diff(
     group_size: int = 2048,
     rounding: str = "stochastic",
     generator: Optional[torch.Generator] = None,
+    out: Optional[QuantizedTensor] = None,
 ) -> QuantizedTensor:
     """Quantize ``main_shard (fp32) - model_shard (bf16/fp32)``: the qWD payload."""
     check_format(bits, group_size, rounding)
     check_same_numel("main shard", main_shard, "model shard", model_shard.numel())
     _check_device(main_shard, model_shard)
     main, model = launch.flat_input(main_shard), launch.flat_input(model_shard)
-    out = _empty_quantized(bits, group_size, main.numel(), torch.float32, main.device)
-    return _launch_quantize(out, rounding, generator, x=main, y=model)
+    result = _output(out, main.numel(), bits, group_size, torch.float32, main.device)
+    return _launch_quantize(result, rounding, generator, x=main, y=model)
 
 
 def dequantize_add_(base: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
-    """``base += dequantize(q)`` in place, summed in fp32 and rounded once to base's dtype."""
-    check_same_numel("base", base, "the quantized tensor", q.numel)
+    """``base += dequantize(q)`` in place, summed in fp32 and rounded once to base's dtype.
+
+    ``base``: ``q.numel`` elements, or for k-chunk ``q`` also a [k, n] tensor
+    (any row stride): chunk c is added into base[c] (= flat base[c*n:(c+1)*n]).
+    """
     _check_quantized(q)
+    check_same_numel("base", base, "the quantized tensor", q.numel)
     _check_device(base, q.codes)
     if q.numel == 0:
         return base
-    if not base.is_contiguous():
+    n = q.chunk_numel
+    if tuple(base.shape) == (q.num_chunks, n) and (n < 2 or base.stride(1) == 1):
+        target, stride = base, base.stride(0)
+    elif base.is_contiguous():
+        target, stride = base.view(-1), n
+    else:
         raise ValueError(
-            "dequantize_add_ updates base in place and needs it contiguous; "
-            "pass base.contiguous() and copy the result back"
+            "dequantize_add_ updates base in place and needs it contiguous (or [k, n] with "
+            "contiguous rows); pass base.contiguous() and copy the result back"
         )
     if base.dtype != torch.bfloat16 and base.dtype not in launch.NATIVE_FLOATS:
         raise ValueError(f"base must be a float tensor, got {base.dtype}")
-    _launch_dequantize(q, base.view(-1), q.numel, accumulate=True)
+    _launch_dequantize(q, target, stride if q.num_chunks > 1 else 0, accumulate=True)
     return base
 
 
@@ -243,24 +267,51 @@ def hadamard_quantize(
     rounding: str = "stochastic",
     generator: Optional[torch.Generator] = None,
     scale: float = 1.0,
+    out: Optional[QuantizedTensor] = None,
 ) -> QuantizedTensor:
     """Quantize ``H(scale * x)`` (no transform when ``hadamard_block`` is None).
 
     ``scale`` folds the 1/DP of an averaging reduce-scatter into the same pass.
-    ``x.numel()`` must be a multiple of the block when a block is given.
+    ``x.numel()`` (each chunk of a k-chunk ``out``) must be a multiple of the block.
     """
     check_format(bits, group_size, rounding)
-    if hadamard_block is not None:
-        check_hadamard_group(group_size, hadamard_block)
-        if x.numel() % hadamard_block:
-            raise ValueError(
-                f"{x.numel()} elements is not a multiple of the Hadamard block {hadamard_block}"
-            )
     _check_device(x)
     flat = launch.flat_input(x)
-    out = _empty_quantized(bits, group_size, flat.numel(), x.dtype, x.device)
-    return _launch_quantize(out, rounding, generator, x=flat, multiplier=scale,
+    result = _output(out, flat.numel(), bits, group_size, x.dtype, x.device)
+    check_hadamard_chunks(result.chunk_numel, group_size, hadamard_block)
+    return _launch_quantize(result, rounding, generator, x=flat, multiplier=scale,
                             hadamard_block=hadamard_block)
+
+
+def hadamard_quantize_rows(
+    rows: torch.Tensor,
+    order: Optional[torch.Tensor],
+    start: int,
+    valid: int,
+    padded: int,
+    bits: int = 8,
+    group_size: int = 128,
+    hadamard_block: Optional[int] = 32,
+    rounding: str = "stochastic",
+    generator: Optional[torch.Generator] = None,
+    scale: float = 1.0,
+    out: Optional[QuantizedTensor] = None,
+) -> QuantizedTensor:
+    """``hadamard_quantize`` of the send-order staging of a pipeline chunk, without staging it.
+
+    ``rows``: [P, shard], each row contiguous. The quantized tensor has P *
+    ``padded`` elements: row r holds columns [start, start + valid) of
+    rows[order[r]] (None = identity), then zeros up to ``padded``. The kernel
+    reads each group straight from its source row; a k-chunk ``out`` must have
+    chunks of whole groups.
+    """
+    check_format(bits, group_size, rounding)
+    check_rows(rows, order, start, valid, padded, group_size, hadamard_block)
+    _check_device(rows, *(() if order is None else (order,)))
+    result = _output(out, rows.shape[0] * padded, bits, group_size, rows.dtype, rows.device)
+    check_out_chunks_whole(result, group_size)
+    return _launch_quantize(result, rounding, generator, x=rows, multiplier=scale,
+                            rows=(order, start, valid, padded), hadamard_block=hadamard_block)
 
 
 def dequantize_sum_requantize(
@@ -270,6 +321,7 @@ def dequantize_sum_requantize(
     group_size: int = 128,
     rounding: str = "stochastic",
     generator: Optional[torch.Generator] = None,
+    out: Optional[QuantizedTensor] = None,
 ) -> QuantizedTensor:
     """Dequantize k received chunks, sum them in fp32, quantize the sum again.
 
@@ -278,9 +330,10 @@ def dequantize_sum_requantize(
     """
     check_format(bits, group_size, rounding)
     _check_quantized(q)
-    chunk = _check_chunks(q, num_chunks)
-    out = _empty_quantized(bits, group_size, chunk, q.dtype, q.device)
-    return _launch_quantize(out, rounding, generator, source=q, num_chunks=num_chunks)
+    chunk = chunks_to_sum(q, num_chunks)
+    result = _output(out, chunk, bits, group_size, q.dtype, q.device)
+    check_out_chunks_whole(result, group_size, q.group_size)
+    return _launch_quantize(result, rounding, generator, source=q, num_chunks=num_chunks)
 
 
 def dequantize_sum(
@@ -294,7 +347,7 @@ def dequantize_sum(
     Returns fp32, or writes (cast) into ``out`` and returns it.
     """
     _check_quantized(q)
-    chunk = _check_chunks(q, num_chunks)
+    chunk = chunks_to_sum(q, num_chunks)
     if inverse_hadamard_block is not None:
         check_hadamard_block(inverse_hadamard_block)
         if chunk % inverse_hadamard_block:
@@ -311,7 +364,7 @@ def dequantize_sum(
     direct = out is not None and out.is_contiguous() and (
         out.dtype == torch.bfloat16 or out.dtype in launch.NATIVE_FLOATS)
     target = out.view(-1) if direct else torch.empty(chunk, dtype=torch.float32, device=q.device)
-    _launch_dequantize(q, target, chunk, num_chunks, inverse_hadamard_block)
+    _launch_dequantize(q, target, 0, num_chunks, inverse_hadamard_block)  # one chunk written
     if out is None:
         return target
     if not direct:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from scipy.linalg import hadamard
 
 from megatron_sdp4bit.quant import reference as R
+from megatron_sdp4bit.quant import reference_stream as S
 from megatron_sdp4bit.quant.hadamard import hadamard_transform
 from megatron_sdp4bit.quant.types import QuantizedTensor, qmax
 
@@ -169,7 +170,7 @@ def test_requantize_is_independent_of_the_cache_chunking(k, in_group, group, gro
     q = received([randn(chunk, 20 + c) for c in range(k)], 8, in_group)
     expected = R.quantize(sequential_sum(q, k), 4, group, "stochastic", gen(1))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(R, "_CPU_CHUNK_ELEMENTS", chunk_elements)
+        patch.setattr(S, "CPU_CHUNK_ELEMENTS", chunk_elements)
         actual = R.dequantize_sum_requantize(q, k, 4, group, "stochastic", gen(1))
         assert torch.equal(R.dequantize_sum(q, k), sequential_sum(q, k))
     # Every group here is a multiple of 4 elements (one 64-bit random draw), so

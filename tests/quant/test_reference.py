@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from megatron_sdp4bit import quant
 from megatron_sdp4bit.quant import reference as R
+from megatron_sdp4bit.quant import reference_stream as S
 from megatron_sdp4bit.quant.packing import unpack_codes
 from megatron_sdp4bit.quant.types import qmax
 
@@ -106,7 +107,7 @@ def test_chunking_does_not_change_the_result(monkeypatch):
     x[1, 17] = float("nan")
     whole = [R.quantize(x, 4, 64, rounding, torch.Generator().manual_seed(1))
              for rounding in ("nearest", "stochastic")]
-    monkeypatch.setattr(R, "_CPU_CHUNK_ELEMENTS", 256)  # 4 groups per chunk
+    monkeypatch.setattr(S, "CPU_CHUNK_ELEMENTS", 256)  # 4 groups per chunk
     chunked = [R.quantize(x, 4, 64, rounding, torch.Generator().manual_seed(1))
                for rounding in ("nearest", "stochastic")]
     for a, b in zip(whole, chunked):
@@ -116,7 +117,7 @@ def test_chunking_does_not_change_the_result(monkeypatch):
 
 def test_worker_threads_do_not_change_the_result(monkeypatch):
     """Chunks run on as many threads as torch may use; the bits must not depend on it."""
-    monkeypatch.setattr(R, "_CPU_CHUNK_ELEMENTS", 512)  # many chunks
+    monkeypatch.setattr(S, "CPU_CHUNK_ELEMENTS", 512)  # many chunks
     x = random_input((40_960,), torch.float32, seed=8)  # 4 chunks of 80 groups of 128
 
     def run_all():
@@ -159,8 +160,8 @@ def test_stochastic_bias_is_within_the_documented_bound_for_every_noise_value():
         v = (centres[:, None] + offsets[None, :]).reshape(-1)
         v = torch.cat([v, (torch.rand(32, generator=gen) * 2 - 1) * levels]).clamp(-levels, levels)
         scaled = v[:, None].repeat(1, noise.numel())
-        uniforms = R._cell_centres_(noise.clone()).expand_as(scaled).contiguous()
-        codes = R._round_(scaled, uniforms).double()
+        uniforms = S.cell_centres_(noise.clone()).expand_as(scaled).contiguous()
+        codes = S.round_(scaled, uniforms).double()
         bias = (codes.mean(dim=1) - v.double()).abs().max().item()
         assert bias <= R.STOCHASTIC_BIAS_BOUND[bits], (bits, bias)
 

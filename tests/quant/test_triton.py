@@ -34,19 +34,25 @@ pytest.importorskip("triton")
 
 from megatron_sdp4bit.quant import reference as R  # noqa: E402
 from megatron_sdp4bit.quant.hadamard import hadamard_transform  # noqa: E402
-from megatron_sdp4bit.quant.packing import unpack_codes  # noqa: E402
 from megatron_sdp4bit.quant.types import QuantizedTensor, qmax  # noqa: E402
+from triton_cases import (  # noqa: E402
+    DEVICE,
+    KERNELS_HERE,
+    assert_same_quantized,
+    assert_same_values,
+    awkward_input,
+    codes_of,
+    few_large_programs,  # noqa: F401  (an autouse fixture)
+    on_cpu,
+    on_device,
+    received_buffer,
+)
 
 # The interpreter computes with numpy, which warns about the NaN/Inf the tests feed it.
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")
 
-DEVICE = os.environ.get("SDP4BIT_TRITON_TEST_DEVICE", "cpu")
-if DEVICE == "cuda" and not torch.cuda.is_available():
-    pytest.skip("SDP4BIT_TRITON_TEST_DEVICE=cuda but no CUDA device", allow_module_level=True)
-# Kernel tests run in this process on CUDA, or on CPU when this process started
-# with TRITON_INTERPRET=1 (then triton was imported in interpreter mode).
-KERNELS_HERE = DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KERNEL_TEST_FILES = ("test_triton.py", "test_triton_chunks.py")
 
 
 def _python_env(**changes) -> dict:
@@ -55,8 +61,7 @@ def _python_env(**changes) -> dict:
 
 
 if KERNELS_HERE:
-    from megatron_sdp4bit.quant import triton_ops as T
-    from megatron_sdp4bit.quant.triton_kernels import launch
+    from triton_cases import T, launch
 
     import triton
     import triton.language as tl
@@ -74,95 +79,6 @@ if KERNELS_HERE:
         tl.store(out_ptr + 2 * i, w0.to(tl.int64), mask=i < 3)
         tl.store(out_ptr + 2 * i + 1, w1.to(tl.int64), mask=i < 3)
 
-    if T.INTERPRETED != (DEVICE == "cpu"):
-        raise RuntimeError(
-            "triton_ops was imported before TRITON_INTERPRET was set as this run needs; "
-            "run this file on its own"
-        )
-
-
-@pytest.fixture(autouse=True)
-def _few_large_programs():
-    """The interpreter pays per program: run each small input in one or two."""
-    if DEVICE == "cpu" and KERNELS_HERE:
-        with launch.tuning(tile_elements=1 << 16):
-            yield
-    else:
-        yield
-
-
-# --- inputs and comparisons ----------------------------------------------------------
-
-def awkward_input(numel: int, group: int, bits: int, dtype=torch.float32, seed: int = 0,
-                  specials: bool = True):
-    """Random groups spanning 1e-3..1e3, plus (``specials`` and enough groups) groups
-    of exact rounding ties, NaN, +-Inf, zeros, subnormals, and near fp32 max."""
-    gen = torch.Generator().manual_seed(seed)
-    groups = -(-numel // group)
-    x = torch.randn(groups, group, generator=gen)
-    x *= torch.logspace(-3, 3, groups).unsqueeze(1)
-    levels = qmax(bits)
-    ties = torch.arange(-2 * levels, 2 * levels + 1, dtype=torch.float32) * 0.5  # v = k/2, scale 1
-    special_groups = [
-        ties.repeat(-(-group // ties.numel()))[:group],
-        torch.full((group,), float("nan")),
-        torch.full((group,), float("inf")),
-        torch.zeros(group),
-        # Subnormal absmax: 1/scale overflows to Inf, and 0 * Inf gives code 0.
-        torch.cat([torch.zeros(1), torch.full((group - 1,), 1e-39)]),
-        torch.linspace(-1e-40, 1e-40, group),
-        torch.full((group,), -3e38),
-    ]
-    for g, values in enumerate(special_groups[: max(0, groups - 2)] if specials else []):
-        x[g + 1] = values
-        if g in (1, 2):  # one NaN / Inf among finite values
-            x[g + 1] = torch.randn(group, generator=gen)
-            x[g + 1, group // 2] = values[0] * (-1 if g == 2 else 1)
-    x = x.reshape(-1)[:numel].to(dtype)
-    return x.to(DEVICE)
-
-
-def assert_same_values(actual: torch.Tensor, expected: torch.Tensor):
-    """Same dtype and shape, NaN at the same places, identical values elsewhere.
-
-    Floats compare with ==, which is bit equality except that -0 == +0: the
-    reference's absmax, max(amax, -amin), returns -0 for some all-zero groups.
-    """
-    actual, expected = actual.cpu(), expected.cpu()
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(actual), nan), "NaN in different places"
-    mismatch = (actual.masked_fill(nan, 0) != expected.masked_fill(nan, 0)).nonzero()
-    assert mismatch.numel() == 0, (
-        f"{mismatch.numel()} values differ, first at {mismatch[0].tolist()}: "
-        f"{actual[tuple(mismatch[0])]} != {expected[tuple(mismatch[0])]}"
-    )
-
-
-def assert_same_quantized(actual: QuantizedTensor, expected: QuantizedTensor):
-    assert (actual.bits, actual.group_size, actual.numel, actual.dtype) == (
-        expected.bits, expected.group_size, expected.numel, expected.dtype)
-    assert actual.codes.device.type == DEVICE
-    assert actual.codes.dtype == expected.codes.dtype
-    assert torch.equal(actual.codes.cpu(), expected.codes), "codes differ"
-    assert_same_values(actual.scales, expected.scales)
-
-
-def on_cpu(q: QuantizedTensor) -> QuantizedTensor:
-    return QuantizedTensor(q.codes.cpu(), q.scales.cpu(), q.bits, q.group_size, q.numel, q.dtype)
-
-
-def on_device(q: QuantizedTensor) -> QuantizedTensor:
-    return QuantizedTensor(q.codes.to(DEVICE), q.scales.to(DEVICE), q.bits, q.group_size,
-                           q.numel, q.dtype)
-
-
-def received_buffer(chunks: int, chunk: int, bits: int, group: int, seed: int = 0,
-                    specials: bool = True):
-    """k quantized chunks as an all-to-all receive buffer (reference-made, on DEVICE)."""
-    x = awkward_input(chunks * chunk, group, bits, seed=seed, specials=specials)
-    q = R.quantize(x.cpu(), bits, group, "nearest")
-    return on_device(q)
 
 
 # --- nearest rounding: bit-identical to the reference ---------------------------------
@@ -184,10 +100,11 @@ def test_other_input_dtypes_and_strided_inputs_match(dtype):
         assert_same_quantized(T.quantize(t, 4, 64, "nearest"), R.quantize(t.cpu(), 4, 64, "nearest"))
 
 
+@pytest.mark.parametrize("numel", [5 * 1024 - 32, 4 * 1024])  # with and without a tail
 @pytest.mark.parametrize("hadamard_block", [None, 32])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_group_larger_than_a_program_is_sliced_and_still_identical(bits, hadamard_block):
-    x = awkward_input(5 * 1024 - 32, 1024, bits, seed=3)
+def test_group_larger_than_a_program_is_sliced_and_still_identical(bits, hadamard_block, numel):
+    x = awkward_input(numel, 1024, bits, seed=3)
     with launch.tuning(max_group_block=256):
         actual = T.hadamard_quantize(x, bits, 1024, hadamard_block, "nearest", scale=0.25)
     expected = R.hadamard_quantize(x.cpu(), bits, 1024, hadamard_block, "nearest", scale=0.25)
@@ -316,10 +233,6 @@ def test_empty_inputs_give_empty_results():
 
 # --- stochastic rounding -------------------------------------------------------------
 
-def _codes(q: QuantizedTensor) -> torch.Tensor:
-    return unpack_codes(q.codes.cpu(), q.bits, q.padded_numel).to(torch.float32)
-
-
 def _assert_floor_or_ceil(q: QuantizedTensor, values: torch.Tensor, reference_scales):
     """Each code is floor(v) or floor(v) + 1 (clamped), v = value / scale: error < scale."""
     assert_same_values(q.scales, reference_scales)  # the scale does not depend on rounding
@@ -332,7 +245,7 @@ def _assert_floor_or_ceil(q: QuantizedTensor, values: torch.Tensor, reference_sc
     v = padded.view(-1, q.group_size) * inv.unsqueeze(1)
     low = v.floor().clamp(-levels - 1, levels).nan_to_num(0.0)  # 0 * Inf: code 0
     high = (v.floor() + 1).clamp(-levels - 1, levels).nan_to_num(0.0)
-    codes = _codes(q).view(-1, q.group_size)
+    codes = codes_of(q).view(-1, q.group_size)
     ok = (codes == low) | (codes == high)
     assert bool(ok[usable].all()), f"{int((~ok[usable]).sum())} codes are neither floor nor ceil"
     assert bool((codes[~usable] == 0).all())
@@ -370,7 +283,7 @@ def _mean_abs_bias(rounding: str, draws: int, repeats: int):
     for _ in range(draws):
         q = T.quantize(x, 4, 64, rounding, gen)
         assert bool((q.scales.cpu() == 1.0).all())
-        total += _codes(q).view(repeats, 64)
+        total += codes_of(q).view(repeats, 64)
     mean = total.sum(0) / (draws * repeats)
     return float((mean[:63] - pattern[:63]).abs().max())
 
@@ -436,7 +349,7 @@ def test_stochastic_noise_stays_within_the_outer_cell_centres():
     x = pattern.repeat(256).to(DEVICE)
     q = T.quantize(x, 4, 64, "stochastic", torch.Generator(DEVICE).manual_seed(11))
     assert bool((q.scales.cpu() == 1.0).all())
-    codes = _codes(q).view(256, 64)
+    codes = codes_of(q).view(256, 64)
     assert bool((codes[:, :32] == 3).all())
     assert bool((codes[:, 32:63] == -4).all())
 
@@ -459,7 +372,7 @@ def test_bad_arguments_raise_value_errors():
         T.hadamard_quantize(x[:250], 8, 128, 32)
     with pytest.raises(ValueError, match="contiguous"):
         T.dequantize_add_(torch.zeros(512, device=DEVICE)[::2], q)
-    with pytest.raises(ValueError, match="codes hold"):
+    with pytest.raises(ValueError, match="do not hold"):
         T.dequantize(QuantizedTensor(q.codes[:-1], q.scales, 4, 64, 256))
     with pytest.raises(ValueError, match="equal chunks"):
         T.dequantize_sum(q, 3)
@@ -498,7 +411,8 @@ def test_kernels_compile_for_the_gpu_without_fp_contraction_or_ftz():
 
 def test_kernel_tests_pass_in_the_triton_interpreter():
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + [os.path.join(os.path.dirname(os.path.abspath(__file__)), f) for f in KERNEL_TEST_FILES],
         cwd=REPO_ROOT, env=_python_env(TRITON_INTERPRET="1"), capture_output=True, text=True,
         timeout=600,
     )

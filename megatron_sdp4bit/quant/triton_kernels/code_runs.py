@@ -82,19 +82,20 @@ def _run(codes_ptr, scales_ptr, first, n_valid, N: tl.constexpr, BITS: tl.conste
 
 
 @triton.jit
-def dequantized_run_sum(codes_ptr, scales_ptr, first, n_valid, num_chunks, chunk_numel,
-                        N: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                        ALIGN: tl.constexpr):
-    """[N] fp32: sum over chunks 0..num_chunks-1, in order, of code * scale of elements
+def dequantized_run_sum(codes_ptr, scales_ptr, codes_stride, scales_stride, first, n_valid,
+                        NUM_CHUNKS: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr,
+                        GROUP: tl.constexpr, ALIGN: tl.constexpr):
+    """[N] fp32: sum over chunks 0..NUM_CHUNKS-1, in order, of code * scale of elements
     first .. first + N - 1 of each chunk; 0 from element ``n_valid`` of the run on.
 
-    ``first`` (int64) is a multiple of ALIGN, which must be a multiple of 8 / BITS;
-    ``chunk_numel`` is a multiple of GROUP (a chunk starts on a group boundary);
-    ``n_valid`` a multiple of 8 / BITS.
+    Chunk j's codes start ``j * codes_stride`` bytes and its scales ``j *
+    scales_stride`` scales after chunk 0's. ``first`` (int64) is a multiple of
+    ALIGN, which must be a multiple of 8 / BITS; a chunk starts on a group
+    boundary; ``n_valid`` is a multiple of 8 / BITS.
     """
     total = _run(codes_ptr, scales_ptr, first, n_valid, N, BITS, GROUP, ALIGN)
-    offset = first  # int64; advancing it avoids an int32 chunk * chunk_numel product
-    for _ in range(1, num_chunks):
-        offset += chunk_numel
-        total += _run(codes_ptr, scales_ptr, offset, n_valid, N, BITS, GROUP, ALIGN)
+    for j in tl.static_range(1, NUM_CHUNKS):  # unrolled: NUM_CHUNKS is a compile-time constant
+        total += _run(codes_ptr + j * codes_stride.to(tl.int64),
+                      scales_ptr + j * scales_stride.to(tl.int64),
+                      first, n_valid, N, BITS, GROUP, ALIGN)
     return total

@@ -1,11 +1,17 @@
 """The one kernel that consumes quantized tensors: unpack, scale, sum chunks, write.
 
-A program owns BLOCK consecutive output elements. For each it sums, in fp32 and
-in chunk order 0..num_chunks-1, ``code * scale`` of that element in every chunk
-(num_chunks = 1: plain dequantize), applies the inverse Hadamard transform in
+A program owns BLOCK consecutive output elements of one output chunk (grid axis
+1: the chunk, for ``dequantize`` / ``dequantize_add_`` of a k-chunk tensor; one
+chunk otherwise). For each it sums, in fp32 and in chunk order
+0..NUM_CHUNKS-1, ``code * scale`` of that element in every summed chunk
+(NUM_CHUNKS = 1: plain dequantize), applies the inverse Hadamard transform in
 registers when asked (``HADAMARD`` = block, 0 = none), then either stores the
 result rounded to the output's dtype or, with ``ACCUMULATE``, adds it to the
 output's current values in fp32 first and rounds once (``dequantize_add_``).
+
+Chunk c (summed or written) reads its codes ``c * codes_stride`` bytes and its
+scales ``c * scales_stride`` scales after chunk 0's: the flat layout (k
+concatenated chunks) and the wire layout (one segment per chunk) alike.
 """
 from __future__ import annotations
 
@@ -20,15 +26,25 @@ from megatron_sdp4bit.quant.triton_kernels.tile_math import (
 )
 
 
-@triton.jit
+# The scale stride's divisibility buys nothing (one scale load per 16 elements)
+# and differs between layouts: not specialised on, so one compiled variant serves all.
+@triton.jit(do_not_specialize=["scales_stride"])
 def dequantize_kernel(
     codes_ptr, scales_ptr, out_ptr,
-    numel, num_chunks, chunk_numel,
-    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    numel, codes_stride, scales_stride, out_stride,
+    NUM_CHUNKS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
     HADAMARD: tl.constexpr, OUT_BF16: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
-    """out[i] (+)= H^-1(sum_c dequant(chunk c)[i]) for i in [pid * BLOCK, ...) below numel."""
+    """out[c][i] (+)= H^-1(sum_j dequant(chunk c + j)[i]) for i in [pid * BLOCK, ...) below numel.
+
+    ``numel``: elements of one chunk; output chunk c starts ``c * out_stride``
+    elements into ``out``.
+    """
     pid = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1).to(tl.int64)
+    codes_ptr += chunk * codes_stride
+    scales_ptr += chunk * scales_stride
+    out_ptr += chunk * out_stride
     elem = pid * BLOCK + tl.arange(0, BLOCK)
     ok = elem < numel
     # Codes exist up to numel rounded up to whole groups (the zero padding): reading
@@ -36,8 +52,9 @@ def dequantize_kernel(
     # elements past numel are not stored. The group count is int32-safe, its product
     # with GROUP is formed in int64 (numel may lie within a group of 2^31).
     padded = tl.cast((numel - 1) // GROUP + 1, tl.int64) * GROUP
-    values = dequantized_run_sum(codes_ptr, scales_ptr, pid * BLOCK, padded - pid * BLOCK,
-                                 num_chunks, chunk_numel, BLOCK, BITS, GROUP, BLOCK)
+    values = dequantized_run_sum(codes_ptr, scales_ptr, codes_stride, scales_stride,
+                                 pid * BLOCK, padded - pid * BLOCK,
+                                 NUM_CHUNKS, BLOCK, BITS, GROUP, BLOCK)
     if HADAMARD > 0:
         # numel and BLOCK are multiples of HADAMARD: every transform block is whole.
         # H^-1 = H / block, a multiplication by an exact power of two as in the reference.

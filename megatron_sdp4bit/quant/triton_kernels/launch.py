@@ -81,8 +81,10 @@ def num_warps_for(tile: int) -> int:
     return 4 if tile <= 4096 else 8
 
 
-def quantize_tiling(num_groups: int, group_size: int) -> Tuple[int, int, Tuple[int]]:
-    """(BLOCK columns per pass, GROUPS_PER_PROGRAM, grid) for a quantize launch.
+def quantize_tiling(num_groups: int, group_size: int,
+                    chunks: int = 1) -> Tuple[int, int, Tuple[int, int]]:
+    """(BLOCK columns per pass, GROUPS_PER_PROGRAM, grid) for a quantize launch of
+    ``chunks`` output chunks of ``num_groups`` groups each (grid axis 1: the chunk).
 
     BLOCK is at least 8: stochastic rounding draws noise for runs of 8 columns.
     """
@@ -91,14 +93,16 @@ def quantize_tiling(num_groups: int, group_size: int) -> Tuple[int, int, Tuple[i
         groups_per_program = 1
     else:
         groups_per_program = max(1, min(TUNING.tile_elements // block, _next_pow2(num_groups)))
-    grid = (-(-num_groups // groups_per_program),)
+    grid = (-(-num_groups // groups_per_program), chunks)
     return block, groups_per_program, grid
 
 
-def dequantize_tiling(numel: int, hadamard_block: int) -> Tuple[int, Tuple[int]]:
-    """(BLOCK elements per program, grid) for a dequantize launch; BLOCK >= hadamard_block."""
+def dequantize_tiling(numel: int, hadamard_block: int,
+                      chunks: int = 1) -> Tuple[int, Tuple[int, int]]:
+    """(BLOCK elements per program, grid) for a dequantize launch writing ``chunks``
+    output chunks of ``numel`` elements each; BLOCK >= hadamard_block."""
     block = max(min(TUNING.tile_elements, _next_pow2(numel)), hadamard_block, 16)
-    return block, (-(-numel // block),)
+    return block, (-(-numel // block), chunks)
 
 
 # bf16 goes to the kernels as its int16 bit patterns (see tile_math); these dtypes
@@ -107,7 +111,7 @@ NATIVE_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
 def kernel_view(t: torch.Tensor) -> Tuple[torch.Tensor, bool]:
-    """(tensor the kernel reads/writes, is_bf16) for a contiguous float tensor."""
+    """(tensor the kernel reads/writes, is_bf16) for a float tensor (contiguous rows)."""
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16), True
     if t.dtype in NATIVE_FLOATS:

@@ -1,15 +1,23 @@
 """The one kernel that produces quantized tensors: load, (Hadamard,) absmax, round, pack.
 
-A program owns GROUPS_PER_PROGRAM whole groups. When a group fits in registers
-(BLOCK >= GROUP, the usual case) the values are read once and everything
-happens in registers; a larger group is read twice, BLOCK columns at a time:
-once for its absmax, once to quantize (recomputing the same values).
+A program owns GROUPS_PER_PROGRAM whole groups of one output chunk (grid axis 1:
+the chunk; chunk c's codes and scales start ``c * codes_stride`` bytes and ``c *
+scales_stride`` scales into the output, so flat and wire layouts alike). When a
+group fits in registers (BLOCK >= GROUP, the usual case) the values are read
+once and everything happens in registers; a larger group is read twice, BLOCK
+columns at a time: once for its absmax, once to quantize (recomputing the values).
 
-The values to quantize come from one of two sources (``SOURCE``):
+Output chunk c holds elements [c * numel, (c + 1) * numel) of the source, padded
+to whole groups on its own. The source (``SOURCE``):
 - ``SOURCE_TENSOR``: ``(x - y) * multiplier`` in fp32 (``y`` optional): plain
   quantize, the weight difference main - model, and the 1/DP pre-scaling;
-- ``SOURCE_CHUNKS``: the fp32 sum of the dequantized chunks of a received
-  all-to-all buffer (the fused dequantize-sum-requantize).
+- ``SOURCE_CHUNKS``: the fp32 sum of the NUM_CHUNKS dequantized chunks of a
+  received all-to-all buffer (the fused dequantize-sum-requantize);
+- ``SOURCE_ROWS``: the reduce-scatter's send-order staging, read in place: the
+  staged tensor is P rows of ``groups_per_row`` groups; staged row r is columns
+  [row_start, row_start + row_valid) of source row order[r] (row r without
+  HAS_ORDER), zeros after. Each group lies in one staged row, so one address
+  computation per group replaces the staging copy.
 Then an optional Hadamard transform in registers (``HADAMARD`` = block, 0 = none).
 """
 from __future__ import annotations
@@ -27,41 +35,45 @@ from megatron_sdp4bit.quant.triton_kernels.tile_math import (
 
 SOURCE_TENSOR = 0
 SOURCE_CHUNKS = 1
+SOURCE_ROWS = 2
 
 
 @triton.jit
-def _source_values(elem, mask, run_first, run_valid,
+def _source_values(base, cols, mask, run_first, run_valid,
                    x_ptr, y_ptr, multiplier,
-                   src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
+                   src_codes_ptr, src_scales_ptr, src_codes_stride, src_scales_stride,
                    SOURCE: tl.constexpr, X_BF16: tl.constexpr, HAS_Y: tl.constexpr,
                    Y_BF16: tl.constexpr, SCALED: tl.constexpr, SRC_BITS: tl.constexpr,
-                   SRC_GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                   GROUP: tl.constexpr):
-    """fp32 values to quantize at flat indices ``elem`` (0 where masked: the zero padding).
+                   SRC_GROUP: tl.constexpr, NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 values to quantize at source offsets ``base[:, None] + cols[None, :]`` (0 where masked).
 
-    ``run_first`` and ``run_valid``: the tile's first flat index and how many of
-    its elements lie before the end of the source, used when the tile is one
-    contiguous run (its rows are whole adjacent groups, or it has one row).
+    ``run_first`` and ``run_valid``: the tile's first source index and how many
+    of its elements lie before the end of the output chunk, used when the tile
+    is one contiguous run of received chunks (its rows are adjacent whole groups,
+    or it has one row).
     """
-    if SOURCE == 0:  # SOURCE_TENSOR
-        values = load_f32(x_ptr, elem, mask, X_BF16)
-        if HAS_Y:
-            values = values - load_f32(y_ptr, elem, mask, Y_BF16)
-        if SCALED:  # a multiplier of 1.0 would change nothing, NaN included: skipped
-            values = values * multiplier
-    else:
+    elem = base[:, None] + cols[None, :]
+    if SOURCE == 1:  # SOURCE_CHUNKS
         # run_first is a multiple of GROUP (whole groups per program) or of
         # gcd(GROUP, BLOCK) (a slice of a group, BLOCK >= 256): for the divisors that
         # matter below (8 / SRC_BITS, 4, 16) both mean "GROUP is a multiple of them".
         ALIGN: tl.constexpr = GROUP
         if (BLOCK == GROUP or ROWS == 1) and ALIGN % (8 // SRC_BITS) == 0:
-            run = dequantized_run_sum(src_codes_ptr, src_scales_ptr, run_first, run_valid,
-                                      num_chunks, chunk_numel, ROWS * BLOCK, SRC_BITS,
-                                      SRC_GROUP, ALIGN)
+            run = dequantized_run_sum(src_codes_ptr, src_scales_ptr, src_codes_stride,
+                                      src_scales_stride, run_first, run_valid, NUM_CHUNKS,
+                                      ROWS * BLOCK, SRC_BITS, SRC_GROUP, ALIGN)
             values = tl.reshape(run, [ROWS, BLOCK])
         else:  # rows with masked columns between them, or odd alignment: per element
-            values = dequantized_chunk_sum(src_codes_ptr, src_scales_ptr, elem, mask,
-                                           num_chunks, chunk_numel, SRC_BITS, SRC_GROUP)
+            values = dequantized_chunk_sum(src_codes_ptr, src_scales_ptr, src_codes_stride,
+                                           src_scales_stride, elem, mask, NUM_CHUNKS,
+                                           SRC_BITS, SRC_GROUP)
+    else:  # SOURCE_TENSOR and SOURCE_ROWS: a float tensor at the given offsets
+        values = load_f32(x_ptr, elem, mask, X_BF16)
+        if HAS_Y:
+            values = values - load_f32(y_ptr, elem, mask, Y_BF16)
+        if SCALED:  # a multiplier of 1.0 would change nothing, NaN included: skipped
+            values = values * multiplier
     return values
 
 
@@ -97,17 +109,19 @@ def _transformed(values, ROWS: tl.constexpr, BLOCK: tl.constexpr, HADAMARD: tl.c
 
 
 @triton.jit
-def _store_codes(values, inv, elem, rows, row_ok, first_col, codes_ptr, seed_ptr,
+def _store_codes(values, inv, groups, noise_base, row_ok, first_col, codes_ptr, seed_ptr,
                  BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Round ``values * inv`` to codes, clamp, pack and store columns first_col.. of each row."""
+    """Round ``values * inv`` to codes, clamp, pack and store columns first_col.. of each
+    row (``groups``: the rows' group indices within the chunk; ``noise_base``: the
+    flat padded index of each row's first element, which keys the noise)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     scaled = values * inv[:, None]
     if STOCHASTIC:
         # u from Philox keyed by (seed, element index), 4 elements per call (noise.py):
-        # reproducible, and the same however groups are tiled or sliced.
+        # reproducible, and the same however groups are tiled, sliced or chunked.
         run_cols = first_col + tl.arange(0, BLOCK // RUN) * RUN
-        run_start = rows[:, None] * GROUP + run_cols[None, :]
+        run_start = noise_base[:, None] + run_cols[None, :]
         scaled = scaled + uniform_noise(tl.load(seed_ptr), run_start, ROWS, BLOCK)
     else:
         scaled = scaled + 0.5
@@ -122,6 +136,7 @@ def _store_codes(values, inv, elem, rows, row_ok, first_col, codes_ptr, seed_ptr
 
     cols = first_col + tl.arange(0, BLOCK)
     if BITS == 8:
+        elem = groups[:, None] * GROUP + cols[None, :]
         tl.store(codes_ptr + elem, codes.to(tl.int8), mask=row_ok[:, None] & (cols[None, :] < GROUP))
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
@@ -129,7 +144,7 @@ def _store_codes(values, inv, elem, rows, row_ok, first_col, codes_ptr, seed_ptr
         shifts = tl.arange(0, PER_BYTE) * BITS
         packed = tl.sum(fields << shifts[None, None, :], axis=2)  # disjoint bit fields: sum == or
         byte_cols = first_col // PER_BYTE + tl.arange(0, BLOCK // PER_BYTE)
-        byte_idx = rows[:, None] * (GROUP // PER_BYTE) + byte_cols[None, :]
+        byte_idx = groups[:, None] * (GROUP // PER_BYTE) + byte_cols[None, :]
         byte_ok = row_ok[:, None] & (byte_cols[None, :] < GROUP // PER_BYTE)
         tl.store(codes_ptr + byte_idx, packed.to(tl.uint8), mask=byte_ok)
 
@@ -162,78 +177,127 @@ def _scale_of(absmax, BITS: tl.constexpr):
 
 
 @triton.jit
+def _row_sources(chunk, groups, row_ok, numel, num_groups,
+                 order_ptr, row_stride, row_start, row_valid, groups_per_row,
+                 SOURCE: tl.constexpr, HAS_ORDER: tl.constexpr, GROUP: tl.constexpr):
+    """(source offset of each row's first element, its valid columns) for groups ``groups``
+    of output chunk ``chunk``."""
+    if SOURCE == 2:  # SOURCE_ROWS: the group's staged row and column, then its source row
+        staged = chunk * num_groups + groups  # output chunks are whole groups
+        row = staged // groups_per_row
+        col0 = (staged - row * groups_per_row) * GROUP
+        if HAS_ORDER:
+            row = tl.load(order_ptr + row, mask=row_ok, other=0).to(tl.int64)
+        base = row * row_stride + row_start + col0
+        row_len = tl.where(row_ok, tl.minimum(tl.maximum(row_valid - col0, 0), GROUP), 0)
+        row_len = row_len.to(tl.int32)
+    else:
+        base = chunk * numel + groups * GROUP
+        # Valid columns: GROUP, fewer in the chunk's last (zero-padded) group when its
+        # numel is not a multiple of GROUP (TAIL), none past its last group.
+        row_len = tl.minimum(numel - groups * GROUP, GROUP).to(tl.int32)
+    return base, row_len
+
+
+# Not specialised on (one compiled variant for every value): the scale strides and
+# the rows source's valid columns and row length in groups, whose divisibility the
+# kernel never uses, and which differ from call to call of one collective.
+@triton.jit(do_not_specialize=["src_scales_stride", "scales_stride", "row_valid",
+                               "groups_per_row", "num_groups"])
 def quantize_kernel(
     x_ptr, y_ptr, multiplier,
-    src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
-    codes_ptr, scales_ptr, seed_ptr,
+    src_codes_ptr, src_scales_ptr, src_codes_stride, src_scales_stride,
+    order_ptr, row_stride, row_start, row_valid, groups_per_row,
+    codes_ptr, scales_ptr, codes_stride, scales_stride, seed_ptr,
     numel, num_groups,
     SOURCE: tl.constexpr, X_BF16: tl.constexpr, HAS_Y: tl.constexpr, Y_BF16: tl.constexpr,
     SCALED: tl.constexpr, TAIL: tl.constexpr, SRC_BITS: tl.constexpr, SRC_GROUP: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr, HAS_ORDER: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
     BLOCK: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):
-    """Quantize groups [pid * GROUPS_PER_PROGRAM, ...) of the source (see module doc).
+    """Quantize groups [pid * GROUPS_PER_PROGRAM, ...) of output chunk program_id(1).
 
-    ``numel`` is the source's true length (beyond it: zero padding), ``codes``
-    and ``scales`` are laid out as in QuantizedTensor.
+    ``numel`` and ``num_groups``: elements and groups of one output chunk (beyond
+    numel: zero padding); ``codes`` and ``scales`` as in QuantizedTensor.
     """
     pid = tl.program_id(0).to(tl.int64)
-    rows = pid * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
-    row_ok = rows < num_groups
-    # Valid columns of each row: GROUP, fewer in the last (zero-padded) group when
-    # numel is not a multiple of GROUP (TAIL), none past the last group.
-    row_len = tl.minimum(numel - rows * GROUP, GROUP).to(tl.int32)
+    chunk = tl.program_id(1).to(tl.int64)
+    codes_ptr += chunk * codes_stride
+    scales_ptr += chunk * scales_stride
+    groups = pid * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    row_ok = groups < num_groups
+    base, row_len = _row_sources(chunk, groups, row_ok, numel, num_groups, order_ptr,
+                                 row_stride, row_start, row_valid, groups_per_row,
+                                 SOURCE, HAS_ORDER, GROUP)
+    noise_base = (chunk * num_groups + groups) * GROUP  # the flat padded index
     cols = tl.arange(0, BLOCK)
+    # A received chunk is whole groups of the source (triton_ops checks it), so
+    # chunk_end // SRC_GROUP * SRC_GROUP is chunk_end itself; written so, it tells the
+    # compiler the mask is group-aligned. Only SOURCE_CHUNKS reads run_first/run_valid.
+    chunk_end = (chunk + 1) * (numel // SRC_GROUP * SRC_GROUP)
 
     if BLOCK >= GROUP:  # one pass: the whole group stays in registers
-        elem = rows[:, None] * GROUP + cols[None, :]
         load_ok = _load_mask(row_ok, row_len, cols, GROUP, BLOCK, TAIL)
-        run_first = pid * GROUPS_PER_PROGRAM * GROUP
-        # A received chunk is whole groups of the source (triton_ops checks it), so
-        # numel // SRC_GROUP * SRC_GROUP is numel itself; written so, it tells the
-        # compiler the mask is group-aligned. Only SOURCE_CHUNKS reads it.
-        run_valid = numel // SRC_GROUP * SRC_GROUP - run_first
+        run_first = chunk * numel + pid * GROUPS_PER_PROGRAM * GROUP
+        run_valid = chunk_end - run_first
         if GROUPS_PER_PROGRAM == 1:
             run_valid = tl.minimum(run_valid, GROUP)
-        values = _source_values(elem, load_ok, run_first, run_valid, x_ptr, y_ptr, multiplier,
-                                src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
-                                SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP,
-                                GROUPS_PER_PROGRAM, BLOCK, GROUP)
+        values = _source_values(base, cols, load_ok, run_first, run_valid, x_ptr, y_ptr,
+                                multiplier, src_codes_ptr, src_scales_ptr, src_codes_stride,
+                                src_scales_stride, SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED,
+                                SRC_BITS, SRC_GROUP, NUM_CHUNKS, GROUPS_PER_PROGRAM, BLOCK, GROUP)
         values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
         scale, inv = _scale_of(_row_absmax(values), BITS)
-        _store_codes(values, inv, elem, rows, row_ok, 0, codes_ptr, seed_ptr,
+        _store_codes(values, inv, groups, noise_base, row_ok, 0, codes_ptr, seed_ptr,
                      BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
     else:  # two passes over BLOCK-column slices: absmax first, then the codes
         absmax = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32)
         for first in range(0, GROUP, BLOCK):
-            elem = rows[:, None] * GROUP + (first + cols)[None, :]
-            load_ok = _load_mask(row_ok, row_len, first + cols, GROUP, BLOCK, TAIL)
-            run_first = pid * GROUP + first  # sliced groups: one group per program
-            # Up to the end of the source or of this group, whichever comes first (a
-            # last slice may reach past the group: GROUP need not be a multiple of BLOCK).
-            run_valid = tl.minimum(numel // SRC_GROUP * SRC_GROUP - run_first, GROUP - first)
-            values = _source_values(elem, load_ok, run_first, run_valid, x_ptr, y_ptr, multiplier,
-                                    src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
-                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP,
-                                    GROUPS_PER_PROGRAM, BLOCK, GROUP)
-            values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
+            values = _slice_values(base, cols, first, row_ok, row_len, chunk, pid, numel,
+                                   chunk_end, x_ptr, y_ptr, multiplier, src_codes_ptr,
+                                   src_scales_ptr, src_codes_stride, src_scales_stride,
+                                   SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, TAIL, SRC_BITS,
+                                   SRC_GROUP, NUM_CHUNKS, GROUPS_PER_PROGRAM, BLOCK, GROUP,
+                                   HADAMARD)
             absmax = _max_keeping_nan(absmax, _row_absmax(values))
         scale, inv = _scale_of(absmax, BITS)
         for first in range(0, GROUP, BLOCK):
-            elem = rows[:, None] * GROUP + (first + cols)[None, :]
-            load_ok = _load_mask(row_ok, row_len, first + cols, GROUP, BLOCK, TAIL)
-            run_first = pid * GROUP + first  # sliced groups: one group per program
-            # Up to the end of the source or of this group, whichever comes first (a
-            # last slice may reach past the group: GROUP need not be a multiple of BLOCK).
-            run_valid = tl.minimum(numel // SRC_GROUP * SRC_GROUP - run_first, GROUP - first)
-            values = _source_values(elem, load_ok, run_first, run_valid, x_ptr, y_ptr, multiplier,
-                                    src_codes_ptr, src_scales_ptr, num_chunks, chunk_numel,
-                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, SRC_BITS, SRC_GROUP,
-                                    GROUPS_PER_PROGRAM, BLOCK, GROUP)
-            values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
-            _store_codes(values, inv, elem, rows, row_ok, first, codes_ptr, seed_ptr,
+            values = _slice_values(base, cols, first, row_ok, row_len, chunk, pid, numel,
+                                   chunk_end, x_ptr, y_ptr, multiplier, src_codes_ptr,
+                                   src_scales_ptr, src_codes_stride, src_scales_stride,
+                                   SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, TAIL, SRC_BITS,
+                                   SRC_GROUP, NUM_CHUNKS, GROUPS_PER_PROGRAM, BLOCK, GROUP,
+                                   HADAMARD)
+            _store_codes(values, inv, groups, noise_base, row_ok, first, codes_ptr, seed_ptr,
                          BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
     # Stored as a [ROWS, 1] column: a [ROWS] vector's store has a layout of its own,
     # which made the compiler convert the whole tile into a second layout for the
     # absmax reduction (one more round trip through shared memory).
-    tl.store(scales_ptr + rows[:, None], scale[:, None], mask=row_ok[:, None])
+    tl.store(scales_ptr + groups[:, None], scale[:, None], mask=row_ok[:, None])
+
+
+@triton.jit
+def _slice_values(base, cols, first, row_ok, row_len, chunk, pid, numel, chunk_end,
+                  x_ptr, y_ptr, multiplier, src_codes_ptr, src_scales_ptr, src_codes_stride,
+                  src_scales_stride, SOURCE: tl.constexpr, X_BF16: tl.constexpr,
+                  HAS_Y: tl.constexpr, Y_BF16: tl.constexpr, SCALED: tl.constexpr,
+                  TAIL: tl.constexpr, SRC_BITS: tl.constexpr, SRC_GROUP: tl.constexpr,
+                  NUM_CHUNKS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                  GROUP: tl.constexpr, HADAMARD: tl.constexpr):
+    """Columns [first, first + BLOCK) of a sliced group (one group per program), transformed."""
+    if TAIL:  # row_len <= GROUP (0 for rows past the end): bounds the group too
+        load_ok = cols[None, :] < (row_len - first)[:, None]
+    elif GROUP % BLOCK == 0:  # every slice is whole
+        load_ok = row_ok[:, None] & (cols < BLOCK)[None, :]
+    else:  # the last slice reaches past the group
+        load_ok = row_ok[:, None] & (cols < GROUP - first)[None, :]
+    run_first = chunk * numel + pid * GROUP + first
+    # Up to the end of the chunk or of this group, whichever comes first (a last
+    # slice may reach past the group: GROUP need not be a multiple of BLOCK).
+    run_valid = tl.minimum(chunk_end - run_first, GROUP - first)
+    values = _source_values(base + first, cols, load_ok, run_first, run_valid, x_ptr, y_ptr,
+                            multiplier, src_codes_ptr, src_scales_ptr, src_codes_stride,
+                            src_scales_stride, SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED,
+                            SRC_BITS, SRC_GROUP, NUM_CHUNKS, ROWS, BLOCK, GROUP)
+    return _transformed(values, ROWS, BLOCK, HADAMARD)

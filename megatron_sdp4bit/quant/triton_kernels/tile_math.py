@@ -129,12 +129,14 @@ def dequantize_elements(codes_ptr, scales_ptr, elem, mask, BITS: tl.constexpr, G
 
 
 @triton.jit
-def dequantized_chunk_sum(codes_ptr, scales_ptr, elem, mask, num_chunks, chunk_numel,
-                          BITS: tl.constexpr, GROUP: tl.constexpr):
-    """fp32 sum over chunks 0..num_chunks-1 (in that order) of element ``elem`` of each chunk."""
+def dequantized_chunk_sum(codes_ptr, scales_ptr, codes_stride, scales_stride, elem, mask,
+                          NUM_CHUNKS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 sum over chunks 0..NUM_CHUNKS-1 (in that order) of element ``elem`` of each
+    chunk; chunk j's codes and scales lie ``j * codes_stride`` bytes and ``j *
+    scales_stride`` scales after chunk 0's."""
     total = dequantize_elements(codes_ptr, scales_ptr, elem, mask, BITS, GROUP)
-    offsets = elem  # int64; advancing it avoids an int32 chunk * chunk_numel product
-    for _ in range(1, num_chunks):
-        offsets += chunk_numel
-        total += dequantize_elements(codes_ptr, scales_ptr, offsets, mask, BITS, GROUP)
+    for j in tl.static_range(1, NUM_CHUNKS):
+        total += dequantize_elements(codes_ptr + j * codes_stride.to(tl.int64),
+                                     scales_ptr + j * scales_stride.to(tl.int64),
+                                     elem, mask, BITS, GROUP)
     return total
