@@ -43,7 +43,7 @@ STEPS = ("compile", "tests", "large", "dispatch")
 CPU_TESTS = ("quantize_nearest_is_bit_identical or dequantize_is_bit_identical or test_received_8bit"
              " or k_chunk_consumers_read_like_the_flat_layout or rows_op_nearest")
 TEST_FILES = ("tests/quant/test_triton.py", "tests/quant/test_triton_chunks.py",
-              "tests/quant/test_warmup.py", "tests/comm/test_comm_staging.py")
+              "tests/quant/test_warmup.py")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

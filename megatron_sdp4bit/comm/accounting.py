@@ -6,8 +6,10 @@ left this rank, split by
 - collective: ``all_gather`` (weights) or ``reduce_scatter`` (gradients);
 - level: ``intra`` (to peers on this rank's physical node) or ``inter``
   (to peers on other nodes);
-- kind: ``codes`` and ``scales`` (quantized payload) or ``values``
-  (unquantized payload, from the exact paths);
+- kind: ``codes`` and ``scales`` (quantized payload), ``padding`` (the
+  alignment gaps of a one-buffer message: every peer's segment starts on a
+  16-byte boundary, at most 30 bytes per peer and message, see ``quant/wire.py``)
+  or ``values`` (unquantized payload, from the exact paths);
 
 plus the number of elements those bytes carry (padding included) and the
 bytes the exact torch.distributed collective would have sent for the same
@@ -28,7 +30,7 @@ from typing import Optional
 
 COLLECTIVES = ("all_gather", "reduce_scatter")
 LEVELS = ("intra", "inter")
-KINDS = ("codes", "scales", "values")
+KINDS = ("codes", "scales", "padding", "values")
 _FIELDS = KINDS + ("elements", "exact")
 
 
@@ -45,7 +47,7 @@ class WireStats:
 
     def sent_bytes(self, collective: Optional[str] = None, level: Optional[str] = None,
                    kind: Optional[str] = None) -> int:
-        """Bytes that left this rank (codes + scales + values unless ``kind`` says)."""
+        """Bytes that left this rank (codes + scales + padding + values unless ``kind`` says)."""
         return self._sum(KINDS if kind is None else (kind,), collective, level)
 
     def exact_bytes(self, collective: Optional[str] = None, level: Optional[str] = None) -> int:

@@ -7,11 +7,12 @@ rank r receives in ``output`` shard r of the sum (or mean) over ranks.
 Quantized path, per pipeline chunk (each chunk covers the same slice of every
 shard):
 
-1. gather the chunk's slices of all P shards in ``Topology.send_order``
-   (the layout that makes the two hops compose to a plain reduce-scatter),
-   zero-padded to the group-size alignment;
-2. quantize ``H(x / P or x)`` (Hadamard in blocks for TLq-HS) at the first
-   hop's bits, all-to-all codes and scales inside the node;
+1. quantize ``H(x / P or x)`` (Hadamard in blocks for TLq-HS) of the chunk's
+   slices of all P shards taken in ``Topology.send_order`` (the layout that
+   makes the two hops compose to a plain reduce-scatter), each zero-padded to
+   the group-size alignment: one kernel reads the slices where they are
+   (``quant.hadamard_quantize_rows``), and writes every peer's codes and scales
+   into one buffer, which one all-to-all sends inside the node;
 3. two levels only: dequantize the L received chunks, sum in fp32, requantize
    at the inter-node bits, all-to-all across nodes;
 4. dequantize the received chunks, sum in fp32, inverse Hadamard, write the
@@ -20,7 +21,7 @@ shard):
 Chunk i+1's first hop is in flight while chunk i's second hop runs. A chunk
 holds at most ``MAX_CHUNK_ELEMENTS`` (more chunks than ``pipeline_chunks`` where
 needed), and chunks are launched one after another as earlier ones finish, so
-the scratch is a few chunks' codes whatever the bucket size. With
+the buffers are a few chunks' codes whatever the bucket size. With
 ``async_op=True`` the first chunk's first hop starts at call time and the rest in
 the handle's ``wait()``: Megatron overlaps a bucket's reduce-scatter with the
 backward pass and completes it when the next bucket's starts (on a GPU that
@@ -38,16 +39,20 @@ import torch.distributed as dist
 from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
 from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
-from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, Chunk, chunk_count, chunk_plan, lcm
+from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import Level, Topology, get_topology, peer_split
+from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant import (
     QuantizedTensor,
     dequantize_sum,
     dequantize_sum_requantize,
-    hadamard_quantize,
+    hadamard_quantize_rows,
+    segment_layout,
+    segment_nbytes,
+    wire_view,
 )
 
 _COLLECTIVE = "reduce_scatter"
@@ -62,6 +67,7 @@ def quantized_reduce_scatter(
     config: Optional[SDP4BitConfig] = None,
     async_op: bool = False,
     generator: Optional[torch.Generator] = None,
+    workspace: Optional[Workspace] = None,
 ) -> Optional[PendingCollective]:
     """Reduce-scatter ``input`` into ``output`` over ``group`` as ``config.grad_mode`` says.
 
@@ -69,8 +75,10 @@ def quantized_reduce_scatter(
     rank's own shard of ``input`` (Megatron passes the bucket's local shard):
     each chunk reads its columns of every shard before it writes those columns
     of the output, and chunks do not share columns. ``generator``
-    overrides this rank's stochastic-rounding stream. Returns None, or with
-    ``async_op`` a handle whose ``wait()`` finishes the collective.
+    overrides this rank's stochastic-rounding stream. ``workspace`` keeps the send
+    and receive buffers for the next call (see ``comm/workspace.py`` for when one
+    may be shared); without one they are allocated for this call. Returns None, or
+    with ``async_op`` a handle whose ``wait()`` finishes the collective.
     """
     config = config if config is not None else SDP4BitConfig()
     group = group if group is not None else dist.group.WORLD
@@ -89,7 +97,7 @@ def quantized_reduce_scatter(
         return reduce_scatter_flat(output, input, op, group, async_op)
     topology = get_topology(group, config.ranks_per_node)
     run = _QuantizedReduceScatter(output, input, op == dist.ReduceOp.AVG, topology, config,
-                                  generator)
+                                  generator, workspace if workspace is not None else Workspace())
     if async_op:
         run.launch()  # the first chunk's hop now, in flight while the caller goes on
         return PendingCollective(run.finish)
@@ -111,25 +119,6 @@ def _validate(output: torch.Tensor, input: torch.Tensor, op, dp_size: int) -> No
         )
 
 
-def stage_chunk_rows(rows: torch.Tensor, chunk: Chunk, send_order: tuple,
-                     order_index: Optional[torch.Tensor]) -> torch.Tensor:
-    """``chunk``'s slice of every shard (``rows``: [P, shard]) in ``send_order``,
-    zero-padded to ``chunk.padded``, flat: at most one copy of the chunk (no
-    reordered temporary before the padding). ``order_index``: ``send_order`` as a
-    tensor on ``rows``' device, None when it is the identity."""
-    piece = rows[:, chunk.start: chunk.start + chunk.valid]
-    if chunk.valid == chunk.padded:
-        if order_index is None:
-            return piece.reshape(-1)  # a view when the bucket is one chunk
-        staged = rows.new_empty(rows.shape[0], chunk.padded)
-        return torch.index_select(piece, 0, order_index, out=staged).view(-1)
-    # The last chunk of an unaligned shard: zero padding after each row.
-    staged = rows.new_zeros(rows.shape[0], chunk.padded)
-    for row, source in enumerate(send_order):
-        staged[row, : chunk.valid].copy_(piece[source])
-    return staged.view(-1)
-
-
 def _hop_format(level: Level, config: SDP4BitConfig) -> tuple[int, int]:
     """(bits, group size) on a hop: intra-node hops at the high width, inter-node at the low."""
     if level.name == "intra":
@@ -142,15 +131,18 @@ class _QuantizedReduceScatter:
 
     A chunk goes through up to three stages: quantize and start the first hop;
     (two levels) wait for it, sum, requantize and start the second hop; wait and
-    write the output. Chunk i+1's hop is in flight while chunk i is summed, and a
-    chunk's buffers are dropped once it is written, so the scratch is a few
-    chunks', not the bucket's.
+    write the output. Chunk i+1's hop is in flight while chunk i is summed. Each hop
+    sends one buffer (every peer's codes and scales in one segment,
+    ``quant.wire_view``), taken from ``workspace`` in two slots that the chunks
+    use in turn: chunk i + 2 takes chunk i's, whose hops have completed by then.
     """
 
-    def __init__(self, output, input, average, topology: Topology, config, generator):
+    def __init__(self, output, input, average, topology: Topology, config, generator,
+                 workspace: Workspace):
         self.output = output.view(-1)
         self.topology = topology
         self.config = config
+        self.workspace = workspace
         self.levels = topology.levels
         self.formats = [_hop_format(level, config) for level in self.levels]
         self.block = config.hadamard_block if config.use_hadamard else None
@@ -158,7 +150,7 @@ class _QuantizedReduceScatter:
         self.shard = output.numel()
         chunks = chunk_count(self.shard, topology.dp_size, config.pipeline_chunks,
                              MAX_CHUNK_ELEMENTS)
-        self.unlaunched = deque(chunk_plan(self.shard, align, chunks))
+        self.unlaunched = deque(enumerate(chunk_plan(self.shard, align, chunks)))
         self.rows = input.view(topology.dp_size, self.shard)
         self.order = topology.send_order_index(input.device)
         self.scale = 1.0 / topology.dp_size if average else 1.0
@@ -184,64 +176,73 @@ class _QuantizedReduceScatter:
             self._write(*self.second_hop.popleft())
 
     def _start_first_hop(self) -> None:
-        chunk = self.unlaunched.popleft()
+        index, chunk = self.unlaunched.popleft()
         bits, group_size = self.formats[0]
-        q = hadamard_quantize(self._chunk_rows(chunk), bits=bits, group_size=group_size,
-                              hadamard_block=self.block, rounding=self.config.rounding,
-                              generator=self.generator, scale=self.scale)
-        self.first_hop.append((chunk, self._exchange(q, 0)))
+        outgoing, send = self._send_buffer(index, 0, self.topology.dp_size * chunk.padded)
+        hadamard_quantize_rows(self.rows, self.order, chunk.start, chunk.valid, chunk.padded,
+                               bits=bits, group_size=group_size, hadamard_block=self.block,
+                               rounding=self.config.rounding, generator=self.generator,
+                               scale=self.scale, out=send)
+        self.first_hop.append(((index, chunk), self._exchange(index, outgoing, send, 0)))
 
     def _advance(self, keep: int) -> None:
         """Move all but ``keep`` first-hop chunks on to their last hop, writing each
         chunk out once the next one's last hop is in flight."""
         while len(self.first_hop) > keep:
-            chunk, state = self.first_hop.popleft()
-            self.second_hop.append((chunk, self._second_hop(state)))
+            (index, chunk), state = self.first_hop.popleft()
+            if len(self.levels) == 1:  # the first hop was the last: write it now, so that
+                self._write(chunk, state)  # its slot is free before chunk i + 2 takes it
+                continue
+            self.second_hop.append((chunk, self._second_hop(index, chunk, state)))
             while len(self.second_hop) > 1:
                 self._write(*self.second_hop.popleft())
 
-    def _second_hop(self, state):
-        """Two levels: sum the node's L pieces, requantize, start the inter-node hop."""
-        if len(self.levels) == 1:
-            return state  # one level: the first hop was the last
+    def _second_hop(self, index: int, chunk: Chunk, state):
+        """Sum the node's L pieces, requantize, start the inter-node hop."""
         bits, group_size = self.formats[1]
-        q = dequantize_sum_requantize(self._arrived(state), num_chunks=self.levels[0].size,
-                                      bits=bits, group_size=group_size,
-                                      rounding=self.config.rounding, generator=self.generator)
-        return self._exchange(q, 1)
+        numel = self.topology.dp_size * chunk.padded // self.levels[0].size
+        outgoing, send = self._send_buffer(index, 1, numel)
+        dequantize_sum_requantize(self._arrived(state), num_chunks=self.levels[0].size, bits=bits,
+                                  group_size=group_size, rounding=self.config.rounding,
+                                  generator=self.generator, out=send)
+        return self._exchange(index, outgoing, send, 1)
 
     # --- helpers -----------------------------------------------------------------
-    def _chunk_rows(self, chunk: Chunk) -> torch.Tensor:
-        return stage_chunk_rows(self.rows, chunk, self.topology.send_order, self.order)
+    def _send_buffer(self, index: int, hop: int, numel: int):
+        """Hop ``hop``'s send buffer for ``numel`` elements (bytes, and their wire view with
+        one segment per peer), in the slot of chunk ``index``."""
+        peers = self.levels[hop].size
+        bits, group_size = self.formats[hop]
+        nbytes = peers * segment_nbytes(numel // peers, bits, group_size)
+        buffer = self.workspace.buffer(f"grads hop {hop} send {index % 2}", nbytes,
+                                       self.rows.device)
+        return buffer, wire_view(buffer, peers, numel // peers, bits, group_size)
 
-    def _exchange(self, q: QuantizedTensor, hop: int):
-        """Start the all-to-all of ``q``'s codes and scales on hop ``hop``; record the bytes."""
+    def _exchange(self, index: int, outgoing: torch.Tensor, send: QuantizedTensor, hop: int):
+        """Start hop ``hop``'s all-to-all of ``outgoing`` (``send``'s bytes); record them."""
         level = self.levels[hop]
-        codes, scales = q.codes.contiguous(), q.scales.contiguous()
-        recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
-        works = [all_to_all_equal(recv_codes, codes, level.group),
-                 all_to_all_equal(recv_scales, scales, level.group)]
-        self._record(level, codes, scales, q.numel)
-        received = QuantizedTensor(codes=recv_codes, scales=recv_scales, bits=q.bits,
-                                   group_size=q.group_size, numel=q.numel, dtype=torch.float32)
-        # Keep the send buffers alive until the transfer is done.
-        return received, works, (codes, scales)
+        bits, group_size = self.formats[hop]
+        chunk_numel = send.numel // level.size
+        incoming = self.workspace.buffer(f"grads hop {hop} receive {index % 2}",
+                                         outgoing.numel(), self.rows.device)
+        work = all_to_all_equal(incoming, outgoing, level.group)
+        self._record(level, segment_layout(chunk_numel, bits, group_size), chunk_numel)
+        return wire_view(incoming, level.size, chunk_numel, bits, group_size), work
 
-    def _record(self, level: Level, codes, scales, numel: int) -> None:
+    def _record(self, level: Level, layout, chunk_numel: int) -> None:
         if len(self.levels) == 1:  # a flat hop reaches peers on this node and others
             intra, inter = self.topology.same_node_peers, self.topology.other_node_peers
         else:
             intra, inter = (level.size - 1, 0) if level.name == "intra" else (0, level.size - 1)
-        record_peer_sends(_COLLECTIVE, intra, inter,
-                          codes=codes.numel() * codes.element_size() // level.size,
-                          scales=scales.numel() * scales.element_size() // level.size,
-                          elements=numel // level.size)
+        scales = 4 * layout.groups
+        record_peer_sends(_COLLECTIVE, intra, inter, codes=layout.codes_nbytes, scales=scales,
+                          padding=layout.nbytes - layout.codes_nbytes - scales,
+                          elements=chunk_numel)
 
     @staticmethod
     def _arrived(state) -> QuantizedTensor:
-        received, works, _ = state
-        for work in works:
-            work.wait()
+        received, work = state
+        work.wait()
         return received
 
     def _write(self, chunk: Chunk, state) -> None:
@@ -250,6 +251,6 @@ class _QuantizedReduceScatter:
         dest = self.output[chunk.start: chunk.start + chunk.valid]
         if chunk.valid == chunk.padded:
             dequantize_sum(received, num_chunks=peers, inverse_hadamard_block=self.block, out=dest)
-        else:
+        else:  # the shard's unaligned end: the sum's padding is not the caller's
             total = dequantize_sum(received, num_chunks=peers, inverse_hadamard_block=self.block)
             dest.copy_(total[: chunk.valid])

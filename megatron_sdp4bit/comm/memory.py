@@ -1,34 +1,40 @@
 """Memory the SDP4Bit layer adds on a rank: pure arithmetic over the buffers it allocates.
 
-Two kinds, reported separately because they scale differently:
+Three kinds, reported separately because they scale differently:
 
 - **held**, from one step to the next: qWD's exact fp32 main shard of every
   bucket (1/DP of it, 4 bytes per element), which the next step's difference is
   taken against; with fp32 parameters also the reconstructed weights set aside
   while the optimizer steps (another 1/DP). Nothing is held when the weights are
   not quantized or DP is 1.
-- **scratch**, alive while a collective runs: the code and scale buffers of the
-  quantized all-gather and reduce-scatter, counted as the GPU (Triton) path
-  allocates them, whose kernels allocate only their outputs. A reduce-scatter
-  works in chunks of at most ``MAX_CHUNK_ELEMENTS`` launched one after another
-  and keeps a few alive (megatron makes one bucket of every parameter without
-  --overlap-grad-reduce); with --overlap-grad-reduce a bucket's reduce-scatter
-  completes when the next bucket's starts, which has one chunk in flight by then.
-  A synchronous all-gather works in slices of that size; an overlapped one
-  gathers a whole bucket, two buckets at a time. Scratch is an upper bound: it
-  counts every buffer of the step where most are alive at once.
+- **buffers**: the send and receive buffers the collectives reuse from call to
+  call (``comm/workspace.py``), kept from the first step on. A reduce-scatter
+  works in chunks of at most ``MAX_CHUNK_ELEMENTS`` that take turns on two slots
+  (megatron makes one bucket of every parameter without --overlap-grad-reduce);
+  with --overlap-grad-reduce the layer gives each bucket position of a bucket group
+  its own set (the buckets of a group are in flight together), without it one set
+  serves all (each call completes before the next). A synchronous weight all-gather works in
+  slices of that size, two slots shared by all buckets; an overlapped one gathers
+  a whole bucket, and every bucket keeps its own (all may be in flight).
+- **scratch**, alive while a collective runs: what ``comm`` allocates per call
+  besides those (the fp32 sum of a shard's unaligned last chunk, qW's dequantized
+  weights, and with --overlap-param-gather the buffers of a forced synchronous
+  gather before an evaluation or a checkpoint), counted as the GPU (Triton) path
+  allocates them, whose kernels allocate nothing of their own with ``out=``.
 
-The counts follow ``comm/weights.py``, ``comm/gradients.py`` and
-``megatron/grad_sync.py``; a change to what those allocate belongs here too.
+The counts follow ``comm/weights.py``, ``comm/gradients.py`` and the layer's use
+of workspaces (``megatron/grad_sync.py``, ``megatron/param_sync.py``), name for
+name: a change to what those allocate belongs here too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Dict, Iterable, Optional, Sequence
 
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, lcm
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant.types import QuantizedTensor, num_groups
+from megatron_sdp4bit.quant.wire import segment_nbytes
 
 SCALE_BYTES = 4  # one fp32 scale per group
 MAIN_BYTES = 4  # fp32 main weights
@@ -45,19 +51,23 @@ class LayerMemory:
     """Model parameters on this rank (the denominator of the per-parameter figures)."""
     held_bytes: int
     scratch_bytes: int
+    buffer_bytes: int = 0
+    """The collectives' reused send and receive buffers."""
 
     def per_param(self, nbytes: int) -> float:
         return nbytes / self.params if self.params else 0.0
 
     @property
     def total_bytes(self) -> int:
-        return self.held_bytes + self.scratch_bytes
+        return self.held_bytes + self.buffer_bytes + self.scratch_bytes
 
     def describe(self) -> str:
         return (f"+{self.per_param(self.total_bytes):.2f} B/param per rank at most: "
                 f"{self.per_param(self.held_bytes):.2f} held (fp32 main shards, "
-                f"{self.held_bytes / 2**20:.1f} MiB) + {self.per_param(self.scratch_bytes):.2f} "
-                f"scratch during a collective ({self.scratch_bytes / 2**20:.1f} MiB)")
+                f"{self.held_bytes / 2**20:.1f} MiB) + {self.per_param(self.buffer_bytes):.2f} "
+                f"reused send/receive buffers ({self.buffer_bytes / 2**20:.1f} MiB) + "
+                f"{self.per_param(self.scratch_bytes):.2f} scratch during a collective "
+                f"({self.scratch_bytes / 2**20:.1f} MiB)")
 
 
 def held_bytes(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig,
@@ -69,82 +79,128 @@ def held_bytes(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig,
     return sum(per_element * (numel // dp) for numel in bucket_numels)
 
 
-def weight_gather_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig,
-                          whole_bucket: bool = True) -> int:
-    """One bucket's qW/qWD all-gather: this rank's codes and every rank's. (Exact
-    gathers are megatron's own and add nothing.) ``whole_bucket``: gathered at once
-    (async, with --overlap-param-gather); otherwise slice by slice, two slices alive."""
+def _grad_hops(dp: int, config: SDP4BitConfig, node_members: int) -> list:
+    """(peers, bits, group size) of each hop, as the topology lays them out:
+    ``node_members`` DP ranks per node (1: one inter-node level; 0 or dp: one node)."""
+    intra = (config.effective_grad_bits_intra, config.grad_group_size_intra)
+    inter = (config.grad_bits_inter, config.grad_group_size_inter)
+    if 1 < node_members < dp:
+        return [(node_members,) + intra, (dp // node_members,) + inter]
+    return [(dp,) + (inter if node_members == 1 else intra)]
+
+
+def _merge_max(demands: Iterable[Dict[str, int]]) -> Dict[str, int]:
+    """What one workspace keeps after serving these demands: the largest per name."""
+    merged: Dict[str, int] = {}
+    for demand in demands:
+        for name, nbytes in demand.items():
+            merged[name] = max(merged.get(name, 0), nbytes)
+    return merged
+
+
+def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
+                       node_members: int) -> Dict[str, int]:
+    """Bytes per workspace buffer name that one bucket's quantized reduce-scatter asks for."""
     shard = bucket_numel // dp
-    if dp == 1 or shard == 0 or not config.quantize_weights:
-        return 0
-    one = lambda n: (dp + 1) * quantized_nbytes(n, config.weight_bits, config.weight_group_size)  # noqa: E731
-    if whole_bucket:
-        return one(shard)
-    groups = max(1, MAX_CHUNK_ELEMENTS // (dp * config.weight_group_size))
-    step = min(shard, groups * config.weight_group_size)
-    return one(step) * (2 if step < shard else 1)
+    if dp == 1 or shard == 0 or not config.quantize_grads:
+        return {}
+    hops = _grad_hops(dp, config, node_members)
+    block = config.hadamard_block if config.use_hadamard else 1
+    align = lcm(*(group for _, _, group in hops), block)
+    plan = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks, MAX_CHUNK_ELEMENTS))
+    demands = []
+    for index, chunk in enumerate(plan):
+        numel = dp * chunk.padded
+        for hop, (peers, bits, group) in enumerate(hops):
+            nbytes = peers * segment_nbytes(numel // peers, bits, group)
+            demands.append({f"grads hop {hop} {kind} {index % 2}": nbytes
+                            for kind in ("send", "receive")})
+            numel //= peers
+    return _merge_max(demands)
 
 
-def grad_scatter_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig, node_members: int,
-                         grad_bytes: int, overlapped: bool) -> int:
-    """One bucket's quantized reduce-scatter at its fullest.
-
-    ``node_members``: DP ranks per node when the reduce-scatter has two levels
-    (intra- then inter-node), 0 or ``dp`` when it has one.
-    Chunks are launched one after another, sync or async alike: at most two
-    chunks' first hops, two second hops and one chunk's staging copy are alive.
-    ``overlapped`` (--overlap-grad-reduce): the bucket is completed when the next
-    bucket's reduce-scatter is about to start, whose first chunk then goes in
-    flight (an upper bound: on a GPU the completed bucket's last buffers may still
-    be in use by the transfer when the next one's are allocated).
-    """
+def grad_scatter_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig) -> int:
+    """Bytes one bucket's quantized reduce-scatter allocates per call besides its
+    workspace: the fp32 sum of the shard's last chunk when it is not group-aligned."""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_grads:
         return 0
-    intra_bits = config.effective_grad_bits_intra
-    formats = [(intra_bits, config.grad_group_size_intra)]
-    two_level = 1 < node_members < dp
-    if two_level:
-        formats.append((config.grad_bits_inter, config.grad_group_size_inter))
     block = config.hadamard_block if config.use_hadamard else 1
-    align = lcm(*(group for _, group in formats), block)
-    chunks = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks,
-                                                  MAX_CHUNK_ELEMENTS))
+    align = lcm(config.grad_group_size_intra, config.grad_group_size_inter, block)
+    last = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks,
+                                                MAX_CHUNK_ELEMENTS))[-1]
+    return MAIN_BYTES * last.padded if last.valid < last.padded else 0
 
-    def first_hop(chunk):  # send and receive buffers over all DP shards of the chunk
-        return 2 * quantized_nbytes(dp * chunk.padded, *formats[0])
 
-    def second_hop(chunk):
-        if not two_level:
-            return 0
-        return 2 * quantized_nbytes(dp * chunk.padded // node_members, *formats[1])
+def _weight_slices(shard: int, dp: int, config: SDP4BitConfig, whole_bucket: bool) -> list:
+    if whole_bucket:
+        return [shard]
+    groups = max(1, MAX_CHUNK_ELEMENTS // (dp * config.weight_group_size))
+    step = min(shard, groups * config.weight_group_size)
+    return [min(step, shard - start) for start in range(0, shard, step)]
 
-    def staging(chunk):  # the chunk's rows in send order, zero-padded; the summed output
-        # one copy unless the chunk's rows are the bucket itself, in order and unpadded
-        copied = two_level or len(chunks) > 1 or chunk.valid < chunk.padded
-        return copied * dp * chunk.padded * grad_bytes + MAIN_BYTES * chunk.padded
 
-    largest = max(chunks, key=lambda c: c.padded)
-    pipeline = 2 * first_hop(largest) + 2 * second_hop(largest) + staging(largest)
-    return pipeline + (first_hop(largest) if overlapped else 0)
+def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
+                         whole_bucket: bool) -> Dict[str, int]:
+    """Bytes per workspace buffer name of one bucket's qW/qWD all-gather: this rank's
+    segment and every rank's. (Exact gathers are megatron's own and add nothing.)
+    ``whole_bucket``: gathered at once (async, with --overlap-param-gather); otherwise
+    slice by slice in two slots."""
+    shard = bucket_numel // dp
+    if dp == 1 or shard == 0 or not config.quantize_weights:
+        return {}
+    demands = []
+    for index, n in enumerate(_weight_slices(shard, dp, config, whole_bucket)):
+        own = segment_nbytes(n, config.weight_bits, config.weight_group_size)
+        demands.append({f"weights send {index % 2}": own, f"weights gather {index % 2}": dp * own})
+    return _merge_max(demands)
+
+
+def weight_gather_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig,
+                          whole_bucket: bool = True) -> int:
+    """Bytes one bucket's weight all-gather allocates per call besides its workspace:
+    qW's dequantized fp32 weights of a slice (qWD adds into the model buffer in place)."""
+    shard = bucket_numel // dp
+    if dp == 1 or shard == 0 or config.weight_mode != "direct":
+        return 0
+    return MAIN_BYTES * dp * max(_weight_slices(shard, dp, config, whole_bucket))
 
 
 def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *,
                  params: int, node_members: int, fp32_params: bool,
                  grad_bytes: int = 4, overlap_grad_reduce: bool = False,
-                 overlap_param_gather: bool = False) -> LayerMemory:
-    """Held bytes and the scratch peak of one rank for buckets of these sizes.
+                 overlap_param_gather: bool = False,
+                 grad_positions: Optional[Sequence[int]] = None) -> LayerMemory:
+    """Held bytes, reused buffers and the scratch peak of one rank for buckets of these sizes.
 
-    Gradients and weights are not in flight at the same time (backward, then the
-    optimizer and the next forward), so the peak is the larger of the two phases.
+    ``grad_positions``: the gradient workspace each bucket uses (the layer's: its
+    position in its bucket group when reduce-scatters overlap the backward pass, 0 for
+    all when they do not); default all 0. Gradients and weights are not in flight at
+    the same time (backward, then the optimizer and the next forward), so the scratch
+    peak is the larger of the two phases. ``grad_bytes`` and ``overlap_grad_reduce``
+    no longer change the figures (the first hop reads the gradients in place); they
+    are kept for callers that pass them.
     """
-    buckets = sorted((int(n) for n in bucket_numels), reverse=True)
-    grads = [grad_scatter_scratch(n, dp, config, node_members, grad_bytes,
-                                  overlapped=overlap_grad_reduce) for n in buckets]
-    gathers = [weight_gather_scratch(n, dp, config, whole_bucket=overlap_param_gather)
-               for n in buckets]
-    grad_peak = max(grads, default=0)
-    in_flight = 2  # overlapped gathers: the next bucket's starts before this one's ends
-    gather_peak = sum(sorted(gathers, reverse=True)[:in_flight if overlap_param_gather else 1])
+    buckets = [int(n) for n in bucket_numels]
+    positions = list(grad_positions) if grad_positions is not None else [0] * len(buckets)
+    by_position: Dict[int, list] = {}
+    for numel, position in zip(buckets, positions):
+        by_position.setdefault(position, []).append(grad_buffer_demand(numel, dp, config, node_members))
+    grad_buffers = sum(sum(_merge_max(demands).values()) for demands in by_position.values())
+    weight_demands = [weight_buffer_demand(n, dp, config, whole_bucket=overlap_param_gather)
+                      for n in buckets]
+    if overlap_param_gather:  # a workspace per bucket
+        weight_buffers = sum(sum(d.values()) for d in weight_demands)
+    else:  # one workspace for all
+        weight_buffers = sum(_merge_max(weight_demands).values())
+    grad_peak = max((grad_scatter_scratch(n, dp, config) for n in buckets), default=0)
+    gathers = sorted((weight_gather_scratch(n, dp, config, overlap_param_gather) for n in buckets),
+                     reverse=True)
+    gather_peak = sum(gathers[:2 if overlap_param_gather else 1])  # next one starts first
+    if overlap_param_gather:  # a forced synchronous gather keeps no buffers: scratch
+        gather_peak = max([gather_peak] + [
+            sum(weight_buffer_demand(n, dp, config, whole_bucket=False).values())
+            + weight_gather_scratch(n, dp, config, whole_bucket=False) for n in buckets])
     return LayerMemory(params=params, held_bytes=held_bytes(buckets, dp, config, fp32_params),
+                       buffer_bytes=grad_buffers + weight_buffers,
                        scratch_bytes=max(grad_peak, gather_peak, 0))

@@ -5,7 +5,8 @@ buffer (bf16 or fp32), identical on all ranks, and owns shard r of it (the
 contiguous slice r of P equal slices) as an fp32 main-weight shard that the
 optimizer just updated. The all-gather brings every rank's buffer up to date.
 
-- ``diff`` (qWD): quantize ``main - model[r]``, all-gather codes and scales, and
+- ``diff`` (qWD): quantize ``main - model[r]``, all-gather codes and scales (one
+  buffer per rank: its codes, then its scales, ``quant.wire_view``), and
   on every rank add the dequantized differences into *all* shards, the owner's
   included. Every rank applies the same bytes with the same arithmetic, so the
   buffers stay bit-identical; and since the next difference is taken against
@@ -29,6 +30,7 @@ from megatron_sdp4bit.comm.primitives import all_gather_flat
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import peer_split
+from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant import (
     QuantizedTensor,
@@ -36,6 +38,8 @@ from megatron_sdp4bit.quant import (
     dequantize_add_,
     quantize,
     quantize_weight_diff,
+    segment_layout,
+    wire_view,
 )
 
 _COLLECTIVE = "all_gather"
@@ -48,6 +52,7 @@ def quantized_all_gather_weights(
     config: Optional[SDP4BitConfig] = None,
     async_op: bool = False,
     generator: Optional[torch.Generator] = None,
+    workspace: Optional[Workspace] = None,
 ) -> Optional[PendingCollective]:
     """Update ``model_buffer`` on every rank of ``group`` from all ranks' ``main_shard``.
 
@@ -57,7 +62,8 @@ def quantized_all_gather_weights(
     group size come from ``config`` (default: qWD, 4 bits, group 2048,
     stochastic rounding). Like ``all_gather_into_tensor``: returns None, or with
     ``async_op`` a handle whose ``wait()`` applies the update. Do not touch
-    ``model_buffer`` between the call and ``wait()``.
+    ``model_buffer`` between the call and ``wait()``. ``workspace`` keeps the send
+    and gather buffers for the next call (``comm/workspace.py``).
     """
     config = config if config is not None else SDP4BitConfig()
     group = group if group is not None else dist.group.WORLD
@@ -81,37 +87,47 @@ def quantized_all_gather_weights(
     gen = pick_generator(generator, config.rounding, main_shard.device, config.seed,
                          dist.get_rank(), "weights")
     own = flat[rank * shard: (rank + 1) * shard]
+    targets = flat.view(dp_size, shard)  # row r: rank r's shard
     add = config.weight_mode == "diff"
+    space = workspace if workspace is not None else Workspace()
 
-    def gather(start: int, stop: int) -> _Gather:
-        """Quantize this rank's ``[start, stop)`` and start gathering every rank's."""
+    def gather(start: int, stop: int, slot: int) -> _Gather:
+        """Quantize this rank's ``[start, stop)`` into its segment, start gathering every rank's."""
+        n = stop - start
+        layout = segment_layout(n, config.weight_bits, config.weight_group_size)
+        outgoing = space.buffer(f"weights send {slot}", layout.nbytes, flat.device)
+        mine = wire_view(outgoing, 1, n, config.weight_bits, config.weight_group_size)
         fmt = dict(bits=config.weight_bits, group_size=config.weight_group_size,
-                   rounding=config.rounding, generator=gen)
+                   rounding=config.rounding, generator=gen, out=mine)
         main = main_shard.view(-1)[start:stop]
-        q = quantize_weight_diff(main, own[start:stop], **fmt) if add else quantize(main, **fmt)
-        codes, scales = q.codes.contiguous(), q.scales.contiguous()
-        all_codes = codes.new_empty(dp_size * codes.numel())
-        all_scales = scales.new_empty(dp_size * scales.numel())
-        works = [all_gather_flat(all_codes, codes, group, True),
-                 all_gather_flat(all_scales, scales, group, True)]
-        record_peer_sends(_COLLECTIVE, same, other, codes=codes.numel() * codes.element_size(),
-                          scales=scales.numel() * scales.element_size(), elements=q.padded_numel)
-        return _Gather(start, q, all_codes, all_scales, works, (codes, scales))
+        if add:
+            quantize_weight_diff(main, own[start:stop], **fmt)
+        else:
+            quantize(main, **fmt)
+        incoming = space.buffer(f"weights gather {slot}", dp_size * layout.nbytes, flat.device)
+        work = all_gather_flat(incoming, outgoing, group, True)
+        scales = 4 * layout.groups
+        record_peer_sends(_COLLECTIVE, same, other, codes=layout.codes_nbytes, scales=scales,
+                          padding=layout.nbytes - layout.codes_nbytes - scales,
+                          elements=layout.groups * config.weight_group_size)
+        everyone = wire_view(incoming, dp_size, n, config.weight_bits, config.weight_group_size)
+        return _Gather(targets[:, start:stop], everyone, work)
 
     if async_op:  # every rank's codes of the whole shard in flight at once
-        pending = gather(0, shard)
-        return finish_or_handle(lambda: pending.apply(flat, shard, dp_size, add), True)
+        pending = gather(0, shard, 0)
+        return finish_or_handle(lambda: pending.apply(add), True)
     # Slice by slice, the next slice's gather in flight while this one is applied:
     # a bucket of every parameter (megatron's without overlap) needs a few slices'
-    # codes at a time, not the whole bucket's.
+    # codes at a time, not the whole bucket's. Two slots: slice i + 2 reuses slice
+    # i's buffers, applied (so waited for) before slice i + 2 is quantized.
     step = _slice_elements(shard, dp_size, config.weight_group_size)
     previous = None
-    for start in range(0, shard, step):
-        current = gather(start, min(start + step, shard))
+    for index, start in enumerate(range(0, shard, step)):
+        current = gather(start, min(start + step, shard), index % 2)
         if previous is not None:
-            previous.apply(flat, shard, dp_size, add)
+            previous.apply(add)
         previous = current
-    previous.apply(flat, shard, dp_size, add)
+    previous.apply(add)
     return None
 
 
@@ -123,34 +139,19 @@ def _slice_elements(shard: int, dp_size: int, group_size: int) -> int:
 
 
 class _Gather:
-    """One slice's gather in flight: this rank's quantized slice, every rank's buffers."""
+    """One slice's gather in flight: where it goes ([P, n] rows of the model buffer),
+    every rank's quantized slice (one segment each, in the gather buffer), the work."""
 
-    def __init__(self, start, q: QuantizedTensor, all_codes, all_scales, works, send_buffers):
-        self.start, self.q = start, q
-        self.all_codes, self.all_scales = all_codes, all_scales
-        self.works = works
-        self.send_buffers = send_buffers  # referenced until the gather ends
+    def __init__(self, targets: torch.Tensor, everyone: QuantizedTensor, work):
+        self.targets, self.everyone, self.work = targets, everyone, work
 
-    def apply(self, flat: torch.Tensor, shard: int, dp_size: int, add: bool) -> None:
-        """Wait, then write (``add``: add) every rank's dequantized slice into ``flat``."""
-        for work in self.works:
-            work.wait()
-        local, numel = self.q, self.q.numel
-        if numel == shard and numel == local.padded_numel:  # contiguous: one call for all
-            pieces = [(flat, self.all_codes, self.all_scales, dp_size * shard)]
+    def apply(self, add: bool) -> None:
+        """Wait, then add (``add``) or write every rank's dequantized slice: one launch."""
+        self.work.wait()
+        if add:
+            dequantize_add_(self.targets, self.everyone)
         else:
-            n_codes, n_scales = local.codes.numel(), local.scales.numel()
-            pieces = [(flat[r * shard + self.start: r * shard + self.start + numel],
-                       self.all_codes[r * n_codes: (r + 1) * n_codes],
-                       self.all_scales[r * n_scales: (r + 1) * n_scales], numel)
-                      for r in range(dp_size)]
-        for target, codes, scales, count in pieces:
-            q = QuantizedTensor(codes=codes, scales=scales, bits=local.bits,
-                                group_size=local.group_size, numel=count, dtype=torch.float32)
-            if add:
-                dequantize_add_(target, q)
-            else:
-                target.copy_(dequantize(q, torch.float32))
+            self.targets.copy_(dequantize(self.everyone, torch.float32).view(self.targets.shape))
 
 
 def _validate(model_buffer: torch.Tensor, main_shard: torch.Tensor, dp_size: int) -> None:

@@ -62,7 +62,7 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
         state.grad_reduce_in_flight = None
     config = state.config if quantize else state.exact_config
     handles = []
-    for grad_data in grads:
+    for position, grad_data in enumerate(grads):
         if force_all_reduce:  # the layer's own exact path only (megatron's does this otherwise)
             handles.append(all_reduce_flat(grad_data, op, group, async_op))
             continue
@@ -70,7 +70,9 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
         local_view = grad_data[rank * shard:(rank + 1) * shard]
         handles.append(comm.quantized_reduce_scatter(
             local_view, grad_data, op=op, group=group, config=config, async_op=async_op,
-            generator=state.generator(grad_data.device, "grads") if quantize else None))
+            generator=state.generator(grad_data.device, "grads") if quantize else None,
+            # in flight together: a workspace each; one after another: one for all
+            workspace=state.grad_workspace(position if async_op else 0)))
     handle = Handles(handles) if async_op else None
     state.grad_reduce_in_flight = handle
     adapter.set_grad_reduce_handle(bucket_group, handle)

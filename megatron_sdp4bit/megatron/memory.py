@@ -9,13 +9,14 @@ from megatron_sdp4bit.comm.topology import get_topology
 
 
 def optimizer_memory(layer, optimizer, params: int) -> LayerMemory:
-    """Held bytes and scratch peak on this rank; ``params``: model parameters on it.
+    """Held bytes, reused buffers and scratch peak on this rank; ``params``: model
+    parameters on it.
 
     Collective over the data-parallel group the first time (it plans the node layout
     the reduce-scatter will use); every rank calls it at the same point.
     """
     state, adapter = layer.state, layer.adapter
-    held = scratch = 0
+    held = buffers = scratch = 0
     for sub in adapter.sub_optimizers(optimizer):
         _, dp = adapter.optimizer_group(sub)
         buckets = [bucket for _, bucket in adapter.buffer_buckets(sub)]
@@ -23,16 +24,20 @@ def optimizer_memory(layer, optimizer, params: int) -> LayerMemory:
             continue
         levels = (get_topology(adapter.optimizer_process_group(sub), state.config.ranks_per_node).levels
                   if dp > 1 else ())
+        node_members = (levels[0].size if len(levels) == 2 else
+                        1 if levels and levels[0].name == "inter" else dp)
         ddp_config = adapter.ddp_config(sub)
         grads = [adapter.bucket_grad_data(bucket) for bucket in buckets]
         params_data = [adapter.bucket_param_data(bucket) for bucket in buckets]
+        # One gradient workspace serves every bucket: with overlapped reduce-scatters
+        # megatron's bucket groups hold one bucket each (partition_buckets without fp8
+        # params, which the layer refuses), without overlap each call completes first.
         part = layer_memory(
             [grad.numel() for grad in grads], dp, state.config, params=params,
-            node_members=levels[0].size if len(levels) == 2 else 0,
+            node_members=node_members,
             fp32_params=any(data is not None and data.dtype == torch.float32 for data in params_data),
-            grad_bytes=max(grad.element_size() for grad in grads),
-            overlap_grad_reduce=bool(ddp_config.overlap_grad_reduce),
             overlap_param_gather=bool(ddp_config.overlap_param_gather))
         held += part.held_bytes
+        buffers += part.buffer_bytes
         scratch = max(scratch, part.scratch_bytes)  # one model chunk's collectives at a time
-    return LayerMemory(params=params, held_bytes=held, scratch_bytes=scratch)
+    return LayerMemory(params=params, held_bytes=held, buffer_bytes=buffers, scratch_bytes=scratch)

@@ -120,6 +120,17 @@ def _own_exact_param_sync(layer, bucket_group, async_op: bool, force_sync: bool)
     adapter.set_param_gather_handle(bucket_group, Handles(handles) if async_op else None, force_sync)
 
 
+def _weight_workspace(layer, bucket_group, bucket_state, async_op: bool):
+    """Overlapped gathers may all be in flight: a workspace per bucket. Synchronous ones
+    run one at a time: one workspace for all, except the rare forced ones of an
+    overlapping run (before an evaluation or a checkpoint), whose buffers are not kept."""
+    if async_op:
+        return bucket_state.workspace
+    if layer.adapter.ddp_config(bucket_group).overlap_param_gather:
+        return None
+    return layer.state.weight_workspace
+
+
 def start_param_sync(layer, bucket_group, force_sync: bool = False):
     state, adapter = layer.state, layer.adapter
     buckets = adapter.group_buckets(bucket_group)
@@ -142,7 +153,8 @@ def start_param_sync(layer, bucket_group, force_sync: bool = False):
     for param_data, bucket_state in zip(adapter.param_buffers(bucket_group), kept):
         handles.append(comm.quantized_all_gather_weights(
             param_data, bucket_state.main_shard, group=group, config=state.config,
-            async_op=async_op, generator=state.generator(bucket_state.main_shard.device, "weights")))
+            async_op=async_op, generator=state.generator(bucket_state.main_shard.device, "weights"),
+            workspace=_weight_workspace(layer, bucket_group, bucket_state, async_op)))
         bucket_state.fresh = False
     first_bucket, first = buckets[0], kept[0]
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megatron_sdp4bit.comm.rng import NoiseStreams
+from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron.quant_metrics import QuantErrorMetrics
 
@@ -33,6 +34,10 @@ class BucketState:
 
     sample_error: bool = False
     """Measure this gather's weight quantization error (a metrics iteration)."""
+
+    workspace: Workspace = field(default_factory=Workspace)
+    """This bucket's weight all-gather buffers, when gathers overlap the forward pass
+    (several buckets' in flight at once)."""
 
 
 @dataclass
@@ -57,6 +62,11 @@ class LayerState:
     metrics: QuantErrorMetrics = field(default_factory=QuantErrorMetrics)
     noise: NoiseStreams = field(default_factory=NoiseStreams)
     """This rank's stochastic-rounding streams (saved with the layer's checkpoint state)."""
+    grad_workspaces: dict = field(default_factory=dict)
+    """Reduce-scatter buffers by a bucket's position in its bucket group: the buckets of
+    one group are in flight together, groups one after another (``comm/workspace.py``)."""
+    weight_workspace: Workspace = field(default_factory=Workspace)
+    """The synchronous weight all-gathers' buffers, shared: one is in flight at a time."""
     buckets: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
 
     def bucket(self, bucket) -> BucketState:
@@ -71,6 +81,17 @@ class LayerState:
         if self.config.rounding != "stochastic":
             return None
         return self.noise.generator_for(device, self.config.seed, torch.distributed.get_rank(), purpose)
+
+    def grad_workspace(self, position: int) -> Workspace:
+        workspace = self.grad_workspaces.get(position)
+        if workspace is None:
+            workspace = self.grad_workspaces[position] = Workspace()
+        return workspace
+
+    def buffer_bytes(self) -> int:
+        """Bytes of every reused collective buffer the layer holds now."""
+        return (sum(w.nbytes for w in self.grad_workspaces.values()) + self.weight_workspace.nbytes
+                + sum(b.workspace.nbytes for b in self.buckets.values()))
 
     @property
     def exact_config(self) -> SDP4BitConfig:

@@ -1,20 +1,24 @@
 """comm/memory.py: what the layer adds in memory, as arithmetic over bucket sizes.
 
-That the held bytes equal what the installed layer really keeps is checked on
-real ranks in tests/megatron/test_patch.py; here, the rules the figures follow.
+That the held bytes and the reused buffers equal what the installed layer really
+keeps is checked on real ranks in tests/megatron/test_patch.py; here, the rules the
+figures follow.
 """
 from __future__ import annotations
 
 import pytest
 
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
 from megatron_sdp4bit.comm.memory import (
+    grad_buffer_demand,
     grad_scatter_scratch,
     held_bytes,
     layer_memory,
     quantized_nbytes,
+    weight_buffer_demand,
     weight_gather_scratch,
 )
+from megatron_sdp4bit.quant import segment_nbytes
 from megatron_sdp4bit.config import preset
 
 SDP = preset("sdp4bit")
@@ -35,56 +39,66 @@ def test_held_is_one_fp32_main_shard_per_bucket(dp):
     assert held_bytes(buckets, 1, SDP, fp32_params=False) == 0
 
 
-def test_weight_gather_scratch_is_every_ranks_codes():
+def test_weight_buffers_are_this_ranks_segment_and_every_ranks():
     dp, shard = 8, 4096
-    assert weight_gather_scratch(dp * shard, dp, SDP) == (dp + 1) * quantized_nbytes(shard, 4, 2048)
-    assert weight_gather_scratch(dp * shard, dp, preset("tlq-hs-only")) == 0  # megatron's own
+    own = segment_nbytes(shard, 4, 2048)
+    assert weight_buffer_demand(dp * shard, dp, SDP, whole_bucket=True) == {
+        "weights send 0": own, "weights gather 0": dp * own}
+    assert own == quantized_nbytes(shard, 4, 2048) + 8  # scales 16-byte aligned: 2 + 6 pad bytes
+    assert weight_buffer_demand(dp * shard, dp, preset("tlq-hs-only"), True) == {}  # megatron's own
+    assert weight_gather_scratch(dp * shard, dp, SDP) == 0  # qWD adds in place
+    assert weight_gather_scratch(dp * shard, dp, preset("zeropp")) == 4 * dp * shard  # qW's values
 
 
-@pytest.mark.parametrize("overlapped", [False, True])
-def test_reduce_scatter_scratch_does_not_grow_with_the_bucket(overlapped):
+def test_reduce_scatter_buffers_do_not_grow_with_the_bucket():
     """Without --overlap-grad-reduce megatron makes one bucket of everything, with it
-    buckets of 40M elements or more; chunks launched one after another keep the
-    scratch at a few chunks' worth however large the bucket is."""
+    buckets of 40M elements or more; chunks taking turns on two slots keep the buffers
+    at two chunks' worth however large the bucket is."""
     dp = 8
-    small = grad_scatter_scratch(dp * MAX_CHUNK_ELEMENTS, dp, SDP, 4, 4, overlapped)
-    large = grad_scatter_scratch(dp * 50 * MAX_CHUNK_ELEMENTS, dp, SDP, 4, 4, overlapped)
+    small = grad_buffer_demand(dp * 2 * MAX_CHUNK_ELEMENTS, dp, SDP, 4)
+    large = grad_buffer_demand(dp * 50 * MAX_CHUNK_ELEMENTS, dp, SDP, 4)
     assert large == small
-    # ... and is a few bytes per element of one chunk: 2 x (8-bit codes sent and received)
-    # for two chunks (three overlapped), a 4-byte staging copy of one, the small second hop
-    # and the output.
-    low, high = (8, 12) if overlapped else (6, 10)
-    assert low * MAX_CHUNK_ELEMENTS < small < high * MAX_CHUNK_ELEMENTS
-
-
-def test_overlap_adds_the_next_buckets_first_chunk():
-    dp, shard = 8, 1 << 20
-    sync = grad_scatter_scratch(dp * shard, dp, SDP, 4, 4, overlapped=False)
-    overlapped = grad_scatter_scratch(dp * shard, dp, SDP, 4, 4, overlapped=True)
-    chunk = dp * shard // chunk_count(shard, dp, SDP.pipeline_chunks, MAX_CHUNK_ELEMENTS)
-    assert overlapped - sync == 2 * quantized_nbytes(chunk, 8, 128)
-    assert grad_scatter_scratch(dp * shard, dp, preset("qwd-only"), 4, 4, True) == 0
+    assert sorted(small) == [f"grads hop {h} {k} {s}" for h in (0, 1)
+                             for k in ("receive", "send") for s in (0, 1)]
+    # ... a chunk's 8-bit codes sent and received, in two slots, and the small second hop
+    assert 4 * MAX_CHUNK_ELEMENTS < sum(small.values()) < 5 * MAX_CHUNK_ELEMENTS
+    # a bucket of one chunk uses one slot
+    assert set(grad_buffer_demand(dp * 4096, dp, SDP, 4)) == {
+        "grads hop 0 send 0", "grads hop 0 receive 0", "grads hop 1 send 0", "grads hop 1 receive 0"}
 
 
 def test_one_level_has_no_second_hop_and_ulq_uses_the_low_width():
     dp, shard = 4, 1 << 16
-    one_level = grad_scatter_scratch(dp * shard, dp, SDP, 0, 4, overlapped=True)
-    two_level = grad_scatter_scratch(dp * shard, dp, SDP, 2, 4, overlapped=True)
-    assert one_level < two_level
-    ulq = grad_scatter_scratch(dp * shard, dp, preset("zeropp"), 2, 4, overlapped=True)
-    assert ulq < two_level  # 4-bit codes on the first hop instead of 8
+    one_node = grad_buffer_demand(dp * shard, dp, SDP, dp)
+    one_per_node = grad_buffer_demand(dp * shard, dp, SDP, 1)
+    two_level = grad_buffer_demand(dp * shard, dp, SDP, 2)
+    assert set(one_node) == set(one_per_node) == {"grads hop 0 send 0", "grads hop 0 receive 0"}
+    assert sum(one_per_node.values()) < sum(one_node.values())  # 4-bit inter-node vs 8-bit
+    assert sum(one_node.values()) < sum(two_level.values())
+    ulq = grad_buffer_demand(dp * shard, dp, preset("zeropp"), 2)
+    assert sum(ulq.values()) < sum(two_level.values())  # 4-bit codes on the first hop instead of 8
+    assert grad_buffer_demand(dp * shard, dp, preset("qwd-only"), 2) == {}
 
 
-def test_layer_memory_peak_is_the_larger_phase():
+def test_scratch_is_the_unaligned_end_only():
+    dp = 4
+    assert grad_scatter_scratch(dp * 4096, dp, SDP) == 0
+    assert grad_scatter_scratch(dp * 4100, dp, SDP) == 4 * 128 * 33  # the last chunk, padded
+
+
+def test_layer_memory_shares_buffers_where_one_collective_runs_at_a_time():
     dp, n = 8, 8 * (1 << 20)
     kwargs = dict(params=3 * n, node_members=4, fp32_params=False)
     one = layer_memory([n, n, n], dp, SDP, **kwargs)
     assert one.held_bytes == 3 * 4 * n // dp
-    assert one.scratch_bytes == grad_scatter_scratch(n, dp, SDP, 4, 4, overlapped=False)
+    grads = sum(grad_buffer_demand(n, dp, SDP, 4).values())
+    sliced = sum(weight_buffer_demand(n, dp, SDP, whole_bucket=False).values())
+    assert one.buffer_bytes == grads + sliced  # one set for every bucket
     both = layer_memory([n, n, n], dp, SDP, overlap_grad_reduce=True, overlap_param_gather=True,
                         **kwargs)
-    assert both.scratch_bytes == max(grad_scatter_scratch(n, dp, SDP, 4, 4, overlapped=True),
-                                     2 * weight_gather_scratch(n, dp, SDP, whole_bucket=True))
+    whole = sum(weight_buffer_demand(n, dp, SDP, whole_bucket=True).values())
+    assert both.buffer_bytes == grads + 3 * whole  # every bucket's gather may be in flight
+    assert both.scratch_bytes == sliced  # a forced synchronous gather keeps nothing
     assert layer_memory([n], dp, preset("baseline"), **kwargs).total_bytes == 0
     assert "B/param" in one.describe() and one.per_param(one.held_bytes) == pytest.approx(4 / dp)
 
@@ -92,9 +106,9 @@ def test_layer_memory_peak_is_the_larger_phase():
 def test_sync_weight_gather_works_in_slices():
     dp = 8
     huge = dp * 100 * MAX_CHUNK_ELEMENTS
-    sliced = weight_gather_scratch(huge, dp, SDP, whole_bucket=False)
-    assert sliced == weight_gather_scratch(dp * 10 * MAX_CHUNK_ELEMENTS, dp, SDP, whole_bucket=False)
+    sliced = weight_buffer_demand(huge, dp, SDP, whole_bucket=False)
+    assert sliced == weight_buffer_demand(dp * 10 * MAX_CHUNK_ELEMENTS, dp, SDP, whole_bucket=False)
     # two slices of every rank's 4-bit codes (and its own again) and their scales
-    assert sliced < 1.2 * MAX_CHUNK_ELEMENTS
+    assert sum(sliced.values()) < 1.2 * MAX_CHUNK_ELEMENTS
     small = dp * 4096
-    assert weight_gather_scratch(small, dp, SDP, False) == weight_gather_scratch(small, dp, SDP, True)
+    assert weight_buffer_demand(small, dp, SDP, False) == weight_buffer_demand(small, dp, SDP, True)

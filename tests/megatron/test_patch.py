@@ -40,7 +40,8 @@ def _train(spec: TinyGPTSpec, config, steps: int):
         held = sum(t.numel() * t.element_size() for bucket in layer.state.buckets.values()
                    for t in (bucket.main_shard, bucket.reconstructed) if t is not None)
         params = sum(p.numel() for p in trainer.model.parameters())
-        memory = (held, patch.memory(trainer.optimizer, params).held_bytes)
+        reported = patch.memory(trainer.optimizer, params)
+        memory = (held, reported.held_bytes, layer.state.buffer_bytes(), reported.buffer_bytes)
         # The rounding streams are the layer's own (checkpointed with it), not comm's defaults.
         streams = sorted({key[3] for key in layer.state.noise.states()})
         default_streams = sorted({key[3] for key in comm.generator_states()})
@@ -136,11 +137,14 @@ def test_sdp4bit_loss_tracks_the_baseline_and_decreases(matrix_runs, name):
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_reported_held_memory_is_what_the_layer_holds(matrix_runs, name):
     """The held bytes the driver prints at start-up (patch.memory) equal the fp32 main
-    shards (and, for fp32 params, set-aside reconstructions) the layer really keeps."""
+    shards (and, for fp32 params, set-aside reconstructions) the layer really keeps, and
+    its reused send/receive buffers what the collectives' workspaces hold after training."""
     _stock, sdp = _by_name(matrix_runs)[name]
     for rank in sdp:
-        actual, reported = rank["memory"]
+        actual, reported, buffers, reported_buffers = rank["memory"]
         assert actual == reported > 0, f"{name}: holds {actual} bytes, reports {reported}"
+        assert buffers == reported_buffers > 0, (
+            f"{name}: its reused buffers hold {buffers} bytes, it reports {reported_buffers}")
 
 
 def test_the_layer_draws_its_rounding_noise_from_its_own_streams(matrix_runs):
