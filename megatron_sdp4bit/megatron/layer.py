@@ -20,7 +20,8 @@ import logging
 
 import torch
 
-from megatron_sdp4bit import comm
+from megatron_sdp4bit import comm, quant
+from megatron_sdp4bit.comm.kernel_specs import all_gather_specs, reduce_scatter_specs
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import grad_sync, param_sync
 from megatron_sdp4bit.comm.primitives import runs_on_host_staged_gloo
@@ -137,3 +138,37 @@ def _ddp_init(layer, ddp, *args, **kwargs):
         group, _size, _rank = layer.adapter.collective_group(bucket_group)
         comm.build_topologies(_all_data_parallel_rank_lists(group), state.config.ranks_per_node)
         break  # all bucket groups of a model chunk share one group
+    _warm_up_kernels(layer, ddp)
+
+
+def _warm_up_kernels(layer, ddp) -> None:
+    """Compile now, not in the first step, the kernels this model chunk's collectives
+    will launch (``comm/kernel_specs.py``); nothing to do where the reference serves."""
+    state, adapter, config = layer.state, layer.adapter, layer.state.config
+    specs, device = [], None
+    for bucket_group in adapter.ddp_bucket_groups(ddp):
+        group, size, _rank = adapter.collective_group(bucket_group)
+        if size == 1:
+            continue
+        topology = comm.get_topology(group, config.ranks_per_node)
+        levels = [(level.name, level.size) for level in topology.levels]
+        ddp_config = adapter.ddp_config(bucket_group)
+        for bucket in adapter.group_buckets(bucket_group):
+            grads, params = adapter.bucket_grad_data(bucket), adapter.bucket_param_data(bucket)
+            device = grads.device
+            specs += reduce_scatter_specs(
+                grads.numel() // size, grads.dtype, levels, config,
+                average=bool(ddp_config.average_in_collective),
+                ordered=topology.send_order_index(device) is not None)
+            if params is not None:
+                for whole in {False, bool(ddp_config.overlap_param_gather)}:
+                    specs += all_gather_specs(params.numel() // size, size, params.dtype,
+                                              config, whole_bucket=whole)
+    new = [spec for spec in dict.fromkeys(specs) if spec not in state.warmed_up]
+    if not new:
+        return
+    seconds = quant.warm_up(new, device)
+    state.warmed_up.update(new)
+    state.warm_up_seconds += seconds
+    if seconds:
+        logger.info("SDP4Bit: compiled the kernels of %d kinds of call in %.1f s", len(new), seconds)

@@ -25,8 +25,7 @@ from megatron_sdp4bit.megatron.layer import SDP4BitLayer
 
 __all__ = ["install", "uninstall", "is_installed", "current_config", "set_iteration",
            "get_iteration", "set_metrics_interval", "quantization_errors", "replica_checks_passed",
-           "memory", "state_dict",
-           "load_state_dict", "installed_layer"]
+           "kernel_warm_up", "memory", "state_dict", "load_state_dict", "installed_layer"]
 
 
 def installed_layer() -> Optional[SDP4BitLayer]:
@@ -108,6 +107,14 @@ def replica_checks_passed() -> int:
     data-parallel replica alike so far in this process (a mismatch raises)."""
     layer = installed_layer()
     return 0 if layer is None else layer.state.replica_checks_passed
+
+
+def kernel_warm_up() -> tuple:
+    """(kinds of kernel call compiled, seconds) when DDP was built: the Triton variants
+    the collectives will launch, compiled then rather than in the first step; (n, 0.0)
+    where the torch reference serves the device (nothing to compile)."""
+    layer = installed_layer()
+    return (0, 0.0) if layer is None else (len(layer.state.warmed_up), layer.state.warm_up_seconds)
 
 
 def memory(optimizer, params: int):

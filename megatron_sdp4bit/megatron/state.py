@@ -67,6 +67,10 @@ class LayerState:
     one group are in flight together, groups one after another (``comm/workspace.py``)."""
     weight_workspace: Workspace = field(default_factory=Workspace)
     """The synchronous weight all-gathers' buffers, shared: one is in flight at a time."""
+    warmed_up: set = field(default_factory=set)
+    """The ``quant.KernelSpec``s compiled when DDP was built (``layer._warm_up_kernels``)."""
+    warm_up_seconds: float = 0.0
+    """Time those compilations took (0 where the reference serves the device)."""
     buckets: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
 
     def bucket(self, bucket) -> BucketState:

@@ -1,0 +1,89 @@
+"""The kernel calls a collective will make, as ``quant.KernelSpec``s: what to warm up.
+
+Triton compiles a kernel variant the first time a call needs it, on every rank,
+inside the first training step (1-2 s each). ``quant.warm_up(specs, device)``
+compiles them ahead from specs; these functions say which calls the collectives
+of ``gradients.py`` and ``weights.py`` make for a bucket, with the same chunk
+plan, formats and buffer layouts, so a real call afterwards finds its variant.
+The patch layer warms up every bucket's specs when DDP is built.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, lcm
+from megatron_sdp4bit.config import SDP4BitConfig
+from megatron_sdp4bit.quant import KernelSpec
+
+
+def grad_hop_formats(config: SDP4BitConfig, level_names: Sequence[str]) -> List[Tuple[int, int]]:
+    """(bits, group size) of each hop (``Topology.levels`` names): intra-node hops at
+    the high width, inter-node ones at the low."""
+    intra = (config.effective_grad_bits_intra, config.grad_group_size_intra)
+    inter = (config.grad_bits_inter, config.grad_group_size_inter)
+    return [intra if name == "intra" else inter for name in level_names]
+
+
+def reduce_scatter_specs(shard: int, dtype: torch.dtype, levels: Sequence[Tuple[str, int]],
+                         config: SDP4BitConfig, average: bool, ordered: bool) -> List[KernelSpec]:
+    """The kernels of one quantized reduce-scatter of a ``shard``-element output over
+    ``levels`` ((name, members) of each hop, ``Topology.levels``), chunk by chunk.
+
+    ``ordered``: the send order is not the identity (two levels); ``average``: AVG.
+    """
+    dp = 1
+    for _, size in levels:
+        dp *= size
+    if dp == 1 or shard == 0 or not config.quantize_grads:
+        return []
+    formats = grad_hop_formats(config, [name for name, _ in levels])
+    block = config.hadamard_block if config.use_hadamard else None
+    align = lcm(*(group for _, group in formats), block or 1)
+    specs = []
+    for chunk in chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks,
+                                                      MAX_CHUNK_ELEMENTS)):
+        (bits, group), peers = formats[0], levels[0][1]
+        specs.append(KernelSpec("hadamard_quantize_rows", dp * chunk.padded, bits, group,
+                                chunks=peers, rounding=config.rounding, dtype=dtype,
+                                hadamard_block=block, scaled=average, rows=dp, row_numel=shard,
+                                start=chunk.start, valid=chunk.valid, ordered=ordered))
+        numel = dp * chunk.padded // peers  # one peer's part, arrived from each of them
+        if len(levels) == 2:
+            (bits2, group2), nodes = formats[1], levels[1][1]
+            specs.append(KernelSpec("dequantize_sum_requantize", peers * numel, bits, group,
+                                    chunks=peers, rounding=config.rounding, out_bits=bits2,
+                                    out_group_size=group2, out_chunks=nodes))
+            bits, group, peers, numel = bits2, group2, nodes, numel // nodes
+        aligned = chunk.valid == chunk.padded  # else an fp32 sum, then a copy
+        specs.append(KernelSpec("dequantize_sum", peers * numel, bits, group, chunks=peers,
+                                dtype=dtype if aligned else torch.float32,
+                                hadamard_block=block))
+    return specs
+
+
+def all_gather_specs(shard: int, dp: int, model_dtype: torch.dtype, config: SDP4BitConfig,
+                     whole_bucket: bool) -> List[KernelSpec]:
+    """The kernels of one quantized weight all-gather of ``shard``-element shards into a
+    ``model_dtype`` buffer; ``whole_bucket``: gathered at once (async), else in slices."""
+    if dp == 1 or shard == 0 or not config.quantize_weights:
+        return []
+    fmt = dict(bits=config.weight_bits, group_size=config.weight_group_size)
+    if whole_bucket:
+        slices = [(0, shard)]
+    else:
+        groups = max(1, MAX_CHUNK_ELEMENTS // (dp * config.weight_group_size))
+        step = min(shard, groups * config.weight_group_size)
+        slices = [(start, min(step, shard - start)) for start in range(0, shard, step)]
+    specs = []
+    for start, n in slices:
+        if config.weight_mode == "diff":
+            specs.append(KernelSpec("quantize_weight_diff", n, rounding=config.rounding,
+                                    dtype=model_dtype, **fmt))
+            specs.append(KernelSpec("dequantize_add_", dp * n, chunks=dp, dtype=model_dtype,
+                                    row_numel=shard, start=start, **fmt))
+        else:
+            specs.append(KernelSpec("quantize", n, rounding=config.rounding, **fmt))
+            specs.append(KernelSpec("dequantize", dp * n, chunks=dp, **fmt))
+    return specs
