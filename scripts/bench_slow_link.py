@@ -109,11 +109,12 @@ class Probed:
 
     def cluster(self, rate: Optional[float]):
         """The estimator's view of the 2 x 2 emulated nodes at ``rate``: one TCP stream's
-        goodput per link, the ping-pong latency per message (gloo's per-call cost unmeasured)."""
+        goodput per link, the ping-pong latency per traversal (gloo's per-call and per-message
+        costs unmeasured: 0)."""
         from megatron_sdp4bit.estimate.network import Latency
         from megatron_sdp4bit.estimate.timing import Cluster
 
-        latency = Latency(0.0, self.loopback_latency_us, self.latency_us.get(rate, 0.0))
+        latency = Latency(0.0, self.loopback_latency_us, self.latency_us.get(rate, 0.0), 0.0)
         return Cluster(NUM_NODES, RANKS_PER_NODE, 1, 1, self.loopback_gbps, self.goodput[rate],
                        latency=latency)
 

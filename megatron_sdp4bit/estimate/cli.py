@@ -88,9 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--stream-gbps", type=pos_float, default=None,
                    help="Gbit/s one ring (one DP group), or one GPU's share of an all-to-all, "
                    "reaches per node on its own (default: all of --inter-gbps)")
-    c.add_argument("--latency-us", default=None, metavar="CALL,INTRA,INTER",
-                   help="microseconds per collective call, per message or ring step inside a "
-                   "node, across nodes (default: NCCL's tuning model, 8.4,3.4,14.0)")
+    c.add_argument("--latency-us", default=None, metavar="CALL,INTRA,INTER,MESSAGE",
+                   help="microseconds per collective call, per ring step (or all-to-all "
+                   "traversal) inside a node and across nodes, per message posted to the "
+                   "network (default: NCCL's tuning model, 8.4,3.4,14.0,3.0)")
     t = p.add_argument_group("compute (one of; --tflops defaults to --cluster-type's)")
     g = t.add_mutually_exclusive_group()
     g.add_argument("--tflops", type=pos_float, help="achieved TFLOP/s per GPU on the model's FLOPs")
@@ -150,7 +151,7 @@ class _FlagError(ValueError):
 
 
 def _latency(text: Optional[str]):
-    """``--latency-us CALL,INTRA,INTER`` as a ``network.Latency`` (None: not given)."""
+    """``--latency-us CALL,INTRA,INTER,MESSAGE`` as a ``network.Latency`` (None: not given)."""
     from megatron_sdp4bit.estimate.network import Latency
 
     if text is None:
@@ -159,9 +160,9 @@ def _latency(text: Optional[str]):
         values = [float(v) for v in text.split(",")]
     except ValueError:
         values = []
-    if len(values) != 3 or any(not v >= 0 or v == float("inf") for v in values):
-        raise _FlagError("--latency-us", f"expected three numbers >= 0 (call, intra, inter "
-                         f"microseconds), e.g. 8.4,3.4,14.0; got {text!r}")
+    if len(values) != 4 or any(not v >= 0 or v == float("inf") for v in values):
+        raise _FlagError("--latency-us", f"expected four numbers >= 0 (microseconds per call, "
+                         f"intra step, inter step, message), e.g. 8.4,3.4,14.0,3.0; got {text!r}")
     return Latency(*values)
 
 

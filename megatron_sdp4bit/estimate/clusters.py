@@ -44,7 +44,7 @@ A100_SLINGSHOT = ClusterType(
     name="a100-slingshot",
     description="the paper's A100 cluster: 4 A100 per node, Slingshot at 100 Gbit/s",
     gpus_per_node=4, nics_per_node=2, nic_gbps=100.0,
-    inter_gbps=188.0, stream_gbps=108.0,
+    inter_gbps=180.0, stream_gbps=108.0,
     intra_gbps=1880.0, tflops=103.0, kernel_scale=1.0, latency=NCCL_LATENCY,
     sources=(
         ("4 GPUs per node, 100 Gbit/s Slingshot", "the paper (Section 5; /work/shared/SDP4BIT.md)"),
@@ -52,9 +52,9 @@ A100_SLINGSHOT = ClusterType(
          "(/N/slate paths), whose Big Red 200 GPU nodes were announced as architecturally "
          "similar to Perlmutter's; Perlmutter's phase-1 GPU nodes had 2 Slingshot-10 NICs "
          "('dual injection', NERSC). An inference, not a specification"),
-        ("inter 188 / stream 108 Gbit/s per node", "derived from the paper's Table 4 (1.3B on "
+        ("inter 180 / stream 108 Gbit/s per node", "derived from the paper's Table 4 (1.3B on "
          "32 A100s: gradient communication 379.3 ms exact, 45.8 ms SDP4Bit) with this model: "
-         "one ring reaches 108, the node's NICs together 188 (94% of 2 x 100); "
+         "one ring reaches 108, the node's NICs together 180 (90% of 2 x 100); "
          "paper.table4_rates()"),
         ("intra 1880 Gbit/s (235 GB/s)", "NCCL's bus-bandwidth cap for A100 NVLink "
          "(src/graph/tuning.cc, NCCL 2.7-2.8: busBw = min(busBw, 235) for compute capability 80)"),
@@ -62,8 +62,9 @@ A100_SLINGSHOT = ClusterType(
          "137 TFLOP/s counting activation recomputation (4 passes), i.e. 103 of model FLOPs "
          "(3 passes); measured end to end at batch 512, not at micro-batch 1"),
         ("kernels", "the paper's fused-quantize rates on A100 (305 GB/s at 8 MB, 690 at 2 GB)"),
-        ("latency 8.4 / 3.4 / 14.0 us", "NCCL's tuning model, Simple protocol "
-         "(src/graph/tuning.cc at commit b647562: baseLat, NVLink and network hwLat of a ring)"),
+        ("latency 8.4 / 3.4 / 14.0 / 3.0 us", "NCCL's tuning model, Simple protocol "
+         "(src/graph/tuning.cc at commit b647562: baseLat, NVLink and network hwLat of a ring "
+         "step, getNetOverhead x 3 per message posted; its Intel-host value, AMD hosts get 2x)"),
     ))
 
 H800_IB = ClusterType(
@@ -85,7 +86,7 @@ H800_IB = ClusterType(
         ("kernels x 2.15", "the paper's A100 rates x HBM bandwidth, H800 3.35 TB/s over "
          "A100 40 GB 1.555 TB/s (datasheets): the kernels are memory-bound. No H800 "
          "measurement"),
-        ("latency 8.4 / 3.4 / 14.0 us", "NCCL's tuning model, as for the A100 cluster"),
+        ("latency 8.4 / 3.4 / 14.0 / 3.0 us", "NCCL's tuning model, as for the A100 cluster"),
     ))
 
 CLUSTER_TYPES: Dict[str, ClusterType] = {t.name: t for t in (A100_SLINGSHOT, H800_IB)}

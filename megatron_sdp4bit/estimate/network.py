@@ -18,9 +18,11 @@ node.
 Latency (``Latency``) follows NCCL's own cost model (src/graph/tuning.cc,
 Simple protocol): a call costs ``call_us``, a ring step ``intra_us`` between
 GPUs of a node and ``inter_us`` across nodes, and a ring of P ranks over N
-nodes takes P - N intra and N - 1 inter steps; an all-to-all sends each peer
-its message one after another (pairwise exchange, Thakur, Rabenseifner and
-Gropp, IJHPCA 2005), so a hop of m members pays m - 1 message latencies.
+nodes takes P - N intra and N - 1 inter steps. An all-to-all (NCCL's grouped
+sends and receives) posts every message at once: one traversal (``inter_us``
+when a peer is on another node, else ``intra_us``) plus ``message_us`` for
+each message the network proxy posts (NCCL's per-operation network overhead),
+so a hop to 15 other nodes pays 15 posts, not 15 traversals.
 """
 from __future__ import annotations
 
@@ -30,35 +32,40 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class Latency:
-    call_us: float   # per collective call (launch, NCCL's base latency)
-    intra_us: float  # per message or ring step between GPUs of one node
-    inter_us: float  # per message or ring step across nodes
+    call_us: float     # per collective call (launch, NCCL's base latency)
+    intra_us: float    # per ring step or traversal between GPUs of one node
+    inter_us: float    # per ring step or traversal across nodes
+    message_us: float  # per message posted to the network (all-to-all sends)
 
-    def seconds(self, calls: int, intra_messages: int, inter_messages: int) -> float:
-        return (calls * self.call_us + intra_messages * self.intra_us
-                + inter_messages * self.inter_us) * 1e-6
+    def seconds(self, calls: "Calls") -> float:
+        return (calls.calls * self.call_us + calls.intra_steps * self.intra_us
+                + calls.inter_steps * self.inter_us + calls.messages * self.message_us) * 1e-6
 
 
-#: NCCL 2.19's tuning model, Simple protocol (src/graph/tuning.cc): baseLat of a ring
-#: 8.4 us, hwLat of a ring step 3.4 us over NVLink and 14.0 us over the network.
-NCCL_LATENCY = Latency(call_us=8.4, intra_us=3.4, inter_us=14.0)
-NO_LATENCY = Latency(0.0, 0.0, 0.0)
+#: NCCL's tuning model, Simple protocol (src/graph/tuning.cc at commit b647562): baseLat of
+#: a ring 8.4 us, hwLat of a ring step 3.4 us over NVLink and 14.0 us over the network, and
+#: the network post overhead (getNetOverhead) of 1 us on Intel hosts x 3 for Simple.
+NCCL_LATENCY = Latency(call_us=8.4, intra_us=3.4, inter_us=14.0, message_us=3.0)
+NO_LATENCY = Latency(0.0, 0.0, 0.0, 0.0)
 
 
 @dataclass(frozen=True)
 class Calls:
-    """Collective calls of one phase on one rank, and the messages (ring steps) they wait for."""
+    """Collective calls of one phase on one rank: the steps they wait for one after another
+    (ring steps, all-to-all traversals) and the inter-node messages they post."""
 
     calls: int = 0
-    intra_messages: int = 0
-    inter_messages: int = 0
+    intra_steps: int = 0
+    inter_steps: int = 0
+    messages: int = 0
 
     def __add__(self, other: "Calls") -> "Calls":
-        return Calls(self.calls + other.calls, self.intra_messages + other.intra_messages,
-                     self.inter_messages + other.inter_messages)
+        return Calls(self.calls + other.calls, self.intra_steps + other.intra_steps,
+                     self.inter_steps + other.inter_steps, self.messages + other.messages)
 
     def times(self, n: int) -> "Calls":
-        return Calls(self.calls * n, self.intra_messages * n, self.inter_messages * n)
+        return Calls(self.calls * n, self.intra_steps * n, self.inter_steps * n,
+                     self.messages * n)
 
 
 def ring_calls(members: int, nodes: int, calls: int = 1, rounds: int = 1) -> Calls:
@@ -71,10 +78,12 @@ def ring_calls(members: int, nodes: int, calls: int = 1, rounds: int = 1) -> Cal
 
 
 def alltoall_calls(same_node_peers: int, other_node_peers: int, calls: int) -> Calls:
-    """``calls`` all-to-alls, each sending one message to every peer in turn."""
+    """``calls`` all-to-alls, each posting one message to every peer at once."""
     if same_node_peers + other_node_peers == 0:
         return Calls()
-    return Calls(calls, calls * same_node_peers, calls * other_node_peers)
+    if other_node_peers:
+        return Calls(calls, 0, calls, calls * other_node_peers)
+    return Calls(calls, calls, 0, 0)
 
 
 @dataclass(frozen=True)

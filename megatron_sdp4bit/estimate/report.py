@@ -39,7 +39,8 @@ def format_report(e: Estimate) -> str:
         + (f" ({c.stream_gbps:g} for one stream: one ring, or one GPU's all-to-all sends)"
            if c.stream_gbps is not None else "")
         + f"; latency {c.latency.call_us:g} us per call, {c.latency.intra_us:g} / "
-        f"{c.latency.inter_us:g} us per message or ring step inside / across nodes",
+        f"{c.latency.inter_us:g} us per ring step inside / across nodes, "
+        f"{c.latency.message_us:g} us per message posted to the network",
         f"collectives modelled: {w.implementation.name} ({w.implementation.messages_per_peer} "
         f"message(s) per peer per hop, staging copy {'on' if w.implementation.staging_copy else 'off'})",
         f"compute: {e.compute_s:.4g} s per step ({e.compute_source}; FLOPs = 6 x N x tokens"
@@ -115,7 +116,7 @@ def to_json(e: Estimate) -> dict:
         "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "tp": c.tp, "pp": c.pp, "dp": c.dp,
         "intra_gbps": c.intra_gbps, "inter_gbps": c.inter_gbps, "stream_gbps": c.stream_gbps,
         "latency_us": {"call": c.latency.call_us, "intra": c.latency.intra_us,
-                       "inter": c.latency.inter_us},
+                       "inter": c.latency.inter_us, "message": c.latency.message_us},
         "implementation": w.implementation.name,
         "global_batch": w.global_batch, "flops_per_step": e.flops, "compute_s": e.compute_s,
         "overlap": w.overlap, "exact_reduce_scatter": w.exact_reduce_scatter,

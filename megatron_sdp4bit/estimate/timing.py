@@ -230,8 +230,7 @@ def _tp_seconds(cluster: Cluster, workload: Workload, microbatches: int) -> floa
     else:  # TP across nodes: the node's network link, shared by its GPUs
         nodes = t // cluster.gpus_per_node
         rate, steps = cluster.inter_gbps / cluster.gpus_per_node, ring_calls(t, nodes, rounds=2)
-    per_call = sent * 8 / (rate * 1e9) + cluster.latency.seconds(
-        steps.calls, steps.intra_messages, steps.inter_messages)
+    per_call = sent * 8 / (rate * 1e9) + cluster.latency.seconds(steps)
     return count * per_call
 
 
@@ -300,8 +299,7 @@ def _embedding_seconds(cluster: Cluster, workload: Workload) -> float:
     links = volume.embedding_allreduce_links(pairs, numel, GRAD_ELEMENT_SIZE, cluster.gpus_per_node)
     nodes = len({r // cluster.gpus_per_node for r in pairs[0]})
     steps = ring_calls(2, nodes, rounds=2)
-    return cluster.network.phase_seconds(links) + cluster.latency.seconds(
-        steps.calls, steps.intra_messages, steps.inter_messages)
+    return cluster.network.phase_seconds(links) + cluster.latency.seconds(steps)
 
 
 @dataclass
@@ -373,10 +371,8 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
     compute_s, tp_s, embedding_s = fixed
     net = cluster.network
     t = _traffic(config, cluster, workload, kernels, layouts, buckets)
-    grad_lat = cluster.latency.seconds(t.grad_calls.calls, t.grad_calls.intra_messages,
-                                       t.grad_calls.inter_messages)
-    weight_lat = cluster.latency.seconds(t.weight_calls.calls, t.weight_calls.intra_messages,
-                                         t.weight_calls.inter_messages)
+    grad_lat = cluster.latency.seconds(t.grad_calls)
+    weight_lat = cluster.latency.seconds(t.weight_calls)
     grad_s = _collective_seconds(t.grad_phases, t.pipelined, net) + grad_lat
     weight_s = _collective_seconds([t.weight], 1, net) + weight_lat
     n_buckets = max(len(b) for b in buckets.values())

@@ -73,7 +73,7 @@ BAD = [
     (["--overlap", "sometimes"], "--overlap"),
     (["--frobnicate"], "--frobnicate"),
     (["--latency-us", "1,2"], "--latency-us"),
-    (["--latency-us", "1,-2,3"], "--latency-us"),
+    (["--latency-us", "1,-2,3,4"], "--latency-us"),
     (["--kernel-rates", "/nonexistent/bench.json"], "--kernel-rates"),
     (["--kernel-rates", "bench.json", "--kernels", "cpu"], "--kernels"),
     (["--cluster-type", "tpu-pod"], "--cluster-type"),
@@ -119,10 +119,11 @@ def test_cluster_type_gives_the_defaults_and_flags_win(capsys):
                                                           A100_SLINGSHOT.stream_gbps)
     assert data["latency_us"]["inter"] == A100_SLINGSHOT.latency.inter_us
     assert data["implementation"] == "megatron_sdp4bit.comm"
-    assert cli.main(base + ["--inter-gbps", "50", "--latency-us", "0,0,0", "--tflops", "10",
+    assert cli.main(base + ["--inter-gbps", "50", "--latency-us", "0,0,0,0", "--tflops", "10",
                             "--implementation", "paper-reference"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["inter_gbps"] == 50 and data["latency_us"] == {"call": 0, "intra": 0, "inter": 0}
+    assert data["inter_gbps"] == 50
+    assert data["latency_us"] == {"call": 0, "intra": 0, "inter": 0, "message": 0}
     assert data["variants"]["baseline"]["grad_latency_s"] == 0
     assert data["implementation"] == "the paper's reference code"
 

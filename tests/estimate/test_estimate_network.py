@@ -49,17 +49,22 @@ def test_one_ring_is_held_to_the_stream_rate_several_fill_the_node():
 
 def test_latency_follows_nccl_ring_steps_and_pairwise_all_to_alls():
     steps = ring_calls(128, 16)
-    assert (steps.calls, steps.intra_messages, steps.inter_messages) == (1, 112, 15)
-    assert NCCL_LATENCY.seconds(1, 112, 15) == pytest.approx((8.4 + 112 * 3.4 + 15 * 14.0) * 1e-6)
+    assert (steps.calls, steps.intra_steps, steps.inter_steps, steps.messages) == (1, 112, 15, 0)
+    assert NCCL_LATENCY.seconds(steps) == pytest.approx((8.4 + 112 * 3.4 + 15 * 14.0) * 1e-6)
     layout = plan_node_layout(range(8), 4)
     config = dataclasses.replace(preset("sdp4bit"), pipeline_chunks=3)
     impl = Implementation("t", messages_per_peer=2, max_chunk_elements=None,
                           sliced_weight_gather=False, staging_copy=True)
     rs = calls.reduce_scatter_calls(30_000, layout, config, "ring", impl)
-    # 3 chunks x (intra hop to 3 peers + inter hop to 1 peer), 2 messages per peer each
-    assert (rs.calls, rs.intra_messages, rs.inter_messages) == (3 * 2 * 2, 3 * 2 * 3, 3 * 2 * 1)
+    # 3 chunks x 2 calls (codes, scales) x (intra hop: one NVLink traversal; inter hop: one
+    # network traversal and 1 message posted to the other node)
+    assert (rs.calls, rs.intra_steps, rs.inter_steps, rs.messages) == (12, 6, 6, 6)
+    assert NCCL_LATENCY.seconds(rs) == pytest.approx((12 * 8.4 + 6 * 3.4 + 6 * 14.0 + 6 * 3.0) * 1e-6)
+    flat = plan_node_layout(range(16), 1)  # one rank per node: 15 messages, one traversal
+    hop = calls.reduce_scatter_calls(30_000, flat, config, "ring", impl)
+    assert (hop.calls, hop.intra_steps, hop.inter_steps, hop.messages) == (6, 0, 6, 6 * 15)
     exact = calls.reduce_scatter_calls(30_000, layout, preset("baseline"), "allreduce", impl)
-    assert (exact.calls, exact.intra_messages, exact.inter_messages) == (1, 2 * 6, 2 * 1)
+    assert (exact.calls, exact.intra_steps, exact.inter_steps, exact.messages) == (1, 12, 2, 0)
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +143,7 @@ def test_latency_adds_to_the_collectives_and_more_chunks_cost_more():
         work = Workload(shape=_shape(), global_batch=64, micro_batch=2, tflops=10.0,
                         implementation=impl)
         return estimate(cluster, work, KernelModel("gpu"), ["sdp4bit"]).variants["sdp4bit"]
-    none, some = run(NO_LATENCY, 1 << 22), run(Latency(10.0, 5.0, 20.0), 1 << 22)
+    none, some = run(NO_LATENCY, 1 << 22), run(Latency(10.0, 5.0, 20.0, 2.0), 1 << 22)
     assert none.grad_latency_s == 0 and some.grad_latency_s > 0
     assert some.grad_comm_s == pytest.approx(none.grad_comm_s + some.grad_latency_s)
-    assert run(Latency(10.0, 5.0, 20.0), 1 << 16).grad_latency_s > some.grad_latency_s
+    assert run(Latency(10.0, 5.0, 20.0, 2.0), 1 << 16).grad_latency_s > some.grad_latency_s
