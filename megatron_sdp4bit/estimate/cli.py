@@ -125,7 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gpu: one rate for every op, GB/s of fp32 input")
     k.add_argument("--cpu-cores-per-rank", type=pos_float, default=float(CPU_TABLE_THREADS),
                    help=f"cpu: cores each rank has (the table used {CPU_TABLE_THREADS})")
-    o = p.add_argument_group("output")
+    _add_output_flags(p.add_argument_group("output"))
+    return p
+
+
+def _add_output_flags(o) -> None:
     o.add_argument("--variants", default="baseline,zeropp,sdp4bit",
                    help="comma-separated: baseline, zeropp, sdp4bit (baseline always included)")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -135,7 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--break-even", action="store_true",
                    help="per cluster type and model: the inter-node rate above which SDP4Bit's "
                    "predicted speedup falls under 1.1x")
-    return p
 
 
 def _fail(flag: str, message: str) -> int:

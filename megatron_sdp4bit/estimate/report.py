@@ -61,30 +61,13 @@ def format_report(e: Estimate) -> str:
         "| node link GB | GPU intra GB |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    base = e.variants["baseline"]
     for v in e.variants.values():
         exact = v.sent.exact_intra + v.sent.exact_inter
         ratio = ("-" if not v.sent.total else "1.00x" if v.name == "baseline"
                  else f"{exact / v.sent.total:.2f}x less")
         lines.append(f"| {v.label} | {_mib(v.sent.intra)} | {_mib(v.sent.inter)} | {ratio} "
                      f"| {_gb(v.node_inter_bytes)} | {_gb(v.gpu_intra_bytes)} |")
-    lines += [
-        "",
-        "Step time, seconds. comm = time of the collectives on the links, latency included "
-        "(in brackets: what the step waits for after overlap); TP = tensor-parallel "
-        "all-reduces; emb = the tied embeddings' gradient all-reduce (PP > 1).",
-        "",
-        "| variant | compute | TP | kernels | grad comm (exposed) | weight comm (exposed) "
-        "| of which latency | emb | step | TFLOP/s/GPU | speedup |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, v in e.variants.items():
-        lines.append(
-            f"| {v.label} | {v.compute_s:.4f} | {v.tp_comm_s:.4f} | {v.kernel_s:.4f} "
-            f"| {v.grad_comm_s:.4f} ({v.grad_exposed_s:.4f}) | {v.weight_comm_s:.4f} "
-            f"({v.weight_exposed_s:.4f}) | {v.grad_latency_s + v.weight_latency_s:.4f} "
-            f"| {v.embedding_s:.4f} | {v.step_s:.4f} | {e.tflops_per_gpu(name):.1f} "
-            f"| {base.step_s / v.step_s:.2f}x |")
+    lines += _step_table(e)
     lines += [
         "",
         "Memory the layer adds per GPU (the stage with the most per parameter; comm/memory.py): "
@@ -107,6 +90,28 @@ def format_report(e: Estimate) -> str:
     if kernel_lines:
         lines += ["", "kernel costs per step (one rank):"] + kernel_lines
     return "\n".join(lines)
+
+
+def _step_table(e: Estimate) -> list:
+    base = e.variants["baseline"]
+    lines = [
+        "",
+        "Step time, seconds. comm = time of the collectives on the links, latency included "
+        "(in brackets: what the step waits for after overlap); TP = tensor-parallel "
+        "all-reduces; emb = the tied embeddings' gradient all-reduce (PP > 1).",
+        "",
+        "| variant | compute | TP | kernels | grad comm (exposed) | weight comm (exposed) "
+        "| of which latency | emb | step | TFLOP/s/GPU | speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in e.variants.items():
+        lines.append(
+            f"| {v.label} | {v.compute_s:.4f} | {v.tp_comm_s:.4f} | {v.kernel_s:.4f} "
+            f"| {v.grad_comm_s:.4f} ({v.grad_exposed_s:.4f}) | {v.weight_comm_s:.4f} "
+            f"({v.weight_exposed_s:.4f}) | {v.grad_latency_s + v.weight_latency_s:.4f} "
+            f"| {v.embedding_s:.4f} | {v.step_s:.4f} | {e.tflops_per_gpu(name):.1f} "
+            f"| {base.step_s / v.step_s:.2f}x |")
+    return lines
 
 
 def to_json(e: Estimate) -> dict:
