@@ -47,7 +47,7 @@ A100_SLINGSHOT = ClusterType(
     inter_gbps=180.0, stream_gbps=108.0,
     intra_gbps=1880.0, tflops=103.0, kernel_scale=1.0, latency=NCCL_LATENCY,
     sources=(
-        ("4 GPUs per node, 100 Gbit/s Slingshot", "the paper (Section 5; /work/shared/SDP4BIT.md)"),
+        ("4 GPUs per node, 100 Gbit/s Slingshot", "the paper (its experimental setup)"),
         ("2 NICs per node", "not stated by the paper. Its scripts ran at Indiana University "
          "(/N/slate paths), whose Big Red 200 GPU nodes were announced as architecturally "
          "similar to Perlmutter's; Perlmutter's phase-1 GPU nodes had 2 Slingshot-10 NICs "
@@ -57,7 +57,8 @@ A100_SLINGSHOT = ClusterType(
          "one ring reaches 108, the node's NICs together 180 (90% of 2 x 100); "
          "paper.table4_rates()"),
         ("intra 1880 Gbit/s (235 GB/s)", "NCCL's bus-bandwidth cap for A100 NVLink "
-         "(src/graph/tuning.cc, NCCL 2.7-2.8: busBw = min(busBw, 235) for compute capability 80)"),
+         "(src/graph/tuning.cc at commit 01afd20, a 2020 release: busBw = min(busBw, 235) for "
+         "compute capability 80)"),
         ("103 TFLOP/s", "Narayanan et al., SC 2021, Table 1: GPT 1.7B on 32 A100s reaches "
          "137 TFLOP/s counting activation recomputation (4 passes), i.e. 103 of model FLOPs "
          "(3 passes); measured end to end at batch 512, not at micro-batch 1"),
@@ -75,7 +76,7 @@ H800_IB = ClusterType(
     intra_gbps=1280.0, tflops=139.0, kernel_scale=H800_HBM_GBPS / A100_40GB_HBM_GBPS,
     latency=NCCL_LATENCY,
     sources=(
-        ("8 GPUs per node, InfiniBand", "the paper (Section 5; /work/shared/SDP4BIT.md)"),
+        ("8 GPUs per node, InfiniBand", "the paper (its experimental setup)"),
         ("inter 466 Gbit/s per node, 139 TFLOP/s", "NO SOURCE: the paper states neither the "
          "InfiniBand rate nor a compute rate. Both are calibrated on two of its own H800 "
          "baselines (1.3B at TP 1, 18B at TP 8), so those two rows are calibration, not "

@@ -20,7 +20,7 @@ from typing import Optional
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
 
 #: Messages one quantized all-to-all hop, or one quantized all-gather, sends each peer.
-#: 1: codes and scales in one buffer (comm/ after the change the lead is making; today 2).
+#: 1: codes and scales in one buffer (comm/ once they share one; the code of this commit sends 2).
 MESSAGES_PER_PEER = 1
 
 #: Whether the reduce-scatter copies each chunk's rows into send order before its first
