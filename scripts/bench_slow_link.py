@@ -27,12 +27,15 @@ with the reduce-scatter as an all-to-all plus local sum,
 bytes per rank of a ring reduce-scatter), ``sdp4bit``, ``zeropp``.
 
 Before the runs of each rate, a single TCP stream measures the goodput of the
-inter-node link (node 0 -> node 1) and of a node's loopback (``--probe``).
+inter-node link (node 0 -> node 1) and of a node's loopback, and a 1-byte
+ping-pong their one-way latency (``--probe``, ``scripts/link_probes.py``).
 With ``--estimate``, the measured step times are compared with
-``megatron_sdp4bit.estimate`` at those goodputs: compute per step is
-calibrated once, from the first preset at ``loopback`` (its measured step
-minus the estimator's communication and kernel time there), and every other
-(rate, preset) is predicted from it. ``--json FILE`` writes every number.
+``megatron_sdp4bit.estimate`` at those goodputs and latencies (per message;
+gloo's per-call cost is not measured): compute per step is calibrated once,
+from the first preset at ``loopback`` (its measured step minus the
+estimator's communication and kernel time there), and every other (rate,
+preset) is predicted from it. ``--json FILE`` writes every number (the
+measurements before the estimator runs).
 
 Needs root and iproute2; the namespaces are removed at the end, on errors and
 on Ctrl-C. Nothing talks to any address outside the two namespaces.
@@ -57,6 +60,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from link_probes import probe_bytes, probe_cpu, probe_goodput, probe_latency  # noqa: E402
 from netns_nodes import (ADDRESSES, NAMESPACES, VETHS, EmulatedNodes,  # noqa: E402
                          SetupError, check_host)
 
@@ -91,9 +95,28 @@ DRIVER_ENTRY = ["-m", "megatron_sdp4bit.pretrain"]
 # How the estimator sees each preset: (variant, exact reduce-scatter algorithm).
 PRESET_ESTIMATE = {"baseline": ("baseline", "allreduce"), "baseline-a2a": ("baseline", "alltoall"),
                    "sdp4bit": ("sdp4bit", "ring"), "zeropp": ("zeropp", "ring")}
-PROBE_PORT = 29590
 STATISTICS = ("median", "fastest")  # step statistics compared with the estimator
 FIRST_PORT = 29600  # inside the private namespaces every port is free
+
+
+@dataclass
+class Probed:
+    """What the probes measured of the links: the estimator's link inputs per rate."""
+    loopback_gbps: float
+    goodput: Dict[Optional[float], float]            # rate (None: no limit) -> Gbit/s
+    loopback_latency_us: float = 0.0                 # one way; 0: not measured (older files)
+    latency_us: Dict[Optional[float], float] = field(default_factory=dict)
+
+    def cluster(self, rate: Optional[float]):
+        """The estimator's view of the 2 x 2 emulated nodes at ``rate``: one TCP stream's
+        goodput per link, the ping-pong latency per traversal (gloo's per-call and per-message
+        costs unmeasured: 0)."""
+        from megatron_sdp4bit.estimate.network import Latency
+        from megatron_sdp4bit.estimate.timing import Cluster
+
+        latency = Latency(0.0, self.loopback_latency_us, self.latency_us.get(rate, 0.0), 0.0)
+        return Cluster(NUM_NODES, RANKS_PER_NODE, 1, 1, self.loopback_gbps, self.goodput[rate],
+                       latency=latency)
 
 
 @dataclass
@@ -289,7 +312,7 @@ def run_once(args, nodes: EmulatedNodes, preset: str, port: int, run_dir: str) -
     metrics = os.path.join(run_dir, "metrics.jsonl")
     logs = [os.path.join(run_dir, f"node{k}.log") for k in range(NUM_NODES)]
     load_start = os.getloadavg()[0]
-    share_start = probe_cpu(args) if args.probe == "on" else None
+    share_start = probe_cpu(args.python, NUM_NODES, RANKS_PER_NODE) if args.probe == "on" else None
     procs: List[subprocess.Popen] = []
     link_at: Dict[int, int] = {}
     try:
@@ -336,76 +359,22 @@ def run_once(args, nodes: EmulatedNodes, preset: str, port: int, run_dir: str) -
         sent_inter_per_step=statistics.median(r["bytes_sent_inter"] for r in rows),
         link_per_step=(link_at[args.iters] - link_at[args.warmup]) / measured,
         load=(load_start + os.getloadavg()[0]) / 2,
-        cpu_share=(None if share_start is None else (share_start + probe_cpu(args)) / 2),
+        cpu_share=(None if share_start is None
+                   else (share_start + probe_cpu(args.python, NUM_NODES, RANKS_PER_NODE)) / 2),
     )
-
-
-# --- link goodput ---------------------------------------------------------------------
-
-_PROBE_SERVER = """import socket, sys, time
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[1], int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
-c, _ = s.accept(); n = 0; t0 = None
-while True:
-    b = c.recv(1 << 20)
-    if t0 is None: t0 = time.perf_counter()
-    if not b: break
-    n += len(b)
-print(n, time.perf_counter() - t0, flush=True)
-"""
-_PROBE_CLIENT = """import socket, sys
-c = socket.create_connection((sys.argv[1], int(sys.argv[2]))); block = bytes(1 << 20)
-left = int(sys.argv[3])
-while left > 0:
-    c.sendall(block[:min(left, len(block))]); left -= len(block)
-c.close()
-"""
-
-
-def probe_goodput(args, src: int, dst: int, nbytes: int) -> float:
-    """Gbit/s of one TCP stream from node ``src`` to node ``dst`` (same node: its loopback),
-    timed at the receiver from the first byte to the end."""
-    server = subprocess.Popen([*EmulatedNodes.exec_prefix(dst), args.python, "-c", _PROBE_SERVER,
-                               ADDRESSES[dst], str(PROBE_PORT)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if server.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"link probe server did not start: {server.stderr.read()[-500:]}")
-        subprocess.run([*EmulatedNodes.exec_prefix(src), args.python, "-c", _PROBE_CLIENT,
-                        ADDRESSES[dst], str(PROBE_PORT), str(nbytes)], check=True, timeout=120)
-        received, seconds = server.stdout.readline().split()
-        return int(received) * 8 / float(seconds) / 1e9
-    finally:
-        if server.poll() is None:
-            server.kill()
-        server.wait()
-
-
-_CPU_PROBE = """import time
-wall, cpu = time.perf_counter(), time.process_time()
-while time.process_time() - cpu < 0.4:
-    sum(range(1000))
-print((time.process_time() - cpu) / (time.perf_counter() - wall), flush=True)
-"""
-
-
-def probe_cpu(args) -> float:
-    """Cores one rank gets now: as many busy processes as ranks (each node's in its namespace,
-    in this session like the ranks), CPU seconds / wall seconds, median over them."""
-    procs = [subprocess.Popen([*EmulatedNodes.exec_prefix(node), args.python, "-c", _CPU_PROBE],
-                              stdout=subprocess.PIPE, text=True)
-             for node in range(NUM_NODES) for _ in range(RANKS_PER_NODE)]
-    return statistics.median(float(p.communicate(timeout=120)[0]) for p in procs)
-
-
-def probe_bytes(rate: Optional[float]) -> int:
-    """About two seconds at the rate (256 MiB without a limit)."""
-    return 256 * 2**20 if rate is None else int(rate * 1e6 / 8 * 2)
 
 
 # --- the estimator --------------------------------------------------------------------
 
-def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps: float) -> dict:
+def probe_link(args, probed: Probed, rate: Optional[float]) -> None:
+    """Goodput and latency of the inter-node link at ``rate`` (it is set already)."""
+    probed.goodput[rate] = probe_goodput(args.python, 0, 1, probe_bytes(rate))
+    probed.latency_us[rate] = probe_latency(args.python, 0, 1)
+    print(f"  node 0 -> node 1 (one TCP stream): goodput {probed.goodput[rate]:.3g} Gbit/s, "
+          f"latency {probed.latency_us[rate]:.0f} us one way", flush=True)
+
+
+def estimate_rows(args, cells: Dict[tuple, "Cell"], probed_links: Probed) -> dict:
     """The estimator's step time for every (rate, preset).
 
     Compute is calibrated on the first preset with no limit (or ``--compute-s``).
@@ -418,10 +387,11 @@ def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps
     """
     from megatron_sdp4bit.estimate.kernels import KernelModel
     from megatron_sdp4bit.estimate.model import load_model_shape
-    from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate
+    from megatron_sdp4bit.estimate.timing import Workload, estimate
 
     shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
     param_bytes = 2 if args.dtype == "bf16" else 4
+    goodput = probed_links.goodput
     nominal = (os.cpu_count() or 1) / (NUM_NODES * RANKS_PER_NODE)
 
     def probed(cell) -> Optional[float]:
@@ -433,17 +403,16 @@ def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps
 
     def overhead(rate, preset, cores) -> float:  # predicted step minus compute
         variant, exact = PRESET_ESTIMATE[preset]
-        cluster = Cluster(NUM_NODES, RANKS_PER_NODE, 1, 1, loopback_gbps, goodput[rate])
         work = Workload(shape=shape, global_batch=GLOBAL_BATCH, micro_batch=shape.micro_batch_size,
                         compute_s=0.0, exact_reduce_scatter=exact, param_element_size=param_bytes)
-        return estimate(cluster, work, KernelModel("cpu", cores_per_rank=cores),
+        return estimate(probed_links.cluster(rate), work, KernelModel("cpu", cores_per_rank=cores),
                         ["baseline", variant] if variant != "baseline" else ["baseline"]
                         ).variants[variant].step_s
 
     reference = args.preset_list[0]
     calibrating = args.compute_s is None
     ref_share = share(cells[(None, reference)]) if calibrating else nominal
-    out = {"loopback_gbps": loopback_gbps, "calibration_cpu_share": ref_share,
+    out = {"loopback_gbps": probed_links.loopback_gbps, "calibration_cpu_share": ref_share,
            "calibration_probed_cpu_share": probed(cells[(None, reference)]) if calibrating else None,
            "compute_core_s": {}, "rows": []}
     for statistic in STATISTICS:
@@ -456,6 +425,7 @@ def estimate_rows(args, cells: Dict[tuple, "Cell"], goodput: Dict, loopback_gbps
             cell = cells[(rate, preset)]
             cores = share(cell)
             row = {"rate": rate, "preset": preset, "goodput_gbps": goodput[rate],
+                   "latency_us": probed_links.latency_us.get(rate),
                    "cpu_share": cores, "probed_cpu_share": probed(cell),
                    "calibration": rate is None and preset == reference and calibrating}
             rest = overhead(rate, preset, cores)
@@ -593,16 +563,15 @@ def collective_worker(numel: int, dtype: str, reps: int) -> None:
     dist.destroy_process_group()
 
 
-def collective_predictions(args, numel: int, inter_gbps: float, loopback_gbps: float,
-                           cores: float) -> Dict:
-    """The estimator's seconds for each case: link time + that collective's kernels."""
+def collective_predictions(args, numel: int, cluster, cores: float) -> Dict:
+    """The estimator's seconds for each case on ``cluster`` (``Probed.cluster``): link time,
+    latency and that collective's kernels."""
     from megatron_sdp4bit.estimate.kernels import KernelModel
     from megatron_sdp4bit.estimate.model import load_model_shape
-    from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate
+    from megatron_sdp4bit.estimate.timing import Workload, estimate
 
     shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
     kernels = KernelModel("cpu", cores_per_rank=cores)
-    cluster = Cluster(NUM_NODES, RANKS_PER_NODE, 1, 1, loopback_gbps, inter_gbps)
     out = {}
     for name, variant, kind, exact in COLLECTIVE_CASES:
         work = Workload(shape=shape, global_batch=GLOBAL_BATCH, micro_batch=shape.micro_batch_size,
@@ -625,11 +594,14 @@ def run_collectives(args) -> int:
             subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
                             f"net.ipv4.tcp_slow_start_after_idle={args.slow_start_after_idle}"],
                            check=True)
-        loopback = probe_goodput(args, 0, 0, probe_bytes(None))
+        probed = Probed(probe_goodput(args.python, 0, 0, probe_bytes(None)), {},
+                        probe_latency(args.python, 0, 0))
+        loopback = probed.loopback_gbps
         for rate in args.rate_list:
             nodes.set_link(rate)
-            goodput = probe_goodput(args, 0, 1, probe_bytes(rate))
-            share = probe_cpu(args)
+            goodput = probed.goodput[rate] = probe_goodput(args.python, 0, 1, probe_bytes(rate))
+            probed.latency_us[rate] = probe_latency(args.python, 0, 1)
+            share = probe_cpu(args.python, NUM_NODES, RANKS_PER_NODE)
             procs = []
             for node in range(NUM_NODES):
                 cmd = [*EmulatedNodes.exec_prefix(node), "env", f"GLOO_SOCKET_IFNAME={VETHS[node]}",
@@ -648,15 +620,17 @@ def run_collectives(args) -> int:
                       + outputs[0][-2000:], file=sys.stderr)
                 return 2
             measured = json.loads(lines[0].split(" ", 1)[1])
-            share = (share + probe_cpu(args)) / 2
+            share = (share + probe_cpu(args.python, NUM_NODES, RANKS_PER_NODE)) / 2
             nominal = (os.cpu_count() or 1) / (NUM_NODES * RANKS_PER_NODE)
-            predicted = collective_predictions(args, numel, goodput, loopback,
+            predicted = collective_predictions(args, numel, probed.cluster(rate),
                                                share if args.cpu_correction else nominal)
             load = os.getloadavg()[0]
             for name, *_ in COLLECTIVE_CASES:
                 rows.append((rate, goodput, share, name, measured[name], predicted[name], load))
-            print(f"[{rate_label(rate)}: goodput {goodput:.3g} Gbit/s, {share:.2f} cores per rank, "
-                  f"load {load:.1f}]", flush=True)
+            print(f"[{rate_label(rate)}: goodput {goodput:.3g} Gbit/s, latency "
+                  f"{probed.latency_us[rate]:.0f} us one way (loopback "
+                  f"{probed.loopback_latency_us:.0f}), {share:.2f} cores per rank, load "
+                  f"{load:.1f}]", flush=True)
     print()
     print(f"One gradient bucket of {numel:,} fp32 elements ({args.dtype} weights), 2 x 2 ranks, "
           f"median of {args.iters} calls (slowest rank); node loopback {loopback:.3g} Gbit/s; "
@@ -689,21 +663,17 @@ def replay(args) -> int:
             if all((rate, preset) in cells for preset in args.preset_list)]
     args.rate_list, args.calibrate = grid, (None, args.preset_list[0]) in cells and None not in grid
     args.compute_s = None
-    goodput = {rate: data["goodput_gbps"][rate_label(rate)]
-               for rate in dict.fromkeys(rate for rate, _ in cells)}
+    rates = list(dict.fromkeys(rate for rate, _ in cells))
+    latency = data.get("latency_us") or {}  # files written before the latency probe: none
+    probed = Probed(data["loopback_goodput_gbps"],
+                    {rate: data["goodput_gbps"][rate_label(rate)] for rate in rates},
+                    data.get("loopback_latency_us") or 0.0,
+                    {rate: latency[rate_label(rate)] for rate in rates if rate_label(rate) in latency})
     print(f"replay of {args.replay} ({data['command']})")
     print()
     print(markdown_table(args, cells))
     print()
-    est = estimate_rows(args, cells, goodput, data["loopback_goodput_gbps"])
-    print(f"Estimator at the measured goodputs{' and CPU shares' if args.cpu_correction else ''}; "
-          f"compute "
-          f"{est['compute_core_s']['median']:.3f} core-s (median) / "
-          f"{est['compute_core_s']['fastest']:.3f} core-s (fastest step) per rank and step, "
-          f"calibrated on {args.preset_list[0]} with no limit (at "
-          f"{est['calibration_cpu_share']:.2f} cores per rank):")
-    print()
-    print(estimate_table(args, est))
+    print_estimate(args, cells, estimate_rows(args, cells, probed))
     return 0
 
 
@@ -736,8 +706,7 @@ def main(argv=None) -> int:
     command = " ".join(["sudo .venv/bin/python scripts/bench_slow_link.py"] + [
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)])
     cells = {(rate, preset): Cell() for rate in args.rate_list for preset in args.preset_list}
-    goodput: Dict[Optional[float], float] = {}
-    loopback_gbps = None
+    probed = Probed(0.0, {})
     port = FIRST_PORT
     t0 = time.monotonic()
     try:
@@ -747,19 +716,20 @@ def main(argv=None) -> int:
                                 f"net.ipv4.tcp_slow_start_after_idle={args.slow_start_after_idle}"],
                                check=True)
             if args.probe == "on":
-                loopback_gbps = probe_goodput(args, 0, 0, probe_bytes(None))
-                print(f"node loopback goodput (one TCP stream): {loopback_gbps:.3g} Gbit/s",
-                      flush=True)
+                probed.loopback_gbps = probe_goodput(args.python, 0, 0, probe_bytes(None))
+                probed.loopback_latency_us = probe_latency(args.python, 0, 0)
+                print(f"node loopback (one TCP stream): goodput {probed.loopback_gbps:.3g} "
+                      f"Gbit/s, latency {probed.loopback_latency_us:.0f} us one way", flush=True)
             if args.calibrate:
                 nodes.set_link(None)
-                goodput[None] = probe_goodput(args, 0, 1, probe_bytes(None))
+                probe_link(args, probed, None)
                 reference = args.preset_list[0]
                 result = run_once(args, nodes, reference, port,
                                   os.path.join(out_dir, f"calibration-{reference}"))
                 port += 1
                 cells[(None, reference)] = Cell([result])
                 print(f"[{time.monotonic() - t0:6.0f} s] calibration, no limit (goodput "
-                      f"{goodput[None]:.3g} Gbit/s), {reference}: median step "
+                      f"{probed.goodput[None]:.3g} Gbit/s), {reference}: median step "
                       f"{statistics.median(result.step_times):.3f} s, load {result.load:.1f}",
                       flush=True)
             for repeat in range(args.repeats):
@@ -769,9 +739,7 @@ def main(argv=None) -> int:
                         print(f"link {rate_label(rate)}: {nodes.describe_link() or 'no qdisc'}",
                               flush=True)
                         if args.probe == "on":
-                            goodput[rate] = probe_goodput(args, 0, 1, probe_bytes(rate))
-                            print(f"  goodput node 0 -> node 1 (one TCP stream): "
-                                  f"{goodput[rate]:.3g} Gbit/s", flush=True)
+                            probe_link(args, probed, rate)
                     for preset in args.preset_list:
                         run_dir = os.path.join(out_dir, f"{'loopback' if rate is None else f'{rate:g}mbit'}"
                                                         f"-{preset}-{repeat}")
@@ -792,26 +760,13 @@ def main(argv=None) -> int:
     print()
     print(markdown_table(args, cells))
     print()
-    est = None
-    if args.estimate:
-        est = estimate_rows(args, cells, goodput, loopback_gbps)
-        where = ("given (--compute-s)" if args.compute_s is not None
-                 else f"calibrated on {args.preset_list[0]} at no limit")
-        print(f"Estimator (megatron_sdp4bit.estimate) at the measured goodputs"
-              f"{' and CPU shares' if args.cpu_correction else ''}; "
-              f"compute {est['compute_core_s']['median']:.3f} core-s (median) / "
-              f"{est['compute_core_s']['fastest']:.3f} core-s (fastest step) per rank and step "
-              f"{where}; kernels: CPU table at the cores per rank shown:")
-        print()
-        print(estimate_table(args, est))
-        print()
-        if args.calibrate:
-            cal = cells[(None, args.preset_list[0])]
-            print(f"Calibration run (no limit, {args.preset_list[0]}): median step "
-                  f"{cal.median_step():.3f} s, fastest {cal.fastest_step():.3f} s, load "
-                  f"{cal.runs[0].load:.1f}, cores per rank probed "
-                  f"{_share(est['calibration_probed_cpu_share'])}.")
-            print()
+    if args.json:  # the measurements first: nothing below can lose them
+        write_json(args.json, command, probed, cells, None)
+    est = estimate_rows(args, cells, probed) if args.estimate else None
+    if est is not None:
+        print_estimate(args, cells, est)
+        if args.json:
+            write_json(args.json, command, probed, cells, est)
     print(f"{NUM_NODES} emulated nodes x {RANKS_PER_NODE} gloo CPU ranks; GPT 4 layers x 256 "
           f"(5.3 M params), global batch {GLOBAL_BATCH} x {SEQ_LENGTH} tokens, {args.dtype}; "
           f"{args.iters} iterations per run, first {args.warmup} not measured, {args.repeats} "
@@ -822,22 +777,48 @@ def main(argv=None) -> int:
     print(f"command: {command}")
     print(f"logs: {out_dir}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"command": command, "loopback_goodput_gbps": loopback_gbps,
-                       "goodput_gbps": {rate_label(r): g for r, g in goodput.items()},
-                       "cells": [{"rate": rate, "preset": preset,
-                                  "step_times": [t for r in cell.runs for t in r.step_times],
-                                  "median_step_s": cell.median_step(),
-                                  "run_medians_s": cell.run_medians(),
-                                  "sent_per_step": [r.sent_per_step for r in cell.runs],
-                                  "sent_inter_per_step": [r.sent_inter_per_step for r in cell.runs],
-                                  "link_per_step": [r.link_per_step for r in cell.runs],
-                                  "load": [r.load for r in cell.runs],
-                                  "runs": [vars(r) for r in cell.runs]}
-                                 for (rate, preset), cell in cells.items()],
-                       "estimate": est}, f, indent=1)
         print(f"json: {args.json}")
     return 0
+
+
+def print_estimate(args, cells: Dict[tuple, Cell], est: dict) -> None:
+    where = ("given (--compute-s)" if args.compute_s is not None
+             else f"calibrated on {args.preset_list[0]} at no limit")
+    print(f"Estimator (megatron_sdp4bit.estimate) at the measured goodputs and latencies"
+          f"{' and CPU shares' if args.cpu_correction else ''}; "
+          f"compute {est['compute_core_s']['median']:.3f} core-s (median) / "
+          f"{est['compute_core_s']['fastest']:.3f} core-s (fastest step) per rank and step "
+          f"{where}; kernels: CPU table at the cores per rank shown:")
+    print()
+    print(estimate_table(args, est))
+    print()
+    if args.calibrate:
+        cal = cells[(None, args.preset_list[0])]
+        print(f"Calibration run (no limit, {args.preset_list[0]}): median step "
+              f"{cal.median_step():.3f} s, fastest {cal.fastest_step():.3f} s, load "
+              f"{cal.runs[0].load:.1f}, cores per rank probed "
+              f"{_share(est['calibration_probed_cpu_share'])}.")
+        print()
+
+
+def write_json(path: str, command: str, probed: Probed, cells: Dict[tuple, Cell],
+               est: Optional[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"command": command, "loopback_goodput_gbps": probed.loopback_gbps,
+                   "goodput_gbps": {rate_label(r): g for r, g in probed.goodput.items()},
+                   "loopback_latency_us": probed.loopback_latency_us,
+                   "latency_us": {rate_label(r): u for r, u in probed.latency_us.items()},
+                   "cells": [{"rate": rate, "preset": preset,
+                              "step_times": [t for r in cell.runs for t in r.step_times],
+                              "median_step_s": cell.median_step(),
+                              "run_medians_s": cell.run_medians(),
+                              "sent_per_step": [r.sent_per_step for r in cell.runs],
+                              "sent_inter_per_step": [r.sent_inter_per_step for r in cell.runs],
+                              "link_per_step": [r.link_per_step for r in cell.runs],
+                              "load": [r.load for r in cell.runs],
+                              "runs": [vars(r) for r in cell.runs]}
+                             for (rate, preset), cell in cells.items()],
+                   "estimate": est}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,14 @@
 
 - ``model.py``: the GPT of a config file, its parameters per TP/PP rank, megatron's buckets, FLOPs;
 - ``volume.py``: bytes each rank sends (mirroring ``comm``'s accounting) and bytes on each link;
-- ``kernels.py``: quantization kernel costs (the measured CPU table, or stated GPU assumptions);
-- ``timing.py``: the step-time model (compute, communication, kernels, overlap);
+- ``implementation.py`` / ``calls.py``: how the collectives split a bucket into calls and
+  messages (this project's, or the paper's reference code), the staging copy;
+- ``network.py``: link rates, streams per node, latency per call, step and message;
+- ``kernels.py``: quantization kernel costs (a ``bench_quant.py --json`` file, the measured
+  CPU table, or stated GPU assumptions);
+- ``timing.py``: the step-time model (compute, TP, communication, kernels, overlap);
+- ``clusters.py`` / ``paper.py``: the paper's two clusters with sourced constants, its
+  Table 2 (``--check-paper``) and the break-even link rates (``--break-even``);
 - ``report.py`` / ``cli.py``: output and the command line (``python -m megatron_sdp4bit.estimate``).
 
 Method, assumptions and validation: docs/performance.md, "Estimator". Importing the

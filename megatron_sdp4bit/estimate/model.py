@@ -252,3 +252,13 @@ def step_flops(shape: ModelShape, global_batch: int, attention: bool) -> float:
     if attention:
         flops += 12.0 * shape.num_layers * shape.seq_length * shape.hidden_size * tokens
     return flops
+
+
+def tp_allreduces(shape: ModelShape, pp: int) -> int:
+    """Tensor-parallel all-reduces of seq x micro-batch x hidden activations per micro-batch
+    on the busiest pipeline stage (Megatron-LM's row/column-parallel layers, no sequence
+    parallelism): two per layer forward (attention output projection, MLP second linear)
+    and two backward (the input gradients of the QKV and first MLP linears), plus the
+    vocabulary-parallel embedding's forward and the output layer's input gradient
+    (one each on the first and the last stage)."""
+    return 4 * shape.num_layers // pp + (2 if pp == 1 else 1)

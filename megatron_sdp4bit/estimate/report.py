@@ -35,7 +35,14 @@ def format_report(e: Estimate) -> str:
         f"cluster: {c.nodes} nodes x {c.gpus_per_node} GPUs = {c.world}; TP {c.tp}, PP {c.pp}, "
         f"DP {c.dp}; {e.layout_note}",
         f"links (each direction): intra-node {c.intra_gbps:g} Gbit/s per GPU, inter-node "
-        f"{c.inter_gbps:g} Gbit/s per node",
+        f"{c.inter_gbps:g} Gbit/s per node"
+        + (f" ({c.stream_gbps:g} for one stream: one ring, or one GPU's all-to-all sends)"
+           if c.stream_gbps is not None else "")
+        + f"; latency {c.latency.call_us:g} us per call, {c.latency.intra_us:g} / "
+        f"{c.latency.inter_us:g} us per ring step inside / across nodes, "
+        f"{c.latency.message_us:g} us per message posted to the network",
+        f"collectives modelled: {w.implementation.name} ({w.implementation.messages_per_peer} "
+        f"message(s) per peer per hop, staging copy {'on' if w.implementation.staging_copy else 'off'})",
         f"compute: {e.compute_s:.4g} s per step ({e.compute_source}; FLOPs = 6 x N x tokens"
         + (" + attention 12 x layers x seq x hidden x tokens" if w.attention_flops else "") + ")",
         "buckets per DP rank: " + "; ".join(
@@ -54,27 +61,13 @@ def format_report(e: Estimate) -> str:
         "| node link GB | GPU intra GB |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    base = e.variants["baseline"]
     for v in e.variants.values():
         exact = v.sent.exact_intra + v.sent.exact_inter
         ratio = ("-" if not v.sent.total else "1.00x" if v.name == "baseline"
                  else f"{exact / v.sent.total:.2f}x less")
         lines.append(f"| {v.label} | {_mib(v.sent.intra)} | {_mib(v.sent.inter)} | {ratio} "
                      f"| {_gb(v.node_inter_bytes)} | {_gb(v.gpu_intra_bytes)} |")
-    lines += [
-        "",
-        "Step time, seconds. comm = time of the collectives on the links; exposed = what "
-        "the step waits for after overlap.",
-        "",
-        "| variant | compute | kernels | grad comm (exposed) | weight comm (exposed) | step "
-        "| TFLOP/s/GPU | speedup |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, v in e.variants.items():
-        lines.append(
-            f"| {v.label} | {v.compute_s:.4f} | {v.kernel_s:.4f} | {v.grad_comm_s:.4f} "
-            f"({v.grad_exposed_s:.4f}) | {v.weight_comm_s:.4f} ({v.weight_exposed_s:.4f}) "
-            f"| {v.step_s:.4f} | {e.tflops_per_gpu(name):.1f} | {base.step_s / v.step_s:.2f}x |")
+    lines += _step_table(e)
     lines += [
         "",
         "Memory the layer adds per GPU (the stage with the most per parameter; comm/memory.py): "
@@ -91,7 +84,7 @@ def format_report(e: Estimate) -> str:
     kernel_lines = []
     for v in e.variants.values():
         for op, sec in v.kernel_ops.items():
-            row, note = OPS[op]
+            row, _, note = OPS[op]
             kernel_lines.append(f"  {v.name}: {op} = {sec * 1e3:.2f} ms (table row "
                                 f"'{row}'{'; ' + note if note else ''})")
     if kernel_lines:
@@ -99,12 +92,37 @@ def format_report(e: Estimate) -> str:
     return "\n".join(lines)
 
 
+def _step_table(e: Estimate) -> list:
+    base = e.variants["baseline"]
+    lines = [
+        "",
+        "Step time, seconds. comm = time of the collectives on the links, latency included "
+        "(in brackets: what the step waits for after overlap); TP = tensor-parallel "
+        "all-reduces; emb = the tied embeddings' gradient all-reduce (PP > 1).",
+        "",
+        "| variant | compute | TP | kernels | grad comm (exposed) | weight comm (exposed) "
+        "| of which latency | emb | step | TFLOP/s/GPU | speedup |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, v in e.variants.items():
+        lines.append(
+            f"| {v.label} | {v.compute_s:.4f} | {v.tp_comm_s:.4f} | {v.kernel_s:.4f} "
+            f"| {v.grad_comm_s:.4f} ({v.grad_exposed_s:.4f}) | {v.weight_comm_s:.4f} "
+            f"({v.weight_exposed_s:.4f}) | {v.grad_latency_s + v.weight_latency_s:.4f} "
+            f"| {v.embedding_s:.4f} | {v.step_s:.4f} | {e.tflops_per_gpu(name):.1f} "
+            f"| {base.step_s / v.step_s:.2f}x |")
+    return lines
+
+
 def to_json(e: Estimate) -> dict:
     c, w = e.cluster, e.workload
     return {
         "model": w.shape.name, "parameters": total_params(w.shape),
         "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "tp": c.tp, "pp": c.pp, "dp": c.dp,
-        "intra_gbps": c.intra_gbps, "inter_gbps": c.inter_gbps,
+        "intra_gbps": c.intra_gbps, "inter_gbps": c.inter_gbps, "stream_gbps": c.stream_gbps,
+        "latency_us": {"call": c.latency.call_us, "intra": c.latency.intra_us,
+                       "inter": c.latency.inter_us, "message": c.latency.message_us},
+        "implementation": w.implementation.name,
         "global_batch": w.global_batch, "flops_per_step": e.flops, "compute_s": e.compute_s,
         "overlap": w.overlap, "exact_reduce_scatter": w.exact_reduce_scatter,
         "kernels": e.kernels.describe(), "buckets": {str(k): v for k, v in e.buckets.items()},
@@ -117,6 +135,8 @@ def to_json(e: Estimate) -> dict:
                 "node_inter_bytes": v.node_inter_bytes, "gpu_intra_bytes": v.gpu_intra_bytes,
                 "grad_comm_s": v.grad_comm_s, "weight_comm_s": v.weight_comm_s,
                 "grad_exposed_s": v.grad_exposed_s, "weight_exposed_s": v.weight_exposed_s,
+                "grad_latency_s": v.grad_latency_s, "weight_latency_s": v.weight_latency_s,
+                "tp_comm_s": v.tp_comm_s, "embedding_s": v.embedding_s,
                 "kernel_s": v.kernel_s, "kernel_ops_s": v.kernel_ops, "step_s": v.step_s,
                 "tflops_per_gpu": e.tflops_per_gpu(name), "speedup": e.speedup(name),
                 "memory_params": v.memory.params, "memory_held_bytes": v.memory.held_bytes,

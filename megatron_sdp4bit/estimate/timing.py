@@ -1,20 +1,28 @@
 """Step time of one training step for the exact collectives, ZeRO++ and SDP4Bit.
 
-The model, stated once:
+The model, stated once (docs/performance.md, "Estimator"):
 
 - **Compute**: ``step FLOPs / (GPUs x TFLOP/s)`` (``model.step_flops``), times
   the 1F1B pipeline bubble ``1 + (PP - 1) / micro-batches``; or a measured
-  compute time per step. Tensor-parallel communication is part of compute.
+  compute time per step (``--compute-s``, which then includes everything below
+  that is not data-parallel). With a TFLOP/s rate, the tensor-parallel
+  all-reduces are added (``model.tp_allreduces``: four per layer and
+  micro-batch, plus the embedding's and the output layer's, of seq x
+  micro-batch x hidden activations, ring all-reduces over the intra-node
+  links, not overlapped).
 - **DP communication**, per bucket, all DP groups at once (they share each
   node's network link): the gradient reduce-scatter then the weight
-  all-gather. Each phase takes ``max(bytes a GPU sends over its intra-node
-  links / intra bandwidth, bytes a node sends over its network link /
-  inter bandwidth)`` (``volume.Links``: rings for the exact collectives and
-  every all-gather, direct sends for all-to-all hops). The two hops of a
-  quantized reduce-scatter run one after the other, or with ``K`` pipeline
-  chunks ``max(hop) + min(hop) / K``. Bandwidth only: no per-message latency.
-- **Kernels**: the quantize/dequantize ops of each rank (``kernels.py``),
-  never overlapped with compute (they share the device).
+  all-gather. Each phase takes ``network.Network.phase_seconds`` of its link
+  bytes (``volume.Links``: rings for the exact collectives and every
+  all-gather, direct sends for all-to-all hops), plus the latency of its calls
+  and messages (``calls.py``, ``network.Latency``). The two hops of a quantized
+  reduce-scatter run one after the other, or with ``K`` pipeline chunks
+  ``max(hop) + min(hop) / K``. With PP > 1 and tied embeddings, megatron's
+  all-reduce of the embedding gradients between the first and last stage
+  follows (``volume.embedding_allreduce_links``).
+- **Kernels**: the quantize/dequantize ops of each rank and the reduce-scatter's
+  staging copy (``kernels.py``), never overlapped with compute (they share the
+  device).
 - **Overlap** (``none``, ``grads``, ``full``): ``none`` adds everything.
   ``grads`` hides bucket i's reduce-scatter under the backward pass of the
   buckets after it (Megatron's ``--overlap-grad-reduce``): exposed =
@@ -31,12 +39,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from megatron_sdp4bit.config import SDP4BitConfig, preset
-from megatron_sdp4bit.estimate import volume
 from megatron_sdp4bit.comm.memory import LayerMemory, layer_memory
+from megatron_sdp4bit.config import SDP4BitConfig, preset
+from megatron_sdp4bit.estimate import calls, volume
+from megatron_sdp4bit.estimate.implementation import THIS_PROJECT, Implementation
 from megatron_sdp4bit.estimate.kernels import KernelModel
 from megatron_sdp4bit.estimate.model import (ModelShape, bucket_numels, default_bucket_size,
-                                             stage_params, step_flops)
+                                             stage_params, step_flops, tp_allreduces)
+from megatron_sdp4bit.estimate.network import (NCCL_LATENCY, Calls, Latency, Network,
+                                               ring_calls)
 
 OVERLAPS = ("none", "grads", "full")
 GRAD_ELEMENT_SIZE = 4   # Megatron reduces gradients in fp32 (grad_reduce_in_fp32)
@@ -57,7 +68,9 @@ class Cluster:
     tp: int
     pp: int
     intra_gbps: float  # per GPU, each direction
-    inter_gbps: float  # per node (all its NICs), each direction
+    inter_gbps: float  # per node (all its NICs, what they reach together), each direction
+    stream_gbps: Optional[float] = None  # most one stream reaches per node (network.py)
+    latency: Latency = NCCL_LATENCY
 
     @property
     def world(self) -> int:
@@ -66,6 +79,10 @@ class Cluster:
     @property
     def dp(self) -> int:
         return self.world // (self.tp * self.pp)
+
+    @property
+    def network(self) -> Network:
+        return Network(self.intra_gbps, self.inter_gbps, self.stream_gbps, self.latency)
 
 
 @dataclass(frozen=True)
@@ -81,6 +98,7 @@ class Workload:
     exact_reduce_scatter: str = "ring"
     pipeline_chunks: Optional[int] = None  # override the presets' value (1)
     param_element_size: int = PARAM_ELEMENT_SIZE  # model weights: 2 (bf16) or 4 (fp32)
+    implementation: Implementation = THIS_PROJECT
 
 
 @dataclass
@@ -93,12 +111,16 @@ class VariantEstimate:
     weight_sent: volume.Sent
     node_inter_bytes: int           # busiest node's network bytes per step, one direction
     gpu_intra_bytes: int            # busiest GPU's intra-node bytes per step
-    grad_comm_s: float
+    grad_comm_s: float              # bandwidth + latency
     weight_comm_s: float
+    grad_latency_s: float           # of which latency (calls and messages)
+    weight_latency_s: float
     grad_exposed_s: float
     weight_exposed_s: float
     kernel_s: float
     compute_s: float
+    tp_comm_s: float = 0.0          # tensor-parallel all-reduces (with a TFLOP/s rate)
+    embedding_s: float = 0.0        # tied-embedding gradient all-reduce (PP > 1)
     kernel_ops: Dict[str, float] = field(default_factory=dict)  # op -> seconds per step
     memory: Optional[LayerMemory] = None  # what the layer adds on a GPU of the fullest stage
 
@@ -108,7 +130,8 @@ class VariantEstimate:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.kernel_s + self.grad_exposed_s + self.weight_exposed_s
+        return (self.compute_s + self.tp_comm_s + self.kernel_s + self.grad_exposed_s
+                + self.weight_exposed_s + self.embedding_s)
 
 
 @dataclass
@@ -139,22 +162,16 @@ class EstimateError(ValueError):
         self.flag = flag
 
 
-def _phase_seconds(links: volume.Links, cluster: Cluster) -> float:
-    intra = links.max_gpu_intra * 8 / (cluster.intra_gbps * 1e9)
-    inter = links.max_node_inter * 8 / (cluster.inter_gbps * 1e9)
-    return max(intra, inter)
-
-
-def _collective_seconds(phases: List[Tuple[str, volume.Links]], pipelined: int,
-                        cluster: Cluster) -> float:
-    """Seconds of one call's phases (two hops pipelined over ``pipelined`` chunks)."""
-    times = [_phase_seconds(links, cluster) for _, links in phases]
+def _collective_seconds(phases: List[volume.Links], pipelined: int, network: Network) -> float:
+    """Bandwidth seconds of one call's phases (two hops pipelined over ``pipelined`` chunks)."""
+    times = [network.phase_seconds(links) for links in phases]
     if len(times) == 2 and pipelined > 1:
         return max(times) + min(times) / pipelined
     return sum(times)
 
 
-def _kernel_ops(shard: int, layout, config: SDP4BitConfig) -> Dict[str, int]:
+def _kernel_ops(shard: int, layout, config: SDP4BitConfig,
+                impl: Implementation) -> Dict[str, int]:
     """Elements each kernel op of one bucket touches on one rank (fp32-equivalent)."""
     p = layout.dp_size
     ops: Dict[str, int] = {}
@@ -162,7 +179,10 @@ def _kernel_ops(shard: int, layout, config: SDP4BitConfig) -> Dict[str, int]:
         return ops
     if config.quantize_grads:
         hops = volume.hop_levels(layout)
-        padded = sum(c.padded for c in volume.grad_chunks(shard, layout, config))
+        padded = sum(c.padded for c in volume.grad_chunks(shard, layout, config, impl))
+        staged = calls.staging_elements(shard, layout, config, impl)
+        if staged:
+            ops["grad_stage_rows"] = staged
         first = "grad_first_quantize_hadamard" if config.use_hadamard else "grad_first_quantize_plain"
         ops[first] = p * padded
         if len(hops) == 2:
@@ -182,10 +202,55 @@ def _exposed(comm: float, window: float, buckets: int) -> float:
     return max(comm / buckets, comm - window * (buckets - 1) / buckets)
 
 
+def _compute(cluster: Cluster, workload: Workload, microbatches: int) -> Tuple[float, float, str]:
+    """(compute seconds, tensor-parallel all-reduce seconds, where compute came from)."""
+    flops = step_flops(workload.shape, workload.global_batch, workload.attention_flops)
+    if workload.compute_s is not None:
+        return (workload.compute_s, 0.0, f"measured: {workload.compute_s:.4g} s per step "
+                "(--compute-s; includes the tensor-parallel all-reduces)")
+    bubble = 1 + (cluster.pp - 1) / microbatches
+    compute_s = flops / cluster.world / (workload.tflops * 1e12) * bubble
+    source = (f"{flops / 1e15:.4g} PFLOP per step / ({cluster.world} GPUs x "
+              f"{workload.tflops:g} TFLOP/s)" + (f" x pipeline bubble {bubble:.3g}"
+                                                  if cluster.pp > 1 else ""))
+    return compute_s, _tp_seconds(cluster, workload, microbatches), source
+
+
+def _tp_seconds(cluster: Cluster, workload: Workload, microbatches: int) -> float:
+    """The tensor-parallel all-reduces of one step on one GPU (ring within the node)."""
+    t = cluster.tp
+    if t == 1:
+        return 0.0
+    count = tp_allreduces(workload.shape, cluster.pp) * microbatches
+    shape = workload.shape
+    nbytes = shape.seq_length * workload.micro_batch * shape.hidden_size * workload.param_element_size
+    sent = 2 * (t - 1) / t * nbytes
+    if t <= cluster.gpus_per_node:
+        rate, steps = cluster.intra_gbps, ring_calls(t, 1, rounds=2)
+    else:  # TP across nodes: the node's network link, shared by its GPUs
+        nodes = t // cluster.gpus_per_node
+        rate, steps = cluster.inter_gbps / cluster.gpus_per_node, ring_calls(t, nodes, rounds=2)
+    per_call = sent * 8 / (rate * 1e9) + cluster.latency.seconds(steps)
+    return count * per_call
+
+
+def _buckets(cluster: Cluster, workload: Workload) -> Dict[int, List[int]]:
+    bucket_size = workload.bucket_size
+    if bucket_size is None and workload.overlap != "none":
+        bucket_size = default_bucket_size(cluster.dp)
+    if workload.overlap == "none":
+        bucket_size = None  # megatron: one bucket without --overlap-grad-reduce
+    buckets = {}
+    for stage in range(cluster.pp):
+        size = bucket_size if stage == 0 else None  # megatron: no bucketing after stage 0
+        buckets[stage] = bucket_numels(stage_params(workload.shape, cluster.tp, cluster.pp, stage),
+                                       cluster.dp, size)
+    return buckets
+
+
 def estimate(cluster: Cluster, workload: Workload, kernels: KernelModel,
              variants: Optional[List[str]] = None) -> Estimate:
     """Predict one training step of ``workload`` on ``cluster`` for each variant."""
-    shape = workload.shape
     if cluster.world % (cluster.tp * cluster.pp):
         raise EstimateError("--tp", f"--tp {cluster.tp} x --pp {cluster.pp} does not divide the "
                             f"{cluster.world} GPUs ({cluster.nodes} nodes x {cluster.gpus_per_node})")
@@ -194,43 +259,25 @@ def estimate(cluster: Cluster, workload: Workload, kernels: KernelModel,
         raise EstimateError("--global-batch-size", f"--global-batch-size {workload.global_batch} "
                             f"is not divisible by micro-batch {workload.micro_batch} x DP {dp}")
     microbatches = workload.global_batch // (workload.micro_batch * dp)
-    flops = step_flops(shape, workload.global_batch, workload.attention_flops)
-    if workload.compute_s is not None:
-        compute_s = workload.compute_s
-        source = f"measured: {compute_s:.4g} s per step (--compute-s)"
-    else:
-        bubble = 1 + (cluster.pp - 1) / microbatches
-        compute_s = flops / cluster.world / (workload.tflops * 1e12) * bubble
-        source = (f"{flops / 1e15:.4g} PFLOP per step / ({cluster.world} GPUs x "
-                  f"{workload.tflops:g} TFLOP/s)" + (f" x pipeline bubble {bubble:.3g}"
-                                                      if cluster.pp > 1 else ""))
+    flops = step_flops(workload.shape, workload.global_batch, workload.attention_flops)
+    compute_s, tp_s, source = _compute(cluster, workload, microbatches)
     layouts = volume.dp_layouts(cluster.nodes, cluster.gpus_per_node, cluster.tp, cluster.pp)
-    bucket_size = workload.bucket_size
-    if bucket_size is None and workload.overlap != "none":
-        bucket_size = default_bucket_size(dp)
-    if workload.overlap == "none":
-        bucket_size = None  # megatron: one bucket without --overlap-grad-reduce
-    buckets = {}
-    for stage in range(cluster.pp):
-        size = bucket_size if stage == 0 else None  # megatron: no bucketing after stage 0
-        buckets[stage] = bucket_numels(stage_params(shape, cluster.tp, cluster.pp, stage),
-                                       dp, size)
-    first_layout = layouts[0][1]
-    note = _layout_note(cluster, first_layout, layouts)
-    names = variants or list(VARIANTS)
+    buckets = _buckets(cluster, workload)
+    note = _layout_note(layouts)
+    embedding_s = _embedding_seconds(cluster, workload)
     results = {}
-    for name in names:
+    for name in variants or list(VARIANTS):
         preset_name, label = VARIANTS[name]
         config = preset(preset_name, **({"pipeline_chunks": workload.pipeline_chunks}
                                         if workload.pipeline_chunks else {}))
         results[name] = _variant(name, label, config, cluster, workload, kernels, layouts,
-                                 buckets, compute_s)
+                                 buckets, (compute_s, tp_s, embedding_s))
     return Estimate(cluster, workload, kernels, flops, compute_s, source, microbatches,
                     buckets, note, results)
 
 
-def _layout_note(cluster: Cluster, layout, layouts) -> str:
-    groups = len(layouts)
+def _layout_note(layouts) -> str:
+    layout = layouts[0][1]
     if layout.dp_size == 1:
         return "DP 1: no data-parallel communication"
     shape = (f"{layout.num_nodes} node(s) x {len(layout.nodes[0])} DP rank(s) per node"
@@ -238,52 +285,96 @@ def _layout_note(cluster: Cluster, layout, layouts) -> str:
     hops = volume.hop_levels(layout)
     kind = {2: "two-level (intra, then inter-node all-to-all)",
             1: f"one {hops[0][0]}-node all-to-all level" if hops else ""}[len(hops)]
-    return f"{groups} DP group(s) of {layout.dp_size}: {shape}; quantized reduce-scatter {kind}"
+    return f"{len(layouts)} DP group(s) of {layout.dp_size}: {shape}; quantized reduce-scatter {kind}"
+
+
+def _embedding_seconds(cluster: Cluster, workload: Workload) -> float:
+    """Megatron's all-reduce of the tied word embeddings' gradients (first and last stage)."""
+    shape = workload.shape
+    if cluster.pp == 1 or shape.untied_embeddings:
+        return 0.0
+    dp, tp, last = cluster.dp, cluster.tp, cluster.pp - 1
+    pairs = [(t + tp * d, t + tp * (d + dp * last)) for d in range(dp) for t in range(tp)]
+    numel = shape.padded_vocab(tp) * shape.hidden_size // tp
+    links = volume.embedding_allreduce_links(pairs, numel, GRAD_ELEMENT_SIZE, cluster.gpus_per_node)
+    nodes = len({r // cluster.gpus_per_node for r in pairs[0]})
+    steps = ring_calls(2, nodes, rounds=2)
+    return cluster.network.phase_seconds(links) + cluster.latency.seconds(steps)
+
+
+@dataclass
+class _Traffic:
+    """One variant's step on the links: per phase, calls per rank, sent bytes, kernels."""
+
+    grad_phases: List[volume.Links]
+    weight: volume.Links
+    pipelined: int
+    grad_calls: Calls
+    weight_calls: Calls
+    grad_sent: volume.Sent
+    weight_sent: volume.Sent
+    kernel_ops: Dict[str, float]
+
+
+def _traffic(config, cluster, workload, kernels, layouts, buckets) -> _Traffic:
+    """Link bytes of every DP group (concurrent) and bucket (one after another), and the
+    calls, bytes and kernels of a rank of the busiest stage."""
+    impl, whole_bucket = workload.implementation, workload.overlap == "full"
+    grad = [volume.Links.empty(), volume.Links.empty()]  # per hop (exact: one phase)
+    weight = volume.Links.empty()
+    phases, pipelined = 0, 1
+    per_stage = {}
+    for stage, layout in layouts:
+        group = [volume.Links.empty(), volume.Links.empty(), volume.Links.empty()]
+        for numel in buckets[stage]:
+            shard = numel // layout.dp_size
+            rs = volume.reduce_scatter_links(shard, GRAD_ELEMENT_SIZE, layout, config,
+                                             workload.exact_reduce_scatter, impl)
+            for i, (_, links) in enumerate(rs.phases):
+                group[i].merge(links, concurrent=False)
+            phases, pipelined = max(phases, len(rs.phases)), max(pipelined, rs.pipelined)
+            for _, links in volume.all_gather_links(shard, workload.param_element_size, layout,
+                                                    config).phases:
+                group[2].merge(links, concurrent=False)
+        for total, links in zip(grad + [weight], group):
+            total.merge(links)
+        if stage not in per_stage:  # every DP group of a stage is alike: take its first
+            per_stage[stage] = _rank_work(config, layout, buckets[stage], workload, kernels,
+                                          whole_bucket)
+    # The busiest stage sets the pace (its DP traffic is the largest).
+    stage = max(per_stage, key=lambda s: per_stage[s][0].exact_intra + per_stage[s][0].exact_inter)
+    grad_sent, weight_sent, grad_calls, weight_calls, ops = per_stage[stage]
+    return _Traffic(grad[:phases], weight, pipelined, grad_calls, weight_calls, grad_sent,
+                    weight_sent, ops)
+
+
+def _rank_work(config, layout, stage_buckets, workload, kernels, whole_bucket):
+    """(grad sent, weight sent, grad calls, weight calls, kernel seconds) of a stage's rank."""
+    impl, rank, p = workload.implementation, layout.ranks[0], layout.dp_size
+    g = w = volume.Sent()
+    gc = wc = Calls()
+    ops: Dict[str, float] = {}
+    for numel in stage_buckets:
+        shard = numel // p
+        g = g + volume.reduce_scatter_sent(shard, GRAD_ELEMENT_SIZE, layout, rank, config, impl)
+        w = w + volume.all_gather_sent(shard, workload.param_element_size, layout, rank, config)
+        gc = gc + calls.reduce_scatter_calls(shard, layout, config,
+                                             workload.exact_reduce_scatter, impl)
+        wc = wc + calls.all_gather_calls(shard, layout, config, impl, whole_bucket)
+        for op, elements in _kernel_ops(shard, layout, config, impl).items():
+            ops[op] = ops.get(op, 0.0) + kernels.seconds(op, elements)
+    return g, w, gc, wc, ops
 
 
 def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
-             compute_s) -> VariantEstimate:
-    grad_links = [volume.Links.empty(), volume.Links.empty()]  # per hop (exact: one phase)
-    weight_links = volume.Links.empty()
-    grad_phases = 0
-    pipelined = 1
-    kernel_ops: Dict[str, float] = {}
-    per_stage_sent: Dict[int, Tuple[volume.Sent, volume.Sent]] = {}
-    per_stage_kernel: Dict[int, Dict[str, float]] = {}
-    for stage, layout in layouts:
-        p = layout.dp_size
-        for numel in buckets[stage]:
-            shard = numel // p
-            rs = volume.reduce_scatter_links(shard, GRAD_ELEMENT_SIZE, layout, config,
-                                             workload.exact_reduce_scatter)
-            for i, (_, links) in enumerate(rs.phases):
-                grad_links[i].merge(links)
-            grad_phases = max(grad_phases, len(rs.phases))
-            pipelined = max(pipelined, rs.pipelined)
-            for _, links in volume.all_gather_links(shard, workload.param_element_size, layout,
-                                                    config).phases:
-                weight_links.merge(links)
-        if stage not in per_stage_sent:  # every DP group of a stage is alike: take its first
-            rank = layout.ranks[0]
-            g = w = volume.Sent()
-            ops: Dict[str, float] = {}
-            for numel in buckets[stage]:
-                shard = numel // p
-                g = g + volume.reduce_scatter_sent(shard, GRAD_ELEMENT_SIZE, layout, rank, config)
-                w = w + volume.all_gather_sent(shard, workload.param_element_size, layout, rank,
-                                               config)
-                for op, elements in _kernel_ops(shard, layout, config).items():
-                    ops[op] = ops.get(op, 0.0) + kernels.seconds(op, elements)
-            per_stage_sent[stage] = (g, w)
-            per_stage_kernel[stage] = ops
-    # The busiest stage sets the pace (its DP traffic is the largest).
-    stage = max(per_stage_sent, key=lambda s: per_stage_sent[s][0].exact_intra
-                + per_stage_sent[s][0].exact_inter)
-    grad_sent, weight_sent = per_stage_sent[stage]
-    kernel_ops = per_stage_kernel[stage]
-    phases = [("", grad_links[i]) for i in range(grad_phases)]
-    grad_s = _collective_seconds(phases, pipelined, cluster)
-    weight_s = _collective_seconds([("", weight_links)], 1, cluster)
+             fixed) -> VariantEstimate:
+    compute_s, tp_s, embedding_s = fixed
+    net = cluster.network
+    t = _traffic(config, cluster, workload, kernels, layouts, buckets)
+    grad_lat = cluster.latency.seconds(t.grad_calls)
+    weight_lat = cluster.latency.seconds(t.weight_calls)
+    grad_s = _collective_seconds(t.grad_phases, t.pipelined, net) + grad_lat
+    weight_s = _collective_seconds([t.weight], 1, net) + weight_lat
     n_buckets = max(len(b) for b in buckets.values())
     backward, forward = compute_s * 2 / 3, compute_s / 3
     if workload.overlap == "none":
@@ -293,18 +384,19 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
         weight_exposed = (_exposed(weight_s, forward, n_buckets) if workload.overlap == "full"
                           else weight_s)
     memory = max((_stage_memory(stage, layout, buckets[stage], config, cluster, workload)
-                   for stage, layout in layouts),
-                  key=lambda m: m.per_param(m.total_bytes))
+                  for stage, layout in layouts), key=lambda m: m.per_param(m.total_bytes))
     all_links = volume.Links.empty()
-    for links in grad_links + [weight_links]:
+    for links in t.grad_phases + [t.weight]:
         all_links.merge(links)
     return VariantEstimate(
-        name=name, label=label, config=config, sent=grad_sent + weight_sent,
-        grad_sent=grad_sent, weight_sent=weight_sent,
+        name=name, label=label, config=config, sent=t.grad_sent + t.weight_sent,
+        grad_sent=t.grad_sent, weight_sent=t.weight_sent,
         node_inter_bytes=all_links.max_node_inter, gpu_intra_bytes=all_links.max_gpu_intra,
-        grad_comm_s=grad_s, weight_comm_s=weight_s, grad_exposed_s=grad_exposed,
-        weight_exposed_s=weight_exposed, kernel_s=sum(kernel_ops.values()),
-        compute_s=compute_s, kernel_ops=kernel_ops, memory=memory)
+        grad_comm_s=grad_s, weight_comm_s=weight_s, grad_latency_s=grad_lat,
+        weight_latency_s=weight_lat, grad_exposed_s=grad_exposed,
+        weight_exposed_s=weight_exposed, kernel_s=sum(t.kernel_ops.values()),
+        compute_s=compute_s, tp_comm_s=tp_s, embedding_s=embedding_s,
+        kernel_ops=t.kernel_ops, memory=memory)
 
 
 def _stage_memory(stage, layout, stage_buckets, config, cluster, workload) -> LayerMemory:

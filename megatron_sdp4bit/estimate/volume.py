@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from megatron_sdp4bit.comm.layout import NodeLayout, chunk_plan, lcm, plan_node_layout
+from megatron_sdp4bit.comm.layout import NodeLayout, chunk_count, chunk_plan, lcm, plan_node_layout
 from megatron_sdp4bit.config import SDP4BitConfig
+from megatron_sdp4bit.estimate.implementation import THIS_PROJECT, Implementation
 from megatron_sdp4bit.quant.types import QuantizedTensor, num_groups
 
 SCALE_BYTES = 4  # every quantizer keeps one fp32 scale per group
@@ -100,16 +101,22 @@ class HopBytes:
     per_peer: int  # codes + scales sent to each peer of the hop
 
 
-def grad_chunks(shard: int, layout: NodeLayout, config: SDP4BitConfig) -> list:
-    """``comm.quantized_reduce_scatter``'s pipeline chunks of a shard (padding included)."""
+def grad_chunks(shard: int, layout: NodeLayout, config: SDP4BitConfig,
+                impl: Implementation = THIS_PROJECT) -> list:
+    """``comm.quantized_reduce_scatter``'s pipeline chunks of a shard (padding included):
+    ``config.pipeline_chunks``, or more where a chunk over all shards would exceed the
+    implementation's ``max_chunk_elements`` (``comm.layout.chunk_count``)."""
     formats = [hop_format(level, config) for level, _ in hop_levels(layout)]
     block = config.hadamard_block if config.use_hadamard else 1
     align = lcm(*(group for _, group in formats), block)
-    return chunk_plan(shard, align, config.pipeline_chunks)
+    chunks = config.pipeline_chunks
+    if impl.max_chunk_elements is not None:
+        chunks = chunk_count(shard, layout.dp_size, chunks, impl.max_chunk_elements)
+    return chunk_plan(shard, align, chunks)
 
 
-def quantized_reduce_scatter_hops(shard: int, layout: NodeLayout,
-                                  config: SDP4BitConfig) -> List[HopBytes]:
+def quantized_reduce_scatter_hops(shard: int, layout: NodeLayout, config: SDP4BitConfig,
+                                  impl: Implementation = THIS_PROJECT) -> List[HopBytes]:
     """The hops of ``comm.quantized_reduce_scatter`` for shards of ``shard`` elements."""
     levels = hop_levels(layout)
     if not levels or shard == 0:
@@ -117,7 +124,7 @@ def quantized_reduce_scatter_hops(shard: int, layout: NodeLayout,
     formats = [hop_format(level, config) for level, _ in levels]
     p = layout.dp_size
     per_peer = [0] * len(levels)
-    for chunk in grad_chunks(shard, layout, config):
+    for chunk in grad_chunks(shard, layout, config, impl):
         numel = p * chunk.padded  # the first hop sends every shard's slice of the chunk
         for hop, ((_, members), (bits, group)) in enumerate(zip(levels, formats)):
             codes, scales = _quantized_nbytes(numel, bits, group)
@@ -127,7 +134,7 @@ def quantized_reduce_scatter_hops(shard: int, layout: NodeLayout,
 
 
 def reduce_scatter_sent(shard: int, element_size: int, layout: NodeLayout, rank: int,
-                        config: SDP4BitConfig) -> Sent:
+                        config: SDP4BitConfig, impl: Implementation = THIS_PROJECT) -> Sent:
     """What ``comm.quantized_reduce_scatter`` records for ``rank`` (shards of ``shard`` elements)."""
     same, other = _peers(layout, rank)
     exact = Sent(exact_intra=same * shard * element_size, exact_inter=other * shard * element_size)
@@ -135,7 +142,7 @@ def reduce_scatter_sent(shard: int, element_size: int, layout: NodeLayout, rank:
         return exact
     if not config.quantize_grads:
         return exact + Sent(intra=same * shard * element_size, inter=other * shard * element_size)
-    hops = quantized_reduce_scatter_hops(shard, layout, config)
+    hops = quantized_reduce_scatter_hops(shard, layout, config, impl)
     if len(hops) == 1:  # a flat hop reaches this rank's node and the others
         return exact + Sent(intra=same * hops[0].per_peer, inter=other * hops[0].per_peer)
     intra, inter = hops
@@ -171,27 +178,36 @@ class Links:
 
     ``gpu_intra[g]``: bytes global rank g sends over its intra-node links;
     ``node_inter[n]``: bytes node n sends over its network links (all its
-    ranks together, one direction; the phases are symmetric).
+    ranks together, one direction; the phases are symmetric);
+    ``node_streams[n]``: independent senders of those bytes (``network.py``):
+    one per ring crossing out of the node, one per GPU sending in an all-to-all.
     """
 
     gpu_intra: Dict[int, int]
     node_inter: Dict[int, int]
+    node_streams: Dict[int, int]
 
     @staticmethod
     def empty() -> "Links":
-        return Links({}, {})
+        return Links({}, {}, {})
 
     def add_gpu(self, rank: int, nbytes: int) -> None:
         self.gpu_intra[rank] = self.gpu_intra.get(rank, 0) + nbytes
 
-    def add_node(self, node: int, nbytes: int) -> None:
+    def add_node(self, node: int, nbytes: int, streams: int = 1) -> None:
         self.node_inter[node] = self.node_inter.get(node, 0) + nbytes
+        self.node_streams[node] = self.node_streams.get(node, 0) + streams
 
-    def merge(self, other: "Links") -> None:
+    def merge(self, other: "Links", concurrent: bool = True) -> None:
+        """Add ``other``'s bytes; its streams add when it runs at the same time as these
+        (another DP group), else (the next bucket of the same group) the larger count holds."""
         for rank, n in other.gpu_intra.items():
             self.add_gpu(rank, n)
         for node, n in other.node_inter.items():
-            self.add_node(node, n)
+            streams = other.node_streams.get(node, 0)
+            self.add_node(node, n, streams if concurrent else 0)
+            if not concurrent:
+                self.node_streams[node] = max(self.node_streams[node], streams)
 
     @property
     def max_gpu_intra(self) -> int:
@@ -243,7 +259,8 @@ class PhaseLinks:
 
 
 def reduce_scatter_links(shard: int, element_size: int, layout: NodeLayout,
-                         config: SDP4BitConfig, exact_algorithm: str) -> PhaseLinks:
+                         config: SDP4BitConfig, exact_algorithm: str,
+                         impl: Implementation = THIS_PROJECT) -> PhaseLinks:
     """Link bytes of one gradient reduce-scatter over one DP group (every member at once)."""
     if layout.dp_size == 1 or shard == 0:
         return PhaseLinks([])
@@ -254,7 +271,7 @@ def reduce_scatter_links(shard: int, element_size: int, layout: NodeLayout,
         rounds = {"ring": 1, "allreduce": 2}[exact_algorithm]
         return PhaseLinks([(exact_algorithm, ring_links(layout, layout.ranks,
                                                         shard * element_size, rounds))])
-    hops = quantized_reduce_scatter_hops(shard, layout, config)
+    hops = quantized_reduce_scatter_hops(shard, layout, config, impl)
     rpn = layout.physical_ranks_per_node
     phases = []
     for hop in hops:
@@ -270,7 +287,7 @@ def reduce_scatter_links(shard: int, element_size: int, layout: NodeLayout,
             if other:
                 links.add_node(rank // rpn, other * hop.per_peer)
         phases.append((f"{hop.level} all-to-all", links))
-    return PhaseLinks(phases, pipelined=len(grad_chunks(shard, layout, config)))
+    return PhaseLinks(phases, pipelined=len(grad_chunks(shard, layout, config, impl)))
 
 
 def all_gather_links(shard: int, element_size: int, layout: NodeLayout,
@@ -280,6 +297,22 @@ def all_gather_links(shard: int, element_size: int, layout: NodeLayout,
         return PhaseLinks([])
     chunk = all_gather_chunk(shard, element_size, config)
     return PhaseLinks([("ring all-gather", ring_links(layout, layout.ranks, chunk))])
+
+
+def embedding_allreduce_links(first_last: Sequence[Tuple[int, int]], numel: int,
+                              element_size: int, gpus_per_node: int) -> Links:
+    """Megatron's all-reduce of the tied word embeddings' gradients between the first and
+    the last pipeline stage (``finalize_model_grads``), all (first, last) rank pairs at once:
+    a ring of two, each rank sends its whole gradient once."""
+    links = Links.empty()
+    nbytes = numel * element_size
+    for pair in first_last:
+        for rank, peer in (pair, pair[::-1]):
+            if rank // gpus_per_node == peer // gpus_per_node:
+                links.add_gpu(rank, nbytes)
+            else:
+                links.add_node(rank // gpus_per_node, nbytes)
+    return links
 
 
 # --- the DP groups of a Megatron world -----------------------------------------------

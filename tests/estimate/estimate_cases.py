@@ -51,3 +51,42 @@ def measure(rank: int, world: int) -> dict:
         quantized_all_gather_weights(model, torch.randn(shard), config=config)
         out[(name, rpn, shard, str(dtype))] = _counters()
     return out
+
+
+# (ranks per node, shard, chunk cap): collectives whose calls the estimator must count; a
+# cap of 4096 elements splits a 4 x 4101 reduce-scatter into 5 chunks, the gather into 3.
+CALL_CASES = [(rpn, shard, cap) for rpn in (1, 2, 4) for shard in (37, 4101)
+              for cap in (4096, 1 << 22)]
+
+
+def count_calls(rank: int, world: int) -> dict:
+    """{(rpn, shard, cap): (all-to-all calls of one SDP4Bit reduce-scatter, all-gather calls
+    of one synchronous quantized weight gather)} with ``MAX_CHUNK_ELEMENTS`` set to ``cap``."""
+    from megatron_sdp4bit.comm import gradients, weights
+
+    counts = {"a2a": 0, "ag": 0}
+    a2a, ag, caps = gradients.all_to_all_equal, weights.all_gather_flat, (
+        gradients.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS)
+
+    def counting(key, fn):
+        def wrapped(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+    gradients.all_to_all_equal, weights.all_gather_flat = counting("a2a", a2a), counting("ag", ag)
+    out = {}
+    try:
+        for rpn, shard, cap in CALL_CASES:
+            gradients.MAX_CHUNK_ELEMENTS = weights.MAX_CHUNK_ELEMENTS = cap
+            config = preset("sdp4bit", ranks_per_node=rpn)
+            counts.update(a2a=0, ag=0)
+            quantized_reduce_scatter(torch.empty(shard), torch.randn(world * shard),
+                                     op=dist.ReduceOp.AVG, config=config)
+            rs = counts["a2a"]
+            quantized_all_gather_weights(torch.zeros(world * shard, dtype=torch.bfloat16),
+                                         torch.randn(shard), config=config)
+            out[(rpn, shard, cap)] = (rs, counts["ag"])
+    finally:
+        gradients.all_to_all_equal, weights.all_gather_flat = a2a, ag
+        gradients.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS = caps
+    return out

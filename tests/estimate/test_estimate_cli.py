@@ -72,6 +72,12 @@ BAD = [
     (["--kernel-gbps", "100", "--kernels", "cpu"], "--kernel-gbps"),
     (["--overlap", "sometimes"], "--overlap"),
     (["--frobnicate"], "--frobnicate"),
+    (["--latency-us", "1,2"], "--latency-us"),
+    (["--latency-us", "1,-2,3,4"], "--latency-us"),
+    (["--kernel-rates", "/nonexistent/bench.json"], "--kernel-rates"),
+    (["--kernel-rates", "bench.json", "--kernels", "cpu"], "--kernels"),
+    (["--cluster-type", "tpu-pod"], "--cluster-type"),
+    (["--stream-gbps", "0"], "--stream-gbps"),
 ]
 
 
@@ -99,6 +105,27 @@ def test_missing_flags_are_named():
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("sdp4bit-estimate: error:")
     assert "--gpus-per-node" in line and "--inter-gbps" in line
+
+
+def test_cluster_type_gives_the_defaults_and_flags_win(capsys):
+    from megatron_sdp4bit.estimate.clusters import A100_SLINGSHOT
+
+    base = ["--config", os.path.join(REPO, "configs", "gpt_1.3b.yaml"), "--nodes", "4",
+            "--cluster-type", "a100-slingshot", "--json"]
+    assert cli.main(base) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpus_per_node"] == A100_SLINGSHOT.gpus_per_node
+    assert (data["inter_gbps"], data["stream_gbps"]) == (A100_SLINGSHOT.inter_gbps,
+                                                          A100_SLINGSHOT.stream_gbps)
+    assert data["latency_us"]["inter"] == A100_SLINGSHOT.latency.inter_us
+    assert data["implementation"] == "megatron_sdp4bit.comm"
+    assert cli.main(base + ["--inter-gbps", "50", "--latency-us", "0,0,0,0", "--tflops", "10",
+                            "--implementation", "paper-reference"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["inter_gbps"] == 50
+    assert data["latency_us"] == {"call": 0, "intra": 0, "inter": 0, "message": 0}
+    assert data["variants"]["baseline"]["grad_latency_s"] == 0
+    assert data["implementation"] == "the paper's reference code"
 
 
 def test_command_line_constants_match_the_modules():

@@ -10,6 +10,7 @@ from megatron_sdp4bit.estimate import kernels as kernel_tables
 from megatron_sdp4bit.estimate.kernels import KernelModel
 from megatron_sdp4bit.estimate.model import (ModelShape, bucket_numels, load_model_shape,
                                              stage_params, total_params)
+from megatron_sdp4bit.estimate.network import NO_LATENCY
 from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -82,7 +83,7 @@ def test_cpu_kernel_numbers_are_the_docs_table():
     doc = _doc_cpu_table()
     for row, values in kernel_tables.CPU_TABLE.items():
         assert doc.get(row) == values, f"{row}: estimator {values}, docs/performance.md {doc.get(row)}"
-    for row, _ in kernel_tables.OPS.values():
+    for row, _, _ in kernel_tables.OPS.values():
         assert row in kernel_tables.CPU_TABLE
 
 
@@ -105,8 +106,9 @@ def test_kernel_rates_interpolate_and_scale():
 SMALL = _shape(4, 256, 128, 8192, False, micro=4, global_batch=64)
 
 
-def _estimate(nodes=2, gpus=4, tp=1, pp=1, intra=100.0, inter=10.0, tflops=1.0, **work):
-    cluster = Cluster(nodes, gpus, tp, pp, intra, inter)
+def _estimate(nodes=2, gpus=4, tp=1, pp=1, intra=100.0, inter=10.0, tflops=1.0,
+              latency=NO_LATENCY, stream=None, **work):
+    cluster = Cluster(nodes, gpus, tp, pp, intra, inter, stream, latency)
     workload = Workload(shape=SMALL, global_batch=64 if nodes * gpus // (tp * pp) <= 16 else
                         4 * nodes * gpus // (tp * pp), micro_batch=4, tflops=tflops, **work)
     return estimate(cluster, workload, KernelModel("gpu"))
@@ -118,7 +120,9 @@ def test_dp_one_has_no_data_parallel_communication():
         assert e.cluster.dp == 1
         for v in e.variants.values():
             assert v.sent.total == 0 and v.sent.exact_intra + v.sent.exact_inter == 0
-            assert v.comm_s == 0 and v.kernel_s == 0 and v.step_s == pytest.approx(e.compute_s)
+            assert v.comm_s == 0 and v.kernel_s == 0 and v.embedding_s == 0
+            assert v.step_s == pytest.approx(e.compute_s + v.tp_comm_s)
+            assert (v.tp_comm_s > 0) == (tp > 1)  # TP 4: the tensor-parallel all-reduces
 
 
 def test_more_bandwidth_or_compute_never_takes_longer():

@@ -1,0 +1,54 @@
+"""How the quantized collectives being modelled split their work into calls and messages.
+
+The byte counts (``volume.py``) do not depend on this; the latency and the
+staging copy do. Two implementations are described:
+
+- ``THIS_PROJECT``: ``megatron_sdp4bit.comm`` as it will be once each quantized
+  hop sends its codes and scales in one buffer. The two lines that change when
+  the code changes are ``MESSAGES_PER_PEER`` and ``STAGING_COPY`` below.
+- ``PAPER_REFERENCE``: the SDP4Bit paper's reference code (a Megatron-LM fork,
+  January 2024), for ``--check-paper``: codes and scales in two calls per hop
+  and per weight all-gather, the bucket split only into ``--gradient-alltoall-
+  pipeline`` chunks, and the send-order ("swizzle") copy fused into its
+  quantize kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
+
+#: Messages one quantized all-to-all hop, or one quantized all-gather, sends each peer.
+#: 1: codes and scales in one buffer (comm/ once they share one; the code of this commit sends 2).
+MESSAGES_PER_PEER = 1
+
+#: Whether the reduce-scatter copies each chunk's rows into send order before its first
+#: hop (comm/gradients.py: stage_chunk_rows; an fp32 read and write, 8 bytes per element,
+#: on two-level topologies and for padded chunks). False once the quantize kernel reads
+#: the rows in send order itself.
+STAGING_COPY = True
+
+
+@dataclass(frozen=True)
+class Implementation:
+    name: str
+    messages_per_peer: int
+    """Calls (each one message per peer) per all-to-all hop and per all-gather slice."""
+    max_chunk_elements: Optional[int]
+    """Reduce-scatter chunks hold at most this many elements over all shards (more chunks
+    than --pipeline-chunks where needed); None: exactly --pipeline-chunks chunks."""
+    sliced_weight_gather: bool
+    """A synchronous quantized all-gather runs in slices of ``max_chunk_elements`` over all
+    ranks (comm/weights.py); False: one gather per bucket."""
+    staging_copy: bool
+    """The reduce-scatter's send-order copy is a pass of its own (see ``STAGING_COPY``)."""
+
+
+THIS_PROJECT = Implementation(
+    name="megatron_sdp4bit.comm", messages_per_peer=MESSAGES_PER_PEER,
+    max_chunk_elements=MAX_CHUNK_ELEMENTS, sliced_weight_gather=True, staging_copy=STAGING_COPY)
+
+PAPER_REFERENCE = Implementation(
+    name="the paper's reference code", messages_per_peer=2, max_chunk_elements=None,
+    sliced_weight_gather=False, staging_copy=False)
