@@ -13,7 +13,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, lcm
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, lcm, weight_slices
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant import KernelSpec
 
@@ -70,14 +70,9 @@ def all_gather_specs(shard: int, dp: int, model_dtype: torch.dtype, config: SDP4
     if dp == 1 or shard == 0 or not config.quantize_weights:
         return []
     fmt = dict(bits=config.weight_bits, group_size=config.weight_group_size)
-    if whole_bucket:
-        slices = [(0, shard)]
-    else:
-        groups = max(1, MAX_CHUNK_ELEMENTS // (dp * config.weight_group_size))
-        step = min(shard, groups * config.weight_group_size)
-        slices = [(start, min(step, shard - start)) for start in range(0, shard, step)]
     specs = []
-    for start, n in slices:
+    for start, n in weight_slices(shard, dp, config.weight_group_size, whole_bucket,
+                                  MAX_CHUNK_ELEMENTS):
         if config.weight_mode == "diff":
             specs.append(KernelSpec("quantize_weight_diff", n, rounding=config.rounding,
                                     dtype=model_dtype, **fmt))

@@ -167,3 +167,18 @@ def chunk_count(shard_numel: int, dp_size: int, pipeline_chunks: int, max_chunk_
 
 def lcm(*values: int) -> int:
     return math.lcm(*values) if values else 1
+
+
+def weight_slices(shard: int, dp: int, group_size: int, whole: bool,
+                  max_chunk_elements: int) -> list[tuple[int, int]]:
+    """``(start, elements)`` of each slice a weight all-gather of ``shard``-element shards
+    runs in: the whole shard at once (``whole``: an overlapped gather, in flight while the
+    caller goes on), or whole groups of at most ``max_chunk_elements`` over all ``dp``
+    ranks (a synchronous one: a few slices' codes alive at a time, not the bucket's)."""
+    if shard <= 0:
+        return []
+    if whole:
+        return [(0, shard)]
+    groups = max(1, max_chunk_elements // (dp * group_size))
+    step = min(shard, groups * group_size)
+    return [(start, min(step, shard - start)) for start in range(0, shard, step)]

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence
 
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, lcm
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, lcm, weight_slices
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant.types import QuantizedTensor, num_groups
 from megatron_sdp4bit.quant.wire import segment_nbytes
@@ -132,14 +132,6 @@ def grad_scatter_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig) -> i
     return MAIN_BYTES * last.padded if last.valid < last.padded else 0
 
 
-def _weight_slices(shard: int, dp: int, config: SDP4BitConfig, whole_bucket: bool) -> list:
-    if whole_bucket:
-        return [shard]
-    groups = max(1, MAX_CHUNK_ELEMENTS // (dp * config.weight_group_size))
-    step = min(shard, groups * config.weight_group_size)
-    return [min(step, shard - start) for start in range(0, shard, step)]
-
-
 def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
                          whole_bucket: bool) -> Dict[str, int]:
     """Bytes per workspace buffer name of one bucket's qW/qWD all-gather: this rank's
@@ -150,7 +142,8 @@ def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
     if dp == 1 or shard == 0 or not config.quantize_weights:
         return {}
     demands = []
-    for index, n in enumerate(_weight_slices(shard, dp, config, whole_bucket)):
+    for index, (_, n) in enumerate(weight_slices(shard, dp, config.weight_group_size, whole_bucket,
+                                                        MAX_CHUNK_ELEMENTS)):
         own = segment_nbytes(n, config.weight_bits, config.weight_group_size)
         demands.append({f"weights send {index % 2}": own, f"weights gather {index % 2}": dp * own})
     return _merge_max(demands)
@@ -163,7 +156,8 @@ def weight_gather_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig,
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or config.weight_mode != "direct":
         return 0
-    return MAIN_BYTES * dp * max(_weight_slices(shard, dp, config, whole_bucket))
+    slices = weight_slices(shard, dp, config.weight_group_size, whole_bucket, MAX_CHUNK_ELEMENTS)
+    return MAIN_BYTES * dp * max(n for _, n in slices)
 
 
 def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *,

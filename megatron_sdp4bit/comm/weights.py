@@ -27,7 +27,7 @@ from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
 from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_gather_flat
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, weight_slices
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import peer_split
 from megatron_sdp4bit.comm.workspace import Workspace
@@ -113,29 +113,24 @@ def quantized_all_gather_weights(
         everyone = wire_view(incoming, dp_size, n, config.weight_bits, config.weight_group_size)
         return _Gather(targets[:, start:stop], everyone, work)
 
-    if async_op:  # every rank's codes of the whole shard in flight at once
+    # Async: every rank's codes of the whole shard in flight at once. Sync: slice by
+    # slice, the next slice's gather in flight while this one is applied: a bucket of
+    # every parameter (megatron's without overlap) needs a few slices' codes at a time,
+    # not the whole bucket's. Two slots: slice i + 2 reuses slice i's buffers, applied
+    # (so waited for) before slice i + 2 is quantized.
+    slices = weight_slices(shard, dp_size, config.weight_group_size, whole=async_op,
+                           max_chunk_elements=MAX_CHUNK_ELEMENTS)
+    if async_op:
         pending = gather(0, shard, 0)
         return finish_or_handle(lambda: pending.apply(add), True)
-    # Slice by slice, the next slice's gather in flight while this one is applied:
-    # a bucket of every parameter (megatron's without overlap) needs a few slices'
-    # codes at a time, not the whole bucket's. Two slots: slice i + 2 reuses slice
-    # i's buffers, applied (so waited for) before slice i + 2 is quantized.
-    step = _slice_elements(shard, dp_size, config.weight_group_size)
     previous = None
-    for index, start in enumerate(range(0, shard, step)):
-        current = gather(start, min(start + step, shard), index % 2)
+    for index, (start, n) in enumerate(slices):
+        current = gather(start, start + n, index % 2)
         if previous is not None:
             previous.apply(add)
         previous = current
     previous.apply(add)
     return None
-
-
-def _slice_elements(shard: int, dp_size: int, group_size: int) -> int:
-    """Shard elements per slice of a synchronous gather: whole groups, at most
-    ``MAX_CHUNK_ELEMENTS`` over all ranks (one slice when the shard is small)."""
-    groups = max(1, MAX_CHUNK_ELEMENTS // (dp_size * group_size))
-    return min(shard, groups * group_size)
 
 
 class _Gather:

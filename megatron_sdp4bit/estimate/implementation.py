@@ -3,9 +3,10 @@
 The byte counts (``volume.py``) do not depend on this; the latency and the
 staging copy do. Two implementations are described:
 
-- ``THIS_PROJECT``: ``megatron_sdp4bit.comm`` as it will be once each quantized
-  hop sends its codes and scales in one buffer. The two lines that change when
-  the code changes are ``MESSAGES_PER_PEER`` and ``STAGING_COPY`` below.
+- ``THIS_PROJECT``: ``megatron_sdp4bit.comm``: each quantized hop and each
+  weight all-gather sends its codes and scales in one buffer, and the first
+  hop's quantize reads the rows in send order itself. The two lines to change
+  when that changes are ``MESSAGES_PER_PEER`` and ``STAGING_COPY`` below.
 - ``PAPER_REFERENCE``: the SDP4Bit paper's reference code (a Megatron-LM fork,
   January 2024), for ``--check-paper``: codes and scales in two calls per hop
   and per weight all-gather, the bucket split only into ``--gradient-alltoall-
@@ -20,14 +21,14 @@ from typing import Optional
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
 
 #: Messages one quantized all-to-all hop, or one quantized all-gather, sends each peer.
-#: 1: codes and scales in one buffer (comm/ once they share one; the code of this commit sends 2).
+#: 1: codes and scales in one buffer (comm/gradients.py, comm/weights.py: quant.wire_view).
 MESSAGES_PER_PEER = 1
 
 #: Whether the reduce-scatter copies each chunk's rows into send order before its first
-#: hop (comm/gradients.py: stage_chunk_rows; an fp32 read and write, 8 bytes per element,
-#: on two-level topologies and for padded chunks). False once the quantize kernel reads
-#: the rows in send order itself.
-STAGING_COPY = True
+#: hop (an fp32 read and write, 8 bytes per element, on two-level topologies and for
+#: padded chunks). False: the quantize kernel reads the rows in send order itself
+#: (quant.hadamard_quantize_rows), as comm/gradients.py does.
+STAGING_COPY = False
 
 
 @dataclass(frozen=True)

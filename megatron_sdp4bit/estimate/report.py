@@ -71,16 +71,19 @@ def format_report(e: Estimate) -> str:
     lines += [
         "",
         "Memory the layer adds per GPU (the stage with the most per parameter; comm/memory.py): "
-        "held = fp32 main shards kept across steps, scratch = codes and staging while a "
-        "collective runs (an upper bound).",
+        "held = fp32 main shards kept across steps, buffers = the collectives' send and "
+        "receive buffers, reused from step to step, scratch = what a collective allocates "
+        "while it runs (an upper bound).",
         "",
-        "| variant | held B/param | scratch B/param | total B/param | held MiB | scratch MiB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| variant | held B/param | buffers B/param | scratch B/param | total B/param "
+        "| held MiB | buffers MiB | scratch MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for v in e.variants.values():
         m = v.memory
-        lines.append(f"| {v.label} | {m.per_param(m.held_bytes):.2f} | {m.per_param(m.scratch_bytes):.2f} "
-                     f"| {m.per_param(m.total_bytes):.2f} | {_mib(m.held_bytes)} | {_mib(m.scratch_bytes)} |")
+        lines.append(f"| {v.label} | {m.per_param(m.held_bytes):.2f} | {m.per_param(m.buffer_bytes):.2f} "
+                     f"| {m.per_param(m.scratch_bytes):.2f} | {m.per_param(m.total_bytes):.2f} "
+                     f"| {_mib(m.held_bytes)} | {_mib(m.buffer_bytes)} | {_mib(m.scratch_bytes)} |")
     kernel_lines = []
     for v in e.variants.values():
         for op, sec in v.kernel_ops.items():
@@ -140,6 +143,7 @@ def to_json(e: Estimate) -> dict:
                 "kernel_s": v.kernel_s, "kernel_ops_s": v.kernel_ops, "step_s": v.step_s,
                 "tflops_per_gpu": e.tflops_per_gpu(name), "speedup": e.speedup(name),
                 "memory_params": v.memory.params, "memory_held_bytes": v.memory.held_bytes,
+                "memory_buffer_bytes": v.memory.buffer_bytes,
                 "memory_scratch_bytes": v.memory.scratch_bytes,
             } for name, v in e.variants.items()
         },

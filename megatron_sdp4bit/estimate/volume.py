@@ -7,8 +7,9 @@ Two views of one collective call:
   rank sends each peer its share once; padding included). The quantized sizes
   come from the same pieces the collectives use: ``SDP4BitConfig`` (bits,
   group sizes, Hadamard block, pipeline chunks), ``comm.layout.chunk_plan`` and
-  ``lcm`` (padding), ``QuantizedTensor.codes_nbytes`` and ``num_groups`` (codes
-  and fp32 scales), ``comm.layout.plan_node_layout`` (who is on which node).
+  ``lcm`` (padding), ``comm.layout.weight_slices``, ``quant.wire.segment_nbytes``
+  (codes and fp32 scales of one peer, in one aligned segment),
+  ``comm.layout.plan_node_layout`` (who is on which node).
   Tests compare these with the counters of real collectives.
 - ``Links``: the bytes that actually cross each link, which depends on the
   algorithm: an all-to-all sends directly (link bytes = sent bytes), while a
@@ -23,12 +24,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-from megatron_sdp4bit.comm.layout import NodeLayout, chunk_count, chunk_plan, lcm, plan_node_layout
+from megatron_sdp4bit.comm.layout import (
+    MAX_CHUNK_ELEMENTS,
+    NodeLayout,
+    chunk_count,
+    chunk_plan,
+    lcm,
+    plan_node_layout,
+    weight_slices,
+)
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.estimate.implementation import THIS_PROJECT, Implementation
-from megatron_sdp4bit.quant.types import QuantizedTensor, num_groups
+from megatron_sdp4bit.quant.wire import segment_nbytes
 
-SCALE_BYTES = 4  # every quantizer keeps one fp32 scale per group
 
 #: How the exact (unquantized) reduce-scatter moves its bytes.
 EXACT_REDUCE_SCATTERS = {
@@ -86,10 +94,11 @@ def hop_format(level: str, config: SDP4BitConfig) -> Tuple[int, int]:
     return config.grad_bits_inter, config.grad_group_size_inter
 
 
-def _quantized_nbytes(numel: int, bits: int, group_size: int) -> Tuple[int, int]:
-    """(codes bytes, scales bytes) of a quantized tensor of ``numel`` elements."""
-    return (QuantizedTensor.codes_nbytes(numel, bits, group_size),
-            num_groups(numel, group_size) * SCALE_BYTES)
+def _segment_nbytes(numel: int, bits: int, group_size: int) -> int:
+    """Bytes one peer's part of a quantized message of ``numel`` elements takes on the wire:
+    its codes, then its fp32 scales, each 16-byte aligned (``quant.wire``: every quantized
+    hop and weight gather sends one buffer of such segments)."""
+    return segment_nbytes(numel, bits, group_size)
 
 
 @dataclass(frozen=True)
@@ -127,8 +136,7 @@ def quantized_reduce_scatter_hops(shard: int, layout: NodeLayout, config: SDP4Bi
     for chunk in grad_chunks(shard, layout, config, impl):
         numel = p * chunk.padded  # the first hop sends every shard's slice of the chunk
         for hop, ((_, members), (bits, group)) in enumerate(zip(levels, formats)):
-            codes, scales = _quantized_nbytes(numel, bits, group)
-            per_peer[hop] += codes // members + scales // members
+            per_peer[hop] += _segment_nbytes(numel // members, bits, group)
             numel //= members  # the sum of the received pieces is requantized
     return [HopBytes(level, members, b) for (level, members), b in zip(levels, per_peer)]
 
@@ -150,12 +158,17 @@ def reduce_scatter_sent(shard: int, element_size: int, layout: NodeLayout, rank:
                         inter=(inter.members - 1) * inter.per_peer)
 
 
-def all_gather_chunk(shard: int, element_size: int, config: SDP4BitConfig) -> int:
-    """Bytes of one rank's contribution to the weight all-gather (codes + scales, or values)."""
+def all_gather_chunk(shard: int, element_size: int, config: SDP4BitConfig, dp: int,
+                     impl: Implementation = THIS_PROJECT, whole: bool = False) -> int:
+    """Bytes of one rank's contribution to the weight all-gather (values, or one segment of
+    codes and scales per slice: ``whole`` for an overlapped gather of the whole shard, else
+    the slices of a synchronous one where the implementation slices it)."""
     if not config.quantize_weights:
         return shard * element_size
-    codes, scales = _quantized_nbytes(shard, config.weight_bits, config.weight_group_size)
-    return codes + scales
+    whole = whole or not impl.sliced_weight_gather
+    slices = weight_slices(shard, dp, config.weight_group_size, whole, impl.max_chunk_elements
+                           or MAX_CHUNK_ELEMENTS)
+    return sum(_segment_nbytes(n, config.weight_bits, config.weight_group_size) for _, n in slices)
 
 
 def all_gather_sent(shard: int, element_size: int, layout: NodeLayout, rank: int,
@@ -166,7 +179,7 @@ def all_gather_sent(shard: int, element_size: int, layout: NodeLayout, rank: int
     exact = Sent(exact_intra=same * shard * element_size, exact_inter=other * shard * element_size)
     if layout.dp_size == 1 or shard == 0:
         return exact
-    chunk = all_gather_chunk(shard, element_size, config)
+    chunk = all_gather_chunk(shard, element_size, config, layout.dp_size)
     return exact + Sent(intra=same * chunk, inter=other * chunk)
 
 
@@ -295,7 +308,7 @@ def all_gather_links(shard: int, element_size: int, layout: NodeLayout,
     """Link bytes of one weight all-gather (a ring, as NCCL's and gloo's all-gather)."""
     if layout.dp_size == 1 or shard == 0:
         return PhaseLinks([])
-    chunk = all_gather_chunk(shard, element_size, config)
+    chunk = all_gather_chunk(shard, element_size, config, layout.dp_size)
     return PhaseLinks([("ring all-gather", ring_links(layout, layout.ranks, chunk))])
 
 

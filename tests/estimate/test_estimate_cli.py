@@ -41,9 +41,10 @@ def test_json_output_and_the_cpu_table(capsys):
     assert v["sdp4bit"]["node_inter_bytes"] < v["baseline"]["node_inter_bytes"]
     # Memory the layer adds: nothing for the exact collectives; fp32 params at DP 4 hold
     # the main shard and the set-aside reconstruction, 2 x 4 bytes / 4 per parameter.
-    assert v["baseline"]["memory_held_bytes"] == v["baseline"]["memory_scratch_bytes"] == 0
+    assert v["baseline"]["memory_held_bytes"] == v["baseline"]["memory_buffer_bytes"] == \
+        v["baseline"]["memory_scratch_bytes"] == 0
     held = v["sdp4bit"]["memory_held_bytes"] / v["sdp4bit"]["memory_params"]
-    assert held == pytest.approx(2.0, rel=0.01) and v["sdp4bit"]["memory_scratch_bytes"] > 0
+    assert held == pytest.approx(2.0, rel=0.01) and v["sdp4bit"]["memory_buffer_bytes"] > 0
 
 
 def test_report_states_the_memory_the_layer_adds(capsys):
@@ -52,7 +53,7 @@ def test_report_states_the_memory_the_layer_adds(capsys):
     assert "Memory the layer adds per GPU" in out
     memory_table = out[out.index("Memory the layer adds per GPU"):]
     row = next(line for line in memory_table.splitlines() if line.startswith("| SDP4Bit"))
-    held, scratch, total = (float(x) for x in row.split("|")[2:5])
+    held, buffers, scratch, total = (float(x) for x in row.split("|")[2:6])
     assert held == pytest.approx(4 / 32, abs=0.01)  # DP 32, bf16 params: one fp32 main shard
     assert total <= 1.0  # the goal: at most a byte per parameter with DP >= 8
 

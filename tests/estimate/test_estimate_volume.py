@@ -71,8 +71,9 @@ def test_ring_volumes_of_the_exact_collectives():
     a2a = volume.reduce_scatter_links(shard, 4, layout, config, "alltoall").phases[0][1]
     assert a2a.node_inter == {0: 4 * 4 * shard * 4, 1: 4 * 4 * shard * 4}  # 4 ranks x 4 remote peers
     gather = volume.all_gather_links(shard, 2, layout, preset("sdp4bit")).phases[0][1]
-    chunk = volume.all_gather_chunk(shard, 2, preset("sdp4bit"))  # one group of 2048, padded
-    assert chunk == 2048 // 2 + 4 and gather.node_inter == {0: 7 * chunk, 1: 7 * chunk}
+    chunk = volume.all_gather_chunk(shard, 2, preset("sdp4bit"), 8)  # one group of 2048, padded
+    # one segment: 1024 bytes of codes, then one fp32 scale, padded to 16 bytes
+    assert chunk == 2048 // 2 + 16 and gather.node_inter == {0: 7 * chunk, 1: 7 * chunk}
 
 
 def test_megatron_dp_groups_follow_tp_dp_pp_order():
