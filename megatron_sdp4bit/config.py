@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatron_sdp4bit.quant.types import MAX_HADAMARD_BLOCK, SUPPORTED_BITS, codes_per_byte, is_hadamard_block
 
@@ -188,6 +189,27 @@ class SDP4BitConfig:
     @property
     def enabled(self) -> bool:
         return self.quantize_weights or self.quantize_grads
+
+    @property
+    def grad_hadamard_block(self) -> Optional[int]:
+        """The Hadamard block the gradient hops use (TLq-HS), None without a transform."""
+        return self.hadamard_block if self.use_hadamard else None
+
+    def grad_hop_format(self, level: str) -> tuple:
+        """(bits, group size) of a reduce-scatter hop: ``intra``-node hops at
+        ``effective_grad_bits_intra``, ``inter``-node hops at ``grad_bits_inter``. A
+        topology of one level uses the format of that level's kind."""
+        if level == "intra":
+            return self.effective_grad_bits_intra, self.grad_group_size_intra
+        if level == "inter":
+            return self.grad_bits_inter, self.grad_group_size_inter
+        raise ValueError(f"level={level!r}; a hop is 'intra' or 'inter'")
+
+    def grad_alignment(self, levels: Sequence[str]) -> int:
+        """Elements a reduce-scatter chunk is a multiple of over hops ``levels``: every
+        hop's group size and the Hadamard block (a block never straddles two groups)."""
+        groups = [self.grad_hop_format(level)[1] for level in levels]
+        return math.lcm(*groups, self.grad_hadamard_block or 1)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

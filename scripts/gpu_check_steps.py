@@ -309,6 +309,17 @@ def find_corpus(ctx: dict) -> tuple:
                                      f"{time.perf_counter() - start:.0f} s")
 
 
+def corpus_or_fail(report: Report, ctx: dict, step: str) -> Optional[str]:
+    """The corpus folder (``find_corpus``), or None with ``step`` reported FAIL."""
+    try:
+        corpus, how = find_corpus(ctx)
+    except Exception as exc:  # noqa: BLE001 - reported, the other steps go on
+        report.add(step, "FAIL", f"no corpus: {type(exc).__name__}: {exc}")
+        return None
+    print(f"    {how}")
+    return corpus
+
+
 def train_command(preset_name: str, shape: dict, corpus: str, work: str,
                   launcher: Optional[List[str]] = None, dp: int = 1, run_name: str = "") -> List[str]:
     """The driver on ``shape``; ``launcher`` (torchrun) for ``dp`` ranks, else one process."""
@@ -378,12 +389,9 @@ def step_train(report: Report, ctx: dict) -> None:
         for name in PRESETS:
             report.add(f"train.{name}", "SKIP", "megatron-core is missing")
         return
-    try:
-        corpus, how = find_corpus(ctx)
-    except Exception as exc:  # noqa: BLE001 - reported, the other steps go on
-        report.add("train", "FAIL", f"no corpus: {type(exc).__name__}: {exc}")
+    corpus = corpus_or_fail(report, ctx, "train")
+    if corpus is None:
         return
-    print(f"    {how}")
     rows = {}
     for name in PRESETS:
         rows[name], _ = run_training(report, ctx, f"train.{name}",
@@ -454,12 +462,9 @@ def step_dp4(report: Report, ctx: dict) -> None:
             report.add(name, "SKIP", "megatron-core is missing")
         return
     dp4_collectives(report, ctx, shape)
-    try:
-        corpus, how = find_corpus(ctx)
-    except Exception as exc:  # noqa: BLE001 - reported, the other steps go on
-        report.add("dp4.train", "FAIL", f"no corpus: {type(exc).__name__}: {exc}")
+    corpus = corpus_or_fail(report, ctx, "dp4.train")
+    if corpus is None:
         return
-    print(f"    {how}")
     rows = {}
     for name in DP4_PRESETS:
         cmd = train_command(name, shape, corpus, ctx["work"], launcher=torchrun(4), dp=4,

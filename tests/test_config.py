@@ -128,3 +128,17 @@ def test_reference_fork_aliases():
 def test_bad_flag_value_is_a_clear_error():
     with pytest.raises(ValueError, match="multiple of hadamard_block"):
         config_from_args(parse(["--sdp4bit", "--sdp4bit-grad-group-size-intra", "100"]))
+
+
+def test_the_gradient_hops_formats_are_decided_by_the_config():
+    """One definition of each hop's format and of a chunk's alignment, which the
+    collectives, their memory and kernel plans, the error bound and the estimator read."""
+    sdp = preset("sdp4bit")
+    assert sdp.grad_hop_format("intra") == (8, 128) and sdp.grad_hop_format("inter") == (4, 128)
+    assert preset("zeropp").grad_hop_format("intra") == (4, 128)  # ULq: low width on both
+    assert sdp.grad_hadamard_block == 32 and preset("zeropp").grad_hadamard_block is None
+    tlq = sdp.replace(grad_mode="tlq", grad_group_size_intra=256, grad_group_size_inter=96)
+    assert tlq.grad_alignment(["intra", "inter"]) == 768 and tlq.grad_alignment(["inter"]) == 96
+    assert sdp.grad_alignment(["intra"]) == 128
+    with pytest.raises(ValueError, match="'intra' or 'inter'"):
+        sdp.grad_hop_format("node")

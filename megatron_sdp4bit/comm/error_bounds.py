@@ -20,7 +20,6 @@ the bound is independent of the code it checks.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -44,13 +43,11 @@ def _group_max(values: torch.Tensor, group: int) -> torch.Tensor:
     return grouped.amax(-1, keepdim=True).expand_as(grouped).reshape(shape)
 
 
-def hop_formats(config, num_nodes: int, per_node: int) -> list[tuple[int, int]]:
-    """(bits, group size) of each hop the collective uses for this shape."""
-    intra = (config.effective_grad_bits_intra, config.grad_group_size_intra)
-    inter = (config.grad_bits_inter, config.grad_group_size_inter)
+def hop_levels(num_nodes: int, per_node: int) -> list[str]:
+    """The hops the collective uses for this shape: two levels, or one node's, or one across."""
     if num_nodes > 1 and per_node > 1:
-        return [intra, inter]
-    return [intra] if num_nodes == 1 else [inter]
+        return ["intra", "inter"]
+    return ["intra"] if num_nodes == 1 else ["inter"]
 
 
 def reduce_scatter_bound(inputs: torch.Tensor, shard_index: int, config, num_nodes: int,
@@ -63,9 +60,10 @@ def reduce_scatter_bound(inputs: torch.Tensor, shard_index: int, config, num_nod
     dp = inputs.shape[0]
     shard = inputs.shape[1] // dp
     per_node = dp // num_nodes
-    formats = hop_formats(config, num_nodes, per_node)
-    block = config.hadamard_block if config.use_hadamard else None
-    align = math.lcm(*(g for _, g in formats), block or 1)
+    levels = hop_levels(num_nodes, per_node)
+    formats = [config.grad_hop_format(level) for level in levels]
+    block = config.grad_hadamard_block
+    align = config.grad_alignment(levels)
     padded = -(-shard // align) * align
     y = torch.zeros(dp, padded, dtype=torch.float64)
     y[:, :shard] = inputs[:, shard_index * shard:(shard_index + 1) * shard].double()

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
 from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, Chunk, chunk_count, chunk_plan, lcm
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, Chunk, chunk_count, chunk_plan
 from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import Level, Topology, get_topology, peer_split
@@ -119,13 +119,6 @@ def _validate(output: torch.Tensor, input: torch.Tensor, op, dp_size: int) -> No
         )
 
 
-def _hop_format(level: Level, config: SDP4BitConfig) -> tuple[int, int]:
-    """(bits, group size) on a hop: intra-node hops at the high width, inter-node at the low."""
-    if level.name == "intra":
-        return config.effective_grad_bits_intra, config.grad_group_size_intra
-    return config.grad_bits_inter, config.grad_group_size_inter
-
-
 class _QuantizedReduceScatter:
     """State of one quantized reduce-scatter across its pipeline chunks.
 
@@ -144,9 +137,9 @@ class _QuantizedReduceScatter:
         self.config = config
         self.workspace = workspace
         self.levels = topology.levels
-        self.formats = [_hop_format(level, config) for level in self.levels]
-        self.block = config.hadamard_block if config.use_hadamard else None
-        align = lcm(*(group_size for _, group_size in self.formats), self.block or 1)
+        self.formats = [config.grad_hop_format(level.name) for level in self.levels]
+        self.block = config.grad_hadamard_block
+        align = config.grad_alignment([level.name for level in self.levels])
         self.shard = output.numel()
         chunks = chunk_count(self.shard, topology.dp_size, config.pipeline_chunks,
                              MAX_CHUNK_ELEMENTS)

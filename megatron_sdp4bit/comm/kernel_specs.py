@@ -13,17 +13,9 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, lcm, weight_slices
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, weight_slices
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant import KernelSpec
-
-
-def grad_hop_formats(config: SDP4BitConfig, level_names: Sequence[str]) -> List[Tuple[int, int]]:
-    """(bits, group size) of each hop (``Topology.levels`` names): intra-node hops at
-    the high width, inter-node ones at the low."""
-    intra = (config.effective_grad_bits_intra, config.grad_group_size_intra)
-    inter = (config.grad_bits_inter, config.grad_group_size_inter)
-    return [intra if name == "intra" else inter for name in level_names]
 
 
 def reduce_scatter_specs(shard: int, dtype: torch.dtype, levels: Sequence[Tuple[str, int]],
@@ -38,9 +30,9 @@ def reduce_scatter_specs(shard: int, dtype: torch.dtype, levels: Sequence[Tuple[
         dp *= size
     if dp == 1 or shard == 0 or not config.quantize_grads:
         return []
-    formats = grad_hop_formats(config, [name for name, _ in levels])
-    block = config.hadamard_block if config.use_hadamard else None
-    align = lcm(*(group for _, group in formats), block or 1)
+    formats = [config.grad_hop_format(name) for name, _ in levels]
+    block = config.grad_hadamard_block
+    align = config.grad_alignment([name for name, _ in levels])
     specs = []
     for chunk in chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks,
                                                       MAX_CHUNK_ELEMENTS)):

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence
 
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, lcm, weight_slices
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, weight_slices
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant.types import QuantizedTensor, num_groups
 from megatron_sdp4bit.quant.wire import segment_nbytes
@@ -79,14 +79,12 @@ def held_bytes(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig,
     return sum(per_element * (numel // dp) for numel in bucket_numels)
 
 
-def _grad_hops(dp: int, config: SDP4BitConfig, node_members: int) -> list:
-    """(peers, bits, group size) of each hop, as the topology lays them out:
-    ``node_members`` DP ranks per node (1: one inter-node level; 0 or dp: one node)."""
-    intra = (config.effective_grad_bits_intra, config.grad_group_size_intra)
-    inter = (config.grad_bits_inter, config.grad_group_size_inter)
+def _grad_levels(dp: int, node_members: int) -> list:
+    """(level, peers) of each hop, as the topology lays them out: ``node_members`` DP
+    ranks per node (1: one inter-node level; 0 or dp: one node; else two levels)."""
     if 1 < node_members < dp:
-        return [(node_members,) + intra, (dp // node_members,) + inter]
-    return [(dp,) + (inter if node_members == 1 else intra)]
+        return [("intra", node_members), ("inter", dp // node_members)]
+    return [("inter" if node_members == 1 else "intra", dp)]
 
 
 def _merge_max(demands: Iterable[Dict[str, int]]) -> Dict[str, int]:
@@ -104,14 +102,14 @@ def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_grads:
         return {}
-    hops = _grad_hops(dp, config, node_members)
-    block = config.hadamard_block if config.use_hadamard else 1
-    align = lcm(*(group for _, _, group in hops), block)
+    levels = _grad_levels(dp, node_members)
+    align = config.grad_alignment([level for level, _ in levels])
     plan = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks, MAX_CHUNK_ELEMENTS))
     demands = []
     for index, chunk in enumerate(plan):
         numel = dp * chunk.padded
-        for hop, (peers, bits, group) in enumerate(hops):
+        for hop, (level, peers) in enumerate(levels):
+            bits, group = config.grad_hop_format(level)
             nbytes = peers * segment_nbytes(numel // peers, bits, group)
             demands.append({f"grads hop {hop} {kind} {index % 2}": nbytes
                             for kind in ("send", "receive")})
@@ -125,8 +123,7 @@ def grad_scatter_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig) -> i
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_grads:
         return 0
-    block = config.hadamard_block if config.use_hadamard else 1
-    align = lcm(config.grad_group_size_intra, config.grad_group_size_inter, block)
+    align = config.grad_alignment(("intra", "inter"))  # an upper bound for one level
     last = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks,
                                                 MAX_CHUNK_ELEMENTS))[-1]
     return MAIN_BYTES * last.padded if last.valid < last.padded else 0

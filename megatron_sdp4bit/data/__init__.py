@@ -1,6 +1,7 @@
 """The data pipeline: Megatron indexed datasets (.bin/.idx) in, GPT micro-batches out.
 
-- ``tokenizer``: GPT-2 BPE / HuggingFace / default tokenizers megatron accepts.
+- ``tokenizer``: GPT-2 BPE / HuggingFace / default tokenizers megatron accepts;
+  ``tokenizer_types``: which one a command line asks for (``build_tokenizer``).
 - ``documents``, ``preprocess``: text/JSONL -> .bin/.idx (``sdp4bit-preprocess``).
 - ``corpus``: the download-free default corpus (the Python stdlib), cached.
 - ``indexed_files``: write .bin/.idx with megatron's builder; check them.
@@ -24,8 +25,8 @@ _EXPORTS = {
     "check_indexed_prefix": "indexed_files",
     "preprocess": "preprocess",
     "Tokenizer": "tokenizer",
-    "TokenizerSpec": "tokenizer",
-    "build_tokenizer": "tokenizer",
+    "TokenizerSpec": "tokenizer_types",
+    "build_tokenizer": "tokenizer_types",
     "build_gpt_datasets": "gpt_datasets",
     "parse_data_path": "gpt_datasets",
     "ensure_dataset_helpers": "gpt_datasets",

@@ -23,7 +23,8 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 
 from megatron_sdp4bit.data.documents import TEXT_DOCUMENT_UNITS, check_inputs, iter_documents
 from megatron_sdp4bit.data.indexed_files import write_indexed_dataset
-from megatron_sdp4bit.data.tokenizer import TOKENIZER_TYPES, Tokenizer, TokenizerSpec
+from megatron_sdp4bit.data.tokenizer import Tokenizer
+from megatron_sdp4bit.data.tokenizer_types import TOKENIZER_TYPES, TokenizerSpec
 
 _BATCH_CHARS = 1 << 22  # documents go to the encoder in ~4M-character batches
 

@@ -35,8 +35,6 @@ from tokenizers import decoders, models, pre_tokenizers
 EOD_TOKEN = "<|endoftext|>"
 """The end-of-document token of GPT-2 and of our default tokenizer."""
 
-TOKENIZER_TYPES = ("StdlibBPETokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
-
 # Tried in order when a HuggingFace tokenizer does not say which token ends a
 # document; these cover GPT-2/NeoX, Llama 2, Llama 3, Gemma, BERT-style models.
 _COMMON_EOD_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
@@ -117,58 +115,6 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.name}, vocab_size={self.vocab_size}, eod={self.eod}, {self.source})"
-
-
-@dataclass(frozen=True)
-class TokenizerSpec:
-    """How to build a tokenizer: what the command line says (picklable, so worker
-    processes can rebuild the same tokenizer)."""
-
-    tokenizer_type: str = "StdlibBPETokenizer"
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    eod_token: Optional[str] = None
-    cache_dir: Optional[str] = None
-
-    def build(self) -> Tokenizer:
-        """Load (for the default: train once and cache) the tokenizer."""
-        return build_tokenizer(**self.__dict__)
-
-
-def build_tokenizer(
-    tokenizer_type: str = "StdlibBPETokenizer",
-    vocab_file: Optional[str] = None,
-    merge_file: Optional[str] = None,
-    tokenizer_model: Optional[str] = None,
-    eod_token: Optional[str] = None,
-    cache_dir: Optional[str] = None,
-) -> Tokenizer:
-    """Build a tokenizer from Megatron-LM-style arguments.
-
-    Args:
-        tokenizer_type: one of ``TOKENIZER_TYPES``.
-        vocab_file, merge_file: GPT-2 ``vocab.json``/``merges.txt`` (GPT2BPETokenizer).
-        tokenizer_model: a ``tokenizer.json`` or a directory holding one
-            (HuggingFaceTokenizer; for StdlibBPETokenizer, an already trained one).
-        eod_token: overrides the end-of-document token string.
-        cache_dir: where the default tokenizer is cached (StdlibBPETokenizer).
-    """
-    if tokenizer_type == "GPT2BPETokenizer":
-        return load_gpt2_bpe(vocab_file, merge_file, eod_token or EOD_TOKEN)
-    if tokenizer_type == "HuggingFaceTokenizer":
-        if tokenizer_model is None:
-            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model PATH (tokenizer.json or its directory).")
-        return load_huggingface(tokenizer_model, eod_token)
-    if tokenizer_type == "StdlibBPETokenizer":
-        if tokenizer_model is not None:
-            return load_huggingface(tokenizer_model, eod_token or EOD_TOKEN, name=tokenizer_type)
-        from megatron_sdp4bit.data.corpus import default_tokenizer  # corpus imports this module
-
-        return default_tokenizer(cache_dir=cache_dir)
-    raise ValueError(
-        f"unknown tokenizer type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}."
-    )
 
 
 def _require_file(path: Optional[str], what: str, flag: str) -> str:

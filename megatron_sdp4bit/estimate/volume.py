@@ -29,7 +29,6 @@ from megatron_sdp4bit.comm.layout import (
     NodeLayout,
     chunk_count,
     chunk_plan,
-    lcm,
     plan_node_layout,
     weight_slices,
 )
@@ -87,13 +86,6 @@ def hop_levels(layout: NodeLayout) -> List[Tuple[str, int]]:
     return [("inter", p)]
 
 
-def hop_format(level: str, config: SDP4BitConfig) -> Tuple[int, int]:
-    """(bits, group size) of a hop, as ``comm.gradients``: the intra level at the high width."""
-    if level == "intra":
-        return config.effective_grad_bits_intra, config.grad_group_size_intra
-    return config.grad_bits_inter, config.grad_group_size_inter
-
-
 def _segment_nbytes(numel: int, bits: int, group_size: int) -> int:
     """Bytes one peer's part of a quantized message of ``numel`` elements takes on the wire:
     its codes, then its fp32 scales, each 16-byte aligned (``quant.wire``: every quantized
@@ -115,9 +107,7 @@ def grad_chunks(shard: int, layout: NodeLayout, config: SDP4BitConfig,
     """``comm.quantized_reduce_scatter``'s pipeline chunks of a shard (padding included):
     ``config.pipeline_chunks``, or more where a chunk over all shards would exceed the
     implementation's ``max_chunk_elements`` (``comm.layout.chunk_count``)."""
-    formats = [hop_format(level, config) for level, _ in hop_levels(layout)]
-    block = config.hadamard_block if config.use_hadamard else 1
-    align = lcm(*(group for _, group in formats), block)
+    align = config.grad_alignment([level for level, _ in hop_levels(layout)])
     chunks = config.pipeline_chunks
     if impl.max_chunk_elements is not None:
         chunks = chunk_count(shard, layout.dp_size, chunks, impl.max_chunk_elements)
@@ -130,7 +120,7 @@ def quantized_reduce_scatter_hops(shard: int, layout: NodeLayout, config: SDP4Bi
     levels = hop_levels(layout)
     if not levels or shard == 0:
         return []
-    formats = [hop_format(level, config) for level, _ in levels]
+    formats = [config.grad_hop_format(level) for level, _ in levels]
     p = layout.dp_size
     per_peer = [0] * len(levels)
     for chunk in grad_chunks(shard, layout, config, impl):

@@ -78,6 +78,10 @@ class SDP4BitLayer:
         logger.info("SDP4Bit installed (megatron-core %s adapter): %s",
                     self.adapter.minor, self.state.config.to_dict())
 
+    @property
+    def is_installed(self) -> bool:
+        return bool(self._originals)
+
     def uninstall(self) -> None:
         self.adapter.restore_methods(self._originals)
         self._originals = {}
@@ -132,6 +136,7 @@ def _ddp_init(layer, ddp, *args, **kwargs):
     check_ddp_config(adapter, adapter.ddp_config(ddp))
     check_model_config(ddp.config)
     if not state.config_checked:
+        state.resolve_ranks_per_node()
         check_same_config_on_all_ranks(state.config)
         state.config_checked = True
     for bucket_group in layer.adapter.ddp_bucket_groups(ddp):

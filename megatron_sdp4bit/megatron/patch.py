@@ -44,16 +44,17 @@ def install(config: SDP4BitConfig, force_version: bool = False) -> SDP4BitLayer:
         raise TypeError(f"install() takes an SDP4BitConfig, got {type(config).__name__}")
     adapter = adapters.current_adapter(force=force_version)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed:
-        check_same_config_on_all_ranks(config)
     layer = adapter.installed_layer()
     if layer is not None:
         layer.state.config = config
-        layer.state.config_checked = distributed
-        return layer
-    layer = SDP4BitLayer(config, adapter)
+    else:
+        layer = SDP4BitLayer(config, adapter)
+    layer.state.resolve_ranks_per_node()  # once, here (or at DDP construction)
+    if distributed:
+        check_same_config_on_all_ranks(layer.state.config)
     layer.state.config_checked = distributed
-    layer.install()
+    if not layer.is_installed:
+        layer.install()
     return layer
 
 

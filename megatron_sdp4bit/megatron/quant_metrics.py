@@ -70,15 +70,15 @@ def grad_quantization_errors(grad_data: torch.Tensor, config: SDP4BitConfig) -> 
     statistics are alike. Returns ``{"grad_intra": e1, "grad_inter": e2}`` as
     device tensors (empty when the buffer is smaller than one group).
     """
-    block = config.hadamard_block if config.use_hadamard else None
-    align = math.lcm(config.grad_group_size_intra, config.grad_group_size_inter, block or 1)
+    block = config.grad_hadamard_block
+    align = config.grad_alignment(("intra", "inter"))
     n = min(SAMPLE, grad_data.numel()) // align * align
     if n == 0:
         return {}
     x = grad_data.view(-1)[:n].float()
     errors = {}
-    for level, bits, group in (("intra", config.effective_grad_bits_intra, config.grad_group_size_intra),
-                               ("inter", config.grad_bits_inter, config.grad_group_size_inter)):
+    for level in ("intra", "inter"):
+        bits, group = config.grad_hop_format(level)
         # A private generator: sampling must not move the training's RNG streams.
         gen = torch.Generator(device=x.device).manual_seed(config.seed)
         q = quant.hadamard_quantize(x, bits=bits, group_size=group, hadamard_block=block,

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megatron_sdp4bit.comm.rng import NoiseStreams
+from megatron_sdp4bit.comm.topology import default_ranks_per_node
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron.quant_metrics import QuantErrorMetrics
@@ -85,6 +86,13 @@ class LayerState:
         if self.config.rounding != "stochastic":
             return None
         return self.noise.generator_for(device, self.config.seed, torch.distributed.get_rank(), purpose)
+
+    def resolve_ranks_per_node(self) -> None:
+        """Decide ``config.ranks_per_node`` once (None: torchrun's LOCAL_WORLD_SIZE), so
+        that nothing below re-derives it or reads the environment per call. Needs
+        torch.distributed (the fallback is the world size: one node)."""
+        if self.config.ranks_per_node is None and torch.distributed.is_initialized():
+            self.config = self.config.replace(ranks_per_node=default_ranks_per_node())
 
     def grad_workspace(self, position: int) -> Workspace:
         workspace = self.grad_workspaces.get(position)

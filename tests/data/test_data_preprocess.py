@@ -9,7 +9,7 @@ import pytest
 import tokenizers
 
 from megatron_sdp4bit.data.preprocess import main, preprocess
-from megatron_sdp4bit.data.tokenizer import TokenizerSpec
+from megatron_sdp4bit.data.tokenizer_types import TokenizerSpec
 
 from data_samples import SAMPLE_DOCUMENTS, read_indexed
 
