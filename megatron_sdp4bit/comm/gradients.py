@@ -245,5 +245,7 @@ class _QuantizedReduceScatter:
         if chunk.valid == chunk.padded:
             dequantize_sum(received, num_chunks=peers, inverse_hadamard_block=self.block, out=dest)
         else:  # the shard's unaligned end: the sum's padding is not the caller's
-            total = dequantize_sum(received, num_chunks=peers, inverse_hadamard_block=self.block)
+            total = self.workspace.buffer("grads sum", 4 * chunk.padded, self.rows.device)
+            total = dequantize_sum(received, num_chunks=peers, inverse_hadamard_block=self.block,
+                                   out=total.view(torch.float32))
             dest.copy_(total[: chunk.valid])

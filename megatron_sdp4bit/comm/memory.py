@@ -17,10 +17,10 @@ Three kinds, reported separately because they scale differently:
   slices of that size, two slots shared by all buckets; an overlapped one gathers
   a whole bucket, and every bucket keeps its own (all may be in flight).
 - **scratch**, alive while a collective runs: what ``comm`` allocates per call
-  besides those (the fp32 sum of a shard's unaligned last chunk, qW's dequantized
-  weights, and with --overlap-param-gather the buffers of a forced synchronous
-  gather before an evaluation or a checkpoint), counted as the GPU (Triton) path
-  allocates them, whose kernels allocate nothing of their own with ``out=``.
+  besides those (qW's dequantized weights, and with --overlap-param-gather the
+  buffers of a forced synchronous gather before an evaluation or a checkpoint),
+  counted as the GPU (Triton) path allocates them, whose kernels allocate nothing
+  of their own with ``out=``.
 
 The counts follow ``comm/weights.py``, ``comm/gradients.py`` and the layer's use
 of workspaces (``megatron/grad_sync.py``, ``megatron/param_sync.py``), name for
@@ -107,6 +107,8 @@ def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
     plan = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks, MAX_CHUNK_ELEMENTS))
     demands = []
     for index, chunk in enumerate(plan):
+        if chunk.valid < chunk.padded:  # the shard's unaligned end, summed in fp32 first
+            demands.append({"grads sum": MAIN_BYTES * chunk.padded})
         numel = dp * chunk.padded
         for hop, (level, peers) in enumerate(levels):
             bits, group = config.grad_hop_format(level)
@@ -115,18 +117,6 @@ def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
                             for kind in ("send", "receive")})
             numel //= peers
     return _merge_max(demands)
-
-
-def grad_scatter_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig) -> int:
-    """Bytes one bucket's quantized reduce-scatter allocates per call besides its
-    workspace: the fp32 sum of the shard's last chunk when it is not group-aligned."""
-    shard = bucket_numel // dp
-    if dp == 1 or shard == 0 or not config.quantize_grads:
-        return 0
-    align = config.grad_alignment(("intra", "inter"))  # an upper bound for one level
-    last = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks,
-                                                MAX_CHUNK_ELEMENTS))[-1]
-    return MAIN_BYTES * last.padded if last.valid < last.padded else 0
 
 
 def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
@@ -166,11 +156,10 @@ def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *
 
     ``grad_positions``: the gradient workspace each bucket uses (the layer's: its
     position in its bucket group when reduce-scatters overlap the backward pass, 0 for
-    all when they do not); default all 0. Gradients and weights are not in flight at
-    the same time (backward, then the optimizer and the next forward), so the scratch
-    peak is the larger of the two phases. ``grad_bytes`` and ``overlap_grad_reduce``
-    no longer change the figures (the first hop reads the gradients in place); they
-    are kept for callers that pass them.
+    all when they do not); default all 0. The scratch is the weight gathers' (the
+    reduce-scatter keeps all it uses in its workspace). ``grad_bytes`` and
+    ``overlap_grad_reduce`` no longer change the figures (the first hop reads the
+    gradients in place); they are kept for callers that pass them.
     """
     buckets = [int(n) for n in bucket_numels]
     positions = list(grad_positions) if grad_positions is not None else [0] * len(buckets)
@@ -184,7 +173,6 @@ def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *
         weight_buffers = sum(sum(d.values()) for d in weight_demands)
     else:  # one workspace for all
         weight_buffers = sum(_merge_max(weight_demands).values())
-    grad_peak = max((grad_scatter_scratch(n, dp, config) for n in buckets), default=0)
     gathers = sorted((weight_gather_scratch(n, dp, config, overlap_param_gather) for n in buckets),
                      reverse=True)
     gather_peak = sum(gathers[:2 if overlap_param_gather else 1])  # next one starts first
@@ -194,4 +182,4 @@ def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *
             + weight_gather_scratch(n, dp, config, whole_bucket=False) for n in buckets])
     return LayerMemory(params=params, held_bytes=held_bytes(buckets, dp, config, fp32_params),
                        buffer_bytes=grad_buffers + weight_buffers,
-                       scratch_bytes=max(grad_peak, gather_peak, 0))
+                       scratch_bytes=gather_peak)

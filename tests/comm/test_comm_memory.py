@@ -11,7 +11,6 @@ import pytest
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
 from megatron_sdp4bit.comm.memory import (
     grad_buffer_demand,
-    grad_scatter_scratch,
     held_bytes,
     layer_memory,
     quantized_nbytes,
@@ -80,10 +79,10 @@ def test_one_level_has_no_second_hop_and_ulq_uses_the_low_width():
     assert grad_buffer_demand(dp * shard, dp, preset("qwd-only"), 2) == {}
 
 
-def test_scratch_is_the_unaligned_end_only():
+def test_an_unaligned_shard_adds_one_fp32_sum_of_its_last_chunk():
     dp = 4
-    assert grad_scatter_scratch(dp * 4096, dp, SDP) == 0
-    assert grad_scatter_scratch(dp * 4100, dp, SDP) == 4 * 128 * 33  # the last chunk, padded
+    assert "grads sum" not in grad_buffer_demand(dp * 4096, dp, SDP, 2)
+    assert grad_buffer_demand(dp * 4100, dp, SDP, 2)["grads sum"] == 4 * 128 * 33  # padded
 
 
 def test_layer_memory_shares_buffers_where_one_collective_runs_at_a_time():
