@@ -31,8 +31,13 @@ INTERPRETED: bool = _interpreting()
 
 @triton.jit
 def bf16_bits_to_f32(bits):
-    """int16 bit patterns of bf16 values -> the exact fp32 values."""
-    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    """int16 bit patterns of bf16 values -> the exact fp32 values.
+
+    Zero-extended, not sign-extended, before the shift: for the upper of two
+    values sharing a 32-bit register that is one mask (x & 0xFFFF0000); a sign
+    extension made the compiler extract and shift it back (two instructions).
+    """
+    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
