@@ -2,10 +2,13 @@
 
 A program owns GROUPS_PER_PROGRAM whole groups of one output chunk (grid axis 1:
 the chunk; chunk c's codes and scales start ``c * codes_stride`` bytes and ``c *
-scales_stride`` scales into the output, so flat and wire layouts alike). When a
-group fits in registers (BLOCK >= GROUP, the usual case) the values are read
-once and everything happens in registers; a larger group is read twice, BLOCK
-columns at a time: once for its absmax, once to quantize (recomputing the values).
+scales_stride`` scales into the output, so flat and wire layouts alike). Three
+paths: STRIPS (the groups as strips of 32 elements, one a thread, strips.py: the
+fast path every real call of the collectives takes); otherwise a [groups, BLOCK]
+tile when a group fits in registers (BLOCK >= GROUP), read once; or a larger
+group read twice, BLOCK columns at a time: once for its absmax, once to quantize
+(recomputing the values). All three round with rounding.py and the noise of
+noise.py, so they give the same bits.
 
 Output chunk c holds elements [c * numel, (c + 1) * numel) of the source, padded
 to whole groups on its own. The source (``SOURCE``):
@@ -245,7 +248,7 @@ def quantize_kernel(
                                  row_stride, row_start, row_valid, groups_per_row,
                                  SOURCE, HAS_ORDER, GROUP)
     noise_base = (chunk * num_groups + groups) * GROUP  # the flat padded index
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)  # (the sliced path's columns)
     # A received chunk is whole groups of the source (triton_ops checks it), so
     # chunk_end // SRC_GROUP * SRC_GROUP is chunk_end itself; written so, it tells the
     # compiler the mask is group-aligned. Only SOURCE_CHUNKS reads run_first/run_valid.
@@ -259,19 +262,12 @@ def quantize_kernel(
                                  Y_WORDS, SCALED, TAIL, SRC_BITS, SRC_GROUP, NUM_CHUNKS, BITS,
                                  GROUP, HADAMARD, STOCHASTIC)
     elif BLOCK >= GROUP:  # one pass: the whole group stays in registers
-        load_ok = _load_mask(row_ok, row_len, cols, GROUP, BLOCK, TAIL)
-        run_first = chunk * numel + pid * GROUPS_PER_PROGRAM * GROUP
-        run_valid = chunk_end - run_first
-        if GROUPS_PER_PROGRAM == 1:
-            run_valid = tl.minimum(run_valid, GROUP)
-        values = _source_values(base, cols, load_ok, run_first, run_valid, x_ptr, y_ptr,
-                                multiplier, src_codes_ptr, src_scales_ptr, src_codes_stride,
-                                src_scales_stride, SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED,
-                                SRC_BITS, SRC_GROUP, NUM_CHUNKS, GROUPS_PER_PROGRAM, BLOCK, GROUP)
-        values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
-        scale, inv, keep = _scale_of(_row_absmax(values), BITS)
-        _store_codes(values, inv, keep, groups, noise_base, row_ok, 0, codes_ptr, seed_ptr,
-                     BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
+        scale = _quantize_tile(pid, chunk, groups, row_ok, base, row_len, noise_base, chunk_end,
+                               numel, x_ptr, y_ptr, multiplier, src_codes_ptr, src_scales_ptr,
+                               src_codes_stride, src_scales_stride, codes_ptr, seed_ptr, SOURCE,
+                               X_BF16, HAS_Y, Y_BF16, SCALED, TAIL, SRC_BITS, SRC_GROUP,
+                               NUM_CHUNKS, BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, HADAMARD,
+                               STOCHASTIC)
     else:  # two passes over BLOCK-column slices: absmax first, then the codes
         absmax = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32)
         for first in range(0, GROUP, BLOCK):
@@ -365,4 +361,32 @@ def _quantize_strips(chunk, groups, row_ok, base, row_len, noise_base, chunk_end
     word_base = (groups[:, None] * GROUP + col0[None, :]) // (32 // BITS)
     store_code_strips(codes_ptr, word_base, ok, tl.broadcast_to(keep[:, None], [ROWS, SPG]),
                       t, BITS)
+    return scale
+
+
+@triton.jit
+def _quantize_tile(pid, chunk, groups, row_ok, base, row_len, noise_base, chunk_end, numel,
+                   x_ptr, y_ptr, multiplier, src_codes_ptr, src_scales_ptr, src_codes_stride,
+                   src_scales_stride, codes_ptr, seed_ptr, SOURCE: tl.constexpr,
+                   X_BF16: tl.constexpr, HAS_Y: tl.constexpr, Y_BF16: tl.constexpr,
+                   SCALED: tl.constexpr, TAIL: tl.constexpr, SRC_BITS: tl.constexpr,
+                   SRC_GROUP: tl.constexpr, NUM_CHUNKS: tl.constexpr, BITS: tl.constexpr,
+                   GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                   HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The generic one-pass path: the rows ``groups`` as a [ROWS, BLOCK] tile (BLOCK >=
+    GROUP): load, transform, quantize, pack, store; returns the scales."""
+    cols = tl.arange(0, BLOCK)
+    load_ok = _load_mask(row_ok, row_len, cols, GROUP, BLOCK, TAIL)
+    run_first = chunk * numel + pid * ROWS * GROUP
+    run_valid = chunk_end - run_first
+    if ROWS == 1:
+        run_valid = tl.minimum(run_valid, GROUP)
+    values = _source_values(base, cols, load_ok, run_first, run_valid, x_ptr, y_ptr,
+                            multiplier, src_codes_ptr, src_scales_ptr, src_codes_stride,
+                            src_scales_stride, SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED,
+                            SRC_BITS, SRC_GROUP, NUM_CHUNKS, ROWS, BLOCK, GROUP)
+    values = _transformed(values, ROWS, BLOCK, HADAMARD)
+    scale, inv, keep = _scale_of(_row_absmax(values), BITS)
+    _store_codes(values, inv, keep, groups, noise_base, row_ok, 0, codes_ptr, seed_ptr,
+                 BITS, GROUP, ROWS, BLOCK, STOCHASTIC)
     return scale

@@ -16,6 +16,8 @@ import os
 import triton
 import triton.language as tl
 
+from megatron_sdp4bit.quant.triton_kernels.rounding import code_to_f32
+
 
 def _interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable
@@ -121,14 +123,14 @@ def dequantize_elements(codes_ptr, scales_ptr, elem, mask, BITS: tl.constexpr, G
     elements read the same byte, which the cache serves.
     """
     if BITS == 8:
-        code = tl.load(codes_ptr + elem, mask=mask, other=0).to(tl.float32)
+        raw = tl.load(codes_ptr + elem, mask=mask, other=0)
+        code = code_to_f32(raw.to(tl.uint8, bitcast=True).to(tl.int32), 8)
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
         FIELD: tl.constexpr = (1 << BITS) - 1
-        SIGN: tl.constexpr = 1 << (BITS - 1)
-        byte = tl.load(codes_ptr + elem // PER_BYTE, mask=mask, other=0).to(tl.int32)
-        field = (byte >> ((elem % PER_BYTE) * BITS).to(tl.int32)) & FIELD
-        code = ((field ^ SIGN) - SIGN).to(tl.float32)
+        byte = tl.load(codes_ptr + elem // PER_BYTE, mask=mask, other=0)
+        byte = byte.to(tl.uint8, bitcast=True).to(tl.int32)
+        code = code_to_f32((byte >> ((elem % PER_BYTE) * BITS).to(tl.int32)) & FIELD, BITS)
     scale = tl.load(scales_ptr + elem // GROUP, mask=mask, other=0.0)
     return code * scale
 
