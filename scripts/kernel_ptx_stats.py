@@ -27,7 +27,8 @@ memory-bound kernel:
                 / (conv/elem / B/elem)
     bound       the lower of the two; target = at least --target TB/s (6.0: at the
                 ~60% of issue peak such kernels reach, about 0.9 of an H200's clone
-                bandwidth). The target applies to the real calls.
+                bandwidth). The target applies to the real calls; those below it
+                are listed after the table with their opcode mix per element.
 
 A loop left in the SASS (a branch back up) has its body counted once: such rows
 are marked '*' (their counts are low).
@@ -152,6 +153,7 @@ def stats(name: str, call, arch: int, real: bool) -> dict:
         ldg_per_elem=sum(op.startswith("LDG") for op in opcodes) / per_thread,
         shared_bytes=compiled.metadata.shared, bytes_per_elem=moved,
         cold_instructions=len(sass_instructions(cold)),
+        mix={op: n / per_thread for op, n in collections.Counter(opcodes).most_common(12)},
         issue_tbps=issue, conversion_tbps=conversion, bound_tbps=min(issue, conversion),
     )
 
@@ -189,8 +191,11 @@ def main(argv=None) -> int:
     for name, call in compile_check.variants(args.only):
         rows.append(stats(name, call, args.arch, name in real_names))
         print(format_row(rows[-1], args.target), flush=True)
-    missed = [s["name"] for s in rows if s["real_call"] and s["bound_tbps"] < args.target]
-    print(f"real calls below {args.target} TB/s: {len(missed)}" + (": " + "; ".join(missed) if missed else ""))
+    missed = [s for s in rows if s["real_call"] and s["bound_tbps"] < args.target]
+    print(f"real calls below {args.target} TB/s: {len(missed)}")
+    for s in missed:  # what they spend their instructions on, per element
+        mix = ", ".join(f"{op} {n:.2f}" for op, n in s["mix"].items())
+        print(f"- {s['name']}: {s['sass_per_elem']:.1f}/elem for {s['bytes_per_elem']:.2f} B: {mix}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dict(arch=args.arch, target_tbps=args.target, kernels=rows), f, indent=1)
