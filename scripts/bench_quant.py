@@ -51,11 +51,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-try:
-    from megatron_sdp4bit import quant
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from megatron_sdp4bit import quant
+from megatron_sdp4bit import quant
 
 from megatron_sdp4bit.quant.types import QuantizedTensor
 
@@ -63,6 +59,8 @@ WEIGHT_GROUP = 2048
 GRAD_GROUP = 128
 HADAMARD_BLOCK = 32
 RANKS_PER_NODE = 4  # chunks summed by the two dequantize_sum* ops (one per sender)
+MANY_CHUNKS = 8  # the 8-chunk rows: 8 ranks per node (or nodes)
+ROWS = 8  # the rows op: the reduce-scatter's input as P = 8 shards, taken in a send order
 CLONE = "torch.clone (reference line)"
 TARGET = 0.85  # fraction of clone bandwidth every op should reach on an H100/H200
 
@@ -110,7 +108,10 @@ def make_ops(x: torch.Tensor, seed: int) -> List[Op]:
     q8_grad = quant.hadamard_quantize(x, bits=8, group_size=GRAD_GROUP,
                                       hadamard_block=HADAMARD_BLOCK, generator=gen)
     q4_grad = quant.quantize(x, bits=4, group_size=GRAD_GROUP, generator=gen)
-    k = RANKS_PER_NODE
+    x_bf16 = x.to(torch.bfloat16)
+    rows, order = x.view(ROWS, -1), torch.arange(ROWS, device=x.device).roll(1)
+    width = rows.shape[1]
+    k, many = RANKS_PER_NODE, MANY_CHUNKS
     return [
         Op(CLONE, "clone", lambda: x.clone(), (x,)),
         Op("quantize 4-bit stochastic G=2048 (packed)", "quantize_4bit_stochastic",
@@ -132,6 +133,24 @@ def make_ops(x: torch.Tensor, seed: int) -> List[Op]:
            (q8_grad,)),
         Op(f"dequantize_sum 4-bit, {k} chunks + inverse H=32", "dequantize_sum_4bit_hadamard",
            lambda: quant.dequantize_sum(q4_grad, k, HADAMARD_BLOCK), (q4_grad,)),
+        # bf16 inputs, 8 chunks, and the reduce-scatter's staging read in place.
+        Op("quantize 4-bit stochastic G=2048, bf16 input", "quantize_4bit_stochastic_bf16",
+           lambda: quant.quantize(x_bf16, 4, WEIGHT_GROUP, "stochastic", gen), (x_bf16,)),
+        Op("hadamard_quantize 8-bit G=128 H=32, bf16 input", "hadamard_quantize_8bit_bf16",
+           lambda: quant.hadamard_quantize(x_bf16, 8, GRAD_GROUP, HADAMARD_BLOCK, "stochastic",
+                                           gen, scale=1.0 / k), (x_bf16,)),
+        Op(f"hadamard_quantize_rows 8-bit G=128 H=32, {ROWS} rows in send order",
+           "hadamard_quantize_rows_8bit",
+           lambda: quant.hadamard_quantize_rows(rows, order, 0, width, width, 8, GRAD_GROUP,
+                                                HADAMARD_BLOCK, "stochastic", gen,
+                                                scale=1.0 / ROWS), (rows, order)),
+        Op(f"dequantize_sum_requantize 8->4-bit, {many} chunks",
+           "dequantize_sum_requantize_8to4_8chunks",
+           lambda: quant.dequantize_sum_requantize(q8_grad, many, 4, GRAD_GROUP, "stochastic",
+                                                   gen), (q8_grad,)),
+        Op(f"dequantize_sum 4-bit, {many} chunks + inverse H=32",
+           "dequantize_sum_4bit_hadamard_8chunks",
+           lambda: quant.dequantize_sum(q4_grad, many, HADAMARD_BLOCK), (q4_grad,)),
     ]
 
 
@@ -142,8 +161,8 @@ def bench_size(size_mb: float, device: torch.device, repeats: int, seed: int,
     The ops take turns within each repeat, so a burst of load from other jobs on
     a shared machine hits all of them alike instead of one op's whole series.
     """
-    # numel a multiple of every group size times the chunk count, as the collectives pad.
-    quantum = WEIGHT_GROUP * RANKS_PER_NODE
+    # numel a multiple of every group size times the chunk counts, as the collectives pad.
+    quantum = WEIGHT_GROUP * max(RANKS_PER_NODE, MANY_CHUNKS, ROWS)
     numel = max(quantum, int(size_mb * 2**20 / 4) // quantum * quantum)
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(numel, generator=gen, device=device, dtype=torch.float32)

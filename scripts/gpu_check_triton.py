@@ -6,8 +6,7 @@ Steps (each reported PASS/FAIL; the exit status is 0 only if all pass):
             FMA contraction, flush-to-zero or approximate division in the PTX;
   tests:    tests/quant/test_triton.py and test_triton_chunks.py (wire tensors, out=,
             the rows op) on CUDA tensors with compiled kernels, tests/quant/test_warmup.py
-            (after warm_up the JIT cache gains no entry) and tests/comm/test_comm_staging.py
-            (the reduce-scatter's staging copy) (SDP4BIT_TRITON_TEST_DEVICE=cuda):
+            (after warm_up the JIT cache gains no entry) (SDP4BIT_TRITON_TEST_DEVICE=cuda):
             bit-identical to the CPU reference with nearest rounding, stochastic rounding
             floor-or-ceil / unbiased / reproducible;
   large:    the gradient path (Hadamard quantize -> dequantize-sum-requantize ->

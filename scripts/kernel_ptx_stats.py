@@ -9,7 +9,10 @@ memory-bound kernel:
 
     SASS/elem   SASS instructions per element: a thread runs straight-line code,
                 so the static count over the elements it owns (tile / (32 * warps))
-                ~ the executed count per element (loops excepted: '*' below)
+                ~ the executed count per element (loops excepted: '*' below). The
+                IEEE division's slow-path subroutine, which runs only when the
+                per-group division meets a subnormal, huge or special operand, is
+                not counted (``cold_instructions`` in the JSON)
     conv/elem   conversions per element: F2I, I2F, FRND and F2F (with their sm_90
                 forms I2FP, F2FP, F2IP): 16 per clock per SM on sm_90, 1/8 of the
                 fp32 rate, so they can bound a kernel before instruction issue does
@@ -24,7 +27,8 @@ memory-bound kernel:
                 / (conv/elem / B/elem)
     bound       the lower of the two; target = at least --target TB/s (6.0: at the
                 ~60% of issue peak such kernels reach, about 0.9 of an H200's clone
-                bandwidth). The target applies to the real calls.
+                bandwidth). The target applies to the real calls; those below it
+                are listed after the table with their opcode mix per element.
 
 A loop left in the SASS (a branch back up) has its body counted once: such rows
 are marked '*' (their counts are low).
@@ -93,6 +97,14 @@ def registers(cubin: bytes) -> int:
     return int(found.group(1)) if found else 0
 
 
+def split_cold(listing: str):
+    """(kernel body, cold subroutines) of a listing: the IEEE division's slow path
+    ($__internal_..._div_rn_..._slowpath, called only when FCHK flags a subnormal,
+    huge or special operand of the per-group division) follows the kernel's code."""
+    found = re.search(r"^\$__internal_\S+:", listing, flags=re.MULTILINE)
+    return (listing, "") if found is None else (listing[:found.start()], listing[found.start():])
+
+
 def sass_instructions(listing: str):
     return [op for op in _SASS_INSTRUCTION.findall(listing) if op != "NOP"]
 
@@ -122,7 +134,7 @@ def stats(name: str, call, arch: int, real: bool) -> dict:
     groups = launch.constexpr("GROUPS_PER_PROGRAM") if launch.name == "quantize_kernel" else 1
     tile = launch.constexpr("BLOCK") * groups
     per_thread = tile / (compiled.metadata.num_warps * 32)  # elements each thread owns
-    listing = sass_listing(compiled.asm["cubin"])
+    listing, cold = split_cold(sass_listing(compiled.asm["cubin"]))
     sass = sass_instructions(listing)
     opcodes = [op.split(".")[0] for op in sass]
     conversions = collections.Counter(op for op in opcodes if op.startswith(CONVERSIONS))
@@ -140,6 +152,8 @@ def stats(name: str, call, arch: int, real: bool) -> dict:
         shared_per_elem=sum(op.startswith(("LDS", "STS")) for op in opcodes) / per_thread,
         ldg_per_elem=sum(op.startswith("LDG") for op in opcodes) / per_thread,
         shared_bytes=compiled.metadata.shared, bytes_per_elem=moved,
+        cold_instructions=len(sass_instructions(cold)),
+        mix={op: n / per_thread for op, n in collections.Counter(opcodes).most_common(12)},
         issue_tbps=issue, conversion_tbps=conversion, bound_tbps=min(issue, conversion),
     )
 
@@ -177,8 +191,11 @@ def main(argv=None) -> int:
     for name, call in compile_check.variants(args.only):
         rows.append(stats(name, call, args.arch, name in real_names))
         print(format_row(rows[-1], args.target), flush=True)
-    missed = [s["name"] for s in rows if s["real_call"] and s["bound_tbps"] < args.target]
-    print(f"real calls below {args.target} TB/s: {len(missed)}" + (": " + "; ".join(missed) if missed else ""))
+    missed = [s for s in rows if s["real_call"] and s["bound_tbps"] < args.target]
+    print(f"real calls below {args.target} TB/s: {len(missed)}")
+    for s in missed:  # what they spend their instructions on, per element
+        mix = ", ".join(f"{op} {n:.2f}" for op, n in s["mix"].items())
+        print(f"- {s['name']}: {s['sass_per_elem']:.1f}/elem for {s['bytes_per_elem']:.2f} B: {mix}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(dict(arch=args.arch, target_tbps=args.target, kernels=rows), f, indent=1)

@@ -2,20 +2,23 @@
 
 Quantizer: symmetric, group-wise, one fp32 scale per group
 ``scale = absmax / (2^(b-1) - 1)`` (fp32 division); ``inv = 1 / scale`` when the
-scale is finite and > 0, else 0; ``v = x * inv``; code = floor(v + 1/2)
-(``nearest``: one formula every backend computes bit for bit) or floor(v + u)
-(``stochastic``), clamped to ``[-2^(b-1), 2^(b-1) - 1]``. Runs on any device.
+scale is finite and > 0 and its inverse finite, else 0 (the group is unusable);
+``v = x * inv``; code = floor(v + 1/2) (``nearest``) or floor((rne(256 v) + k) / 256)
+(``stochastic``, k a uniform random byte), clamped to ``[-2^(b-1), 2^(b-1) - 1]``
+(in a usable group the codes lie in [-qmax, qmax] anyway). Every backend computes
+these bit for bit. Runs on any device.
 
-Stochastic rounding draws u on a grid of 2^16 cell centres, u = (k + 1/2) / 2^16
-with k uniform in 0..2^16-1 (16 random bits per element from the torch
-generator, four per 64-bit draw; u is exact in fp32). Its bias, in units of the
-group's scale: the grid alone gives |E[floor(v + u)] - v| <= 2^-17; the one
-fp32 rounding of v + u (at most half an ulp of |v + u| < 2^(b-1) + 1) can move
-v + u across an integer for at most one grid point (2- and 4-bit) or two
-(8-bit, where |v + u| reaches 128 and the fp32 spacing is 2^-16), 2^-16 each.
-So |E[code] - v| <= STOCHASTIC_BIAS_BOUND[bits]: 3 * 2^-17 ~ 2.3e-5 (2/4-bit),
-5 * 2^-17 ~ 3.8e-5 (8-bit), far below the rounding noise (standard deviation
-up to 1/2). tests/quant/test_reference.py checks it exactly over all 2^16 k.
+Stochastic rounding draws 8 random bits per element (k uniform in 0..255, eight
+per 64-bit draw from the torch generator). v is first rounded to the grid of
+1/256 (R = rne(256 v), round to nearest even; exact in fp32 arithmetic as
+v + 1.5 * 2^15, see ``reference_stream.stochastic_codes_``), then
+floor((R + k) / 256) is the code. Writing R = 256 a + b with 0 <= b < 256, the
+code is a + 1 for the b values of k with b + k >= 256 and a otherwise, so
+E[code] = a + b / 256 = R / 256 exactly, and the bias
+|E[code] - v| = |R - 256 v| / 256 <= 2^-9 of a scale (STOCHASTIC_BIAS_BOUND, for
+every bit width; attained where 256 v is an odd multiple of 1/2), far below the
+rounding noise (standard deviation up to 1/2). Every code is floor(v) or
+floor(v) + 1. tests/quant/test_reference.py checks the mean exactly over all 256 k.
 
 Edge cases, by design:
 - lengths that are not a multiple of the group size are zero-padded; the padding
@@ -23,8 +26,9 @@ Edge cases, by design:
 - an all-zero group has scale 0 and dequantizes to exact zeros (no 0/0);
 - a group holding NaN or Inf gets a non-finite scale and codes 0, so every element
   of that group dequantizes to NaN: overflow checks downstream still trip;
-- a group so tiny that 1/scale overflows (absmax < ~1e-38) has inv = Inf: its
-  non-zero elements get the extreme codes, its zeros (0 * Inf = NaN) code 0.
+- a group so tiny that 1/scale overflows (absmax < qmax * 2^-128, subnormal
+  values) is unusable: codes 0, so it dequantizes to zeros (an error below
+  qmax * 2^-128 per element, like flushing subnormals to zero).
 
 Chunks: every producer takes ``out=`` (a preallocated QuantizedTensor, flat or
 k chunks, e.g. a ``wire.wire_view`` of a send buffer); with k chunks, chunk c

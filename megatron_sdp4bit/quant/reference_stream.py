@@ -31,15 +31,11 @@ from megatron_sdp4bit.quant.types import QuantizedTensor, codes_per_byte, num_gr
 CPU_MIN_CHUNK_ELEMENTS = 1 << 18
 CPU_CHUNK_ELEMENTS = 1 << 20
 
-NOISE_BITS = 16
-"""Random bits per element for stochastic rounding (the resolution of u)."""
+NOISE_BITS = 8
+"""Random bits per element for stochastic rounding: k uniform in 0..255."""
 
-STOCHASTIC_BIAS_BOUND = {2: 3 * 2.0**-17, 4: 3 * 2.0**-17, 8: 5 * 2.0**-17}
-"""Largest |E[code] - v| of stochastic rounding, in units of the group's scale."""
-
-_NOISE_STEP = 2.0 ** -NOISE_BITS
-_NOISE_OFFSET = 0.5 + 2.0 ** -(NOISE_BITS + 1)  # k in [-2^15, 2^15) -> cell centre of [0, 1)
-
+STOCHASTIC_BIAS_BOUND = {2: 2.0**-9, 4: 2.0**-9, 8: 2.0**-9}
+"""Largest |E[code] - v| of stochastic rounding, in units of the group's scale (exact)."""
 
 # --- scratch space and chunking --------------------------------------------------
 
@@ -48,11 +44,14 @@ class Scratch:
 
     def __init__(self, elements: int, device: torch.device, noise: bool = False):
         self.work = torch.empty(elements, dtype=torch.float32, device=device)
-        # spare: staging and ping-pong inside fill(), then the chunk's uniforms.
+        # spare: staging and ping-pong inside fill(), then the chunk's noise (as int32).
         self.spare = torch.empty(elements, dtype=torch.float32, device=device)
         self.extra = None  # a third fp32 buffer, made on demand
         self.codes = torch.empty(elements, dtype=torch.int8, device=device)
         self.noise = NoiseBuffer(elements, device) if noise else None
+        # stochastic rounding: the exact products (fp64) and the codes (int32)
+        self.wide = torch.empty(elements, dtype=torch.float64, device=device) if noise else None
+        self.codes32 = torch.empty(elements, dtype=torch.int32, device=device) if noise else None
 
     def third(self, elements: int) -> torch.Tensor:
         if self.extra is None:
@@ -148,37 +147,42 @@ def read_fp32(flat: torch.Tensor, start: int, stop: int, limit: int,
 
 # --- the quantizer ---------------------------------------------------------------
 
-def cell_centres_(k: torch.Tensor) -> torch.Tensor:
-    """Integers k in [-2^15, 2^15) (fp32) -> u = (k + 2^15 + 1/2) / 2^16, in place (exact).
-
-    u is the centre of cell k + 2^15 of a 2^16-cell grid on [0, 1): uniform k
-    gives u uniform on the cell centres, whose mean is exactly 1/2.
-    """
-    return k.mul_(_NOISE_STEP).add_(_NOISE_OFFSET)
-
-
 class NoiseBuffer:
-    """One chunk's random bits, turned into uniforms u when the chunk needs them."""
+    """One chunk's random bytes k (one per element), drawn in chunk order."""
 
     def __init__(self, elements: int, device: torch.device):
         self.words = torch.empty(-(-elements * NOISE_BITS // 64), dtype=torch.int64, device=device)
 
     def draw(self, elements: int, generator: Optional[torch.Generator]) -> None:
-        """Draw the bits of ``elements`` uniforms (the serial part: call in chunk order)."""
+        """Draw the bytes of ``elements`` elements (the serial part: call in chunk order)."""
         words = self.words[: -(-elements * NOISE_BITS // 64)]
         words.random_(-(2**63), None, generator=generator)  # all 64 bits random
 
-    def uniforms(self, out: torch.Tensor) -> torch.Tensor:
-        """The first ``out.numel()`` uniforms of the last draw, into fp32 ``out`` (any thread)."""
-        out.copy_(self.words.view(torch.int16)[: out.numel()])
-        return cell_centres_(out)
+    def bytes_(self, out: torch.Tensor) -> torch.Tensor:
+        """The first ``out.numel()`` bytes of the last draw, into int32 ``out`` (any thread)."""
+        return out.copy_(self.words.view(torch.uint8)[: out.numel()])
 
 
-def round_(scaled: torch.Tensor, uniforms: Optional[torch.Tensor]) -> torch.Tensor:
-    """floor(v + 1/2) (``uniforms`` None) or floor(v + u) in place; returns ``scaled``."""
-    if uniforms is None:
-        return scaled.add_(0.5).floor_()
-    return scaled.add_(uniforms).floor_()
+def stochastic_codes(x: torch.Tensor, inv: torch.Tensor, k: torch.Tensor, wide: torch.Tensor,
+                     out: torch.Tensor) -> torch.Tensor:
+    """floor((rne(256 x inv) + k) / 256) into int32 ``out`` (returned): fp32 x [groups,
+    group_size], fp32 inv [groups], int32 k in 0..255; v = x * inv is the exact product.
+
+    With k uniform, E[code] = rne(256 v) / 256 exactly (R = rne(256 v) = 256 a + b,
+    0 <= b < 256: the code is a + 1 for the b values k >= 256 - b, else a), so
+    |E[code] - v| = |rne(256 v) - 256 v| / 256 <= 2^-9, for every v with |v| < 2^14.
+    ``wide`` (fp64, x's shape) is scratch: the product of two fp32 values has at most
+    48 significant bits, so it is exact in fp64, and so are the scaling by 256 and the
+    rounding half to even (torch.round), which the kernels' one fma (x * inv +
+    1.5 * 2^15, rounded once onto the 1/256 grid) computes as well.
+    """
+    wide.copy_(x).mul_(inv.to(torch.float64).unsqueeze(1)).mul_(256.0).round_()
+    return out.copy_(wide).add_(k).bitwise_right_shift_(8)
+
+
+def nearest_codes_(scaled: torch.Tensor) -> torch.Tensor:
+    """floor(v + 1/2) in place (fp32); returns ``scaled``."""
+    return scaled.add_(0.5).floor_()
 
 
 def quantize_chunk(
@@ -187,43 +191,43 @@ def quantize_chunk(
     codes_out: torch.Tensor,
     bits: int,
     levels_divisor: torch.Tensor,
-    uniforms: Optional[torch.Tensor],
+    noise: Optional[torch.Tensor],
     scratch: Scratch,
 ) -> None:
     """Quantize fp32 ``src`` [groups, group_size] into ``scales_out`` and ``codes_out``.
 
     ``levels_divisor`` holds qmax(bits) once per group: the scale divides by a
     tensor, because torch on CUDA turns division by a Python scalar into
-    multiplication by its reciprocal, which is not the contract. ``uniforms``
-    (flat, one per element) selects stochastic rounding. ``src`` may be
-    ``scratch.work`` itself (it is then consumed).
+    multiplication by its reciprocal, which is not the contract. ``noise``
+    (int32 k in 0..255, one per element) selects stochastic rounding. ``src`` may
+    be ``scratch.work`` itself (it is then consumed).
     """
     levels = qmax(bits)
     torch.amax(src, dim=1, out=scales_out)
     # absmax = max(max, -min): two read-only reductions beat abs() + amax.
     torch.maximum(scales_out, torch.amin(src, dim=1).neg_(), out=scales_out)  # NaN propagates
     scales_out.div_(levels_divisor)
-    # inv = 1/scale for a finite scale > 0, else 0 (NaN > 0 is false; 1/Inf is 0).
+    # inv = 1/scale for a finite scale > 0 whose inverse is finite, else 0: the group
+    # is unusable and its codes are 0 (NaN > 0 is false; 1/Inf is 0; a scale below
+    # ~2^-128 has an infinite inverse).
     inv = torch.where(scales_out > 0, scales_out.reciprocal(), 0.0)
-    work = scratch.work[: src.numel()].view(src.shape)
-    torch.mul(src, inv.unsqueeze(1), out=work)
-    round_(work, None if uniforms is None else uniforms.view(src.shape))
-    codes = scratch.codes[: src.numel()]
-    # scale * inv is 1 (0 for a zero group) in an ordinary group and NaN or Inf
-    # in one holding NaN/Inf (inv 0) or whose 1/scale overflowed: one dot finds them.
+    inv.masked_fill_(torch.isinf(inv), 0.0)
+    n = src.numel()
+    if noise is None:
+        rounded = nearest_codes_(torch.mul(src, inv.unsqueeze(1),
+                                           out=scratch.work[:n].view(src.shape)))
+    else:
+        rounded = stochastic_codes(src, inv, noise.view(src.shape),
+                                   scratch.wide[:n].view(src.shape),
+                                   scratch.codes32[:n].view(src.shape))
+    # In a usable group |v| <= qmax * (1 + 3 * 2^-24), so both roundings give codes in
+    # [-qmax, qmax]. scale * inv is 1 in a usable group, 0 in an unusable finite one
+    # (whose v are 0: codes 0), NaN or Inf in a group holding NaN/Inf: one dot finds those.
     if not math.isfinite(float(torch.dot(scales_out, inv))):
-        # Rare: NaN/Inf groups get codes 0; where 1/scale overflowed, x * Inf is
-        # +-Inf (clamped to the extreme codes) or NaN for x = 0 (code 0).
-        work.clamp_(-levels - 1, levels).nan_to_num_(nan=0.0)
-        work.masked_fill_(~torch.isfinite(scales_out).unsqueeze(1), 0.0)
-    elif bits == 8:
-        # |v| may exceed 127 by a few ulps, and floor(v + u) reach 128: clamp
-        # before the int8 conversion, which would wrap.
-        work.clamp_(-levels - 1, levels)
-    codes.copy_(work.view(-1))
-    # 2/4-bit: |v| <= levels * (1 + 3 * 2^-24), so the floors lie in
-    # [-levels - 1, levels + 1], well inside int8; clamp the bytes, 4x less data.
-    codes.clamp_(-levels - 1, levels)
+        rounded.masked_fill_(~torch.isfinite(scales_out).unsqueeze(1), 0)  # rare
+    codes = scratch.codes[: src.numel()]
+    codes.copy_(rounded.view(-1))
+    codes.clamp_(-levels - 1, levels)  # a no-op by the bound above; kept as a guard
     pack_codes_(codes, bits, codes_out.view(torch.int8) if bits == 8 else codes_out)
 
 
@@ -265,12 +269,13 @@ def quantize_stream(fill: Fill, out: QuantizedTensor, rounding: str,
         base = c * n
         src = fill(base + g0 * group_size, base + g1 * group_size, base + n, scratch)
         # fill() is done with scratch.spare (its result is never spare): the noise goes there.
-        uniforms = scratch.noise.uniforms(scratch.spare[:count]) if stochastic else None
+        noise = (scratch.noise.bytes_(scratch.spare[:count].view(torch.int32)) if stochastic
+                 else None)
         codes = out.codes if flat else out.codes[c]
         scales = out.scales if flat else out.scales[c]
         quantize_chunk(src.view(g1 - g0, group_size), scales[g0:g1],
                        codes[g0 * group_size // width: g1 * group_size // width],
-                       bits, divisor[: g1 - g0], uniforms, scratch)
+                       bits, divisor[: g1 - g0], noise, scratch)
 
     run_chunks(device, len(bounds), step * group_size, work, draw if stochastic else None)
     return out

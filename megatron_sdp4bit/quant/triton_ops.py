@@ -107,6 +107,11 @@ def _chunk_strides(q: QuantizedTensor, num_chunks: int) -> Tuple[int, int]:
     return n // codes_per_byte(q.bits), n // q.group_size
 
 
+def _words_aligned(q: QuantizedTensor, num_chunks: int) -> bool:
+    """q's codes can be read and written as 32-bit words: every chunk 4-byte aligned."""
+    return q.codes.data_ptr() % 4 == 0 and _chunk_strides(q, num_chunks)[0] % 4 == 0
+
+
 def _codes_bytes(q: QuantizedTensor) -> torch.Tensor:
     """q's codes as the kernels read them: int8 for 8 bits, uint8 bytes when packed
     (received buffers may come as either; the bytes are what counts)."""
@@ -145,13 +150,21 @@ def _launch_quantize(out: QuantizedTensor, rounding: str, generator: Optional[to
         order = row_order if row_order is not None else order
         row_stride, groups_per_row = x.stride(0), padded // out.group_size
     tail = valid < rows[3] if rows is not None else n % out.group_size != 0
+    sizes = [t.element_size() for t in (x_view, y_view)] if source is None else []
+    # Every strip of x (and y) starts at an even element: bf16 can be read in words.
+    even_starts = (row_stride % 2 == 0 and start % 2 == 0 if rows is not None
+                   else out.num_chunks == 1 or n % 2 == 0)
+    strips = launch.quantize_strips(
+        out.bits, out.group_size, hadamard_block or 0, sizes,
+        None if source is None else (src_bits, src_group, _words_aligned(source, num_chunks)),
+        _words_aligned(out, out.num_chunks))
     with launch.device_guard(out.codes):
         quantize_kernel[grid](
             x_view, y_view, float(multiplier),
             src_codes, src_scales, src_strides[0], src_strides[1],
             order, row_stride, start, valid, groups_per_row,
             _codes_bytes(out), out.scales, codes_stride, scales_stride, seed,
-            n, groups,
+            n, groups, 0,
             SOURCE=(SOURCE_ROWS if rows is not None else
                     SOURCE_TENSOR if source is None else SOURCE_CHUNKS),
             X_BF16=x_bf16, HAS_Y=y is not None, Y_BF16=y_bf16, SCALED=float(multiplier) != 1.0,
@@ -159,6 +172,9 @@ def _launch_quantize(out: QuantizedTensor, rounding: str, generator: Optional[to
             HAS_ORDER=rows is not None and rows[0] is not None,
             BITS=out.bits, GROUP=out.group_size, GROUPS_PER_PROGRAM=groups_per_program,
             BLOCK=block, HADAMARD=hadamard_block or 0, STOCHASTIC=rounding == "stochastic",
+            STRIPS=strips, X_HALF=x_view.element_size() == 2, Y_HALF=y_view.element_size() == 2,
+            X_WORDS=x_bf16 and even_starts and x_view.data_ptr() % 4 == 0,
+            Y_WORDS=y_bf16 and even_starts and y_view.data_ptr() % 4 == 0,
             num_warps=launch.num_warps_for(block * groups_per_program), **_EXACT,
         )
     return out
@@ -176,12 +192,19 @@ def _launch_dequantize(q: QuantizedTensor, out: torch.Tensor, out_stride: int,
     out_view, out_bf16 = launch.kernel_view(out)
     codes_stride, scales_stride = _chunk_strides(q, max(num_chunks, written))
     block, grid = launch.dequantize_tiling(numel, hadamard_block or 0, written)
+    strips = block % 32 == 0 and launch.dequantize_strips(
+        q.bits, q.group_size, hadamard_block or 0, out_view.element_size(),
+        _words_aligned(q, max(num_chunks, written)))
+    # bf16 read as 32-bit words: every strip (a multiple of 32 into each output chunk)
+    # starts 4-byte aligned.
+    out_words = out_bf16 and out_view.data_ptr() % 4 == 0 and out_stride % 2 == 0
     with launch.device_guard(q.codes):
         dequantize_kernel[grid](
-            _codes_bytes(q), q.scales, out_view, numel, codes_stride, scales_stride, out_stride,
+            _codes_bytes(q), q.scales, out_view, numel, codes_stride, scales_stride, out_stride, 0,
             NUM_CHUNKS=num_chunks, BITS=q.bits, GROUP=q.group_size, BLOCK=block,
             HADAMARD=hadamard_block or 0, OUT_BF16=out_bf16, ACCUMULATE=accumulate,
-            num_warps=launch.num_warps_for(block), **_EXACT,
+            STRIPS=strips, OUT_HALF=out_view.element_size() == 2, OUT_WORDS=out_words,
+            TAIL=numel % 32 != 0, num_warps=launch.num_warps_for(block), **_EXACT,
         )
     return out
 

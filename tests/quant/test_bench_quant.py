@@ -42,9 +42,9 @@ def test_nbytes_counts_packed_codes_padded_to_groups_and_one_scale_per_group():
 
 
 def test_every_op_reads_and_writes_what_its_tensors_hold():
-    n = 2 * bench.WEIGHT_GROUP * bench.RANKS_PER_NODE  # what bench_size makes: whole groups x chunks
+    n = 2 * bench.WEIGHT_GROUP * bench.MANY_CHUNKS  # what bench_size makes: whole groups x chunks
     x = torch.randn(n)
-    k = bench.RANKS_PER_NODE
+    k, many = bench.RANKS_PER_NODE, bench.MANY_CHUNKS
     w_codes, w_scales = n // 2, 4 * n // bench.WEIGHT_GROUP  # 4-bit, G=2048
     g_scales = 4 * n // bench.GRAD_GROUP  # G=128
     expected = {
@@ -58,6 +58,12 @@ def test_every_op_reads_and_writes_what_its_tensors_hold():
         # k chunks of 8-bit codes in, one 4-bit chunk (n / k elements) out
         "dequantize_sum_requantize_8to4": (n + g_scales, n // k // 2 + g_scales // k),
         "dequantize_sum_4bit_hadamard": (n // 2 + g_scales, 4 * n // k),
+        "quantize_4bit_stochastic_bf16": (2 * n, w_codes + w_scales),  # bf16 input
+        "hadamard_quantize_8bit_bf16": (2 * n, n + g_scales),
+        # fp32 rows and the send order (8 int64 indices)
+        "hadamard_quantize_rows_8bit": (4 * n + 8 * bench.ROWS, n + g_scales),
+        "dequantize_sum_requantize_8to4_8chunks": (n + g_scales, n // many // 2 + g_scales // many),
+        "dequantize_sum_4bit_hadamard_8chunks": (n // 2 + g_scales, 4 * n // many),
     }
     ops = bench.make_ops(x, seed=0)
     assert [op.key for op in ops] == list(expected)
@@ -97,14 +103,16 @@ def test_cpu_smoke_run_prints_the_table_and_writes_the_json(tmp_path):
          "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
-    assert len(rows) == 2 * (1 + 9)  # header + clone + 8 ops, per size
+    assert len(rows) == 2 * (1 + 14)  # header + clone + 13 ops, per size
     report = json.loads(out.read_text())
     assert report["device_type"] == "cpu" and report["target_applies"] is False
     assert report["target_fraction"] == bench.TARGET
-    assert [r["numel"] for r in report["results"]] == [8192, 16384]  # rounded to whole quanta
+    assert [r["numel"] for r in report["results"]] == [16384, 16384]  # rounded to whole quanta
     for size in report["results"]:
         assert size["clone"]["bytes_read"] == size["clone"]["bytes_written"] == 4 * size["numel"]
-        assert len(size["ops"]) == 8
+        assert len(size["ops"]) == 13
+        assert {"quantize_4bit_stochastic_bf16", "dequantize_sum_requantize_8to4_8chunks",
+                "hadamard_quantize_rows_8bit"} <= {row["key"] for row in size["ops"]}
         for row in size["ops"]:
             assert row["bytes_read"] > 0 and row["bytes_written"] > 0 and row["seconds"] > 0
             moved = (row["bytes_read"] + row["bytes_written"]) / row["seconds"]

@@ -145,25 +145,53 @@ def test_worker_threads_do_not_change_the_result(monkeypatch):
 # --- stochastic rounding: unbiased within the documented bound, reproducible ---------------
 
 def test_stochastic_bias_is_within_the_documented_bound_for_every_noise_value():
-    """Exact expectation: feed each of the 2^16 noise values once to every test value.
+    """Exact expectation: feed each of the 256 noise values once to every test value.
 
+    The mean code must be rne(256 v) / 256 exactly (the proof in reference.py), so
+    within 2^-9 of v, with the bound attained where 256 v is an odd multiple of 1/2.
     Test values include the worst places: just below and above integers and
-    half-integers, and magnitudes up to qmax where the fp32 spacing is coarsest.
+    half-integers, odd multiples of 2^-9, and magnitudes up to qmax.
     """
-    noise = torch.arange(-(2**15), 2**15, dtype=torch.float32)
+    noise = torch.arange(256, dtype=torch.int32)
     gen = torch.Generator().manual_seed(0)
     for bits in (2, 4, 8):
         levels = qmax(bits)
         centres = torch.tensor(sorted({-levels, -levels + 1, -(levels // 2), -1, 0, 1,
                                        levels // 2, levels - 1, levels}), dtype=torch.float32)
-        offsets = torch.tensor([0.0, 2.0**-20, -(2.0**-20), 2.0**-17, 0.5, 0.5 - 2.0**-18, 0.3, 0.7])
+        offsets = torch.tensor([0.0, 2.0**-20, -(2.0**-20), 2.0**-9, -(2.0**-9), 3 * 2.0**-9,
+                                0.5, 0.5 - 2.0**-18, 0.3, 0.7])
         v = (centres[:, None] + offsets[None, :]).reshape(-1)
-        v = torch.cat([v, (torch.rand(32, generator=gen) * 2 - 1) * levels]).clamp(-levels, levels)
+        v = torch.cat([v, (torch.rand(64, generator=gen) * 2 - 1) * levels]).clamp(-levels, levels)
         scaled = v[:, None].repeat(1, noise.numel())
-        uniforms = S.cell_centres_(noise.clone()).expand_as(scaled).contiguous()
-        codes = S.round_(scaled, uniforms).double()
-        bias = (codes.mean(dim=1) - v.double()).abs().max().item()
-        assert bias <= R.STOCHASTIC_BIAS_BOUND[bits], (bits, bias)
+        codes = _stochastic(scaled, noise.expand_as(scaled).contiguous())
+        mean = codes.mean(dim=1)
+        grid = torch.round(v.double() * 256) / 256  # rne(256 v) / 256 (torch.round: ties to even)
+        assert torch.equal(mean, grid), bits
+        low = v.double().floor()[:, None]  # every code is floor(v) or floor(v) + 1
+        assert bool(((codes == low) | (codes == low + 1)).all())
+        bias = (mean - v.double()).abs().max().item()
+        assert bias <= R.STOCHASTIC_BIAS_BOUND[bits] == 2.0**-9, (bits, bias)
+    one = torch.full((1, 256), 2.0**-9)  # 256 v = 1/2: rounds to 0, bias exactly 2^-9
+    assert _stochastic(one, noise.view(1, -1)).mean() == 0.0
+
+
+def _stochastic(v: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The reference's stochastic codes of v (inv = 1) with noise k, as fp64."""
+    wide, out = torch.empty(v.shape, dtype=torch.float64), torch.empty(v.shape, dtype=torch.int32)
+    return S.stochastic_codes(v, torch.ones(v.shape[0]), k, wide, out).double()
+
+
+def test_stochastic_rounding_uses_the_exact_product():
+    # x * inv rounded to fp32 lands on 1/512 (256 v = 1/2, a tie: rne gives 0); the exact
+    # product lies just above it, so rne(256 x inv) is 1: only k = 255 carries.
+    x = torch.tensor([[3.0]])
+    inv = torch.tensor([1.0]) / 1536  # fp32(1/1536) is above 1/1536
+    assert float((x * inv.unsqueeze(1)).squeeze()) == 2.0**-9 < 3.0 * float(inv)
+    k = torch.arange(256, dtype=torch.int32).view(1, -1)
+    codes = S.stochastic_codes(x.expand(1, 256).contiguous(), inv, k,
+                               torch.empty(1, 256, dtype=torch.float64),
+                               torch.empty(1, 256, dtype=torch.int32))
+    assert int(codes.sum()) == 1
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -270,16 +298,21 @@ def test_nan_at_every_position_of_a_group_is_caught():
         assert math.isnan(R.quantize(x, 4, 2048, "nearest").scales.item())
 
 
-def test_groups_whose_inverse_scale_overflows_keep_zeros_and_extremes():
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_groups_whose_inverse_scale_overflows_are_unusable_and_dequantize_to_zeros(rounding):
     x = torch.zeros(16)
     x[:4] = torch.tensor([1e-39, -1e-39, 5e-40, 0.0])  # subnormal: 7 / absmax overflows
     x[8:] = 1.0
-    q = R.quantize(x, 4, 8, "nearest")
+    q = R.quantize(x, 4, 8, rounding, torch.Generator().manual_seed(0))
     codes = codes_of(q)
     assert math.isinf(q.scales[0].reciprocal().item())  # in fp32
-    assert codes[0].tolist() == [7, -8, 7, 0, 0, 0, 0, 0]  # clamp(+-Inf), 0 * Inf -> 0
+    assert codes[0].tolist() == [0] * 8
     assert codes[1].tolist() == [7] * 8
-    assert bool(torch.isfinite(R.dequantize(q)).all())
+    back = R.dequantize(q)
+    assert torch.equal(back[:8], torch.zeros(8)) and torch.equal(back[8:], torch.ones(8))
+    # The smallest usable scale: 1/scale just finite, the group quantized as usual.
+    y = torch.full((8,), 7 * 2.0**-127)
+    assert codes_of(R.quantize(y, 4, 8, rounding, torch.Generator().manual_seed(0)))[0].tolist() == [7] * 8
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -17,6 +17,7 @@ reference (on CPU copies) and against the same data laid out flat:
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,7 +37,7 @@ if not KERNELS_HERE:
     pytest.skip("kernel tests: run by test_triton.py in Triton's interpreter (or on CUDA)",
                 allow_module_level=True)
 
-from triton_cases import T  # noqa: E402
+from triton_cases import T, launch  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")
 
@@ -221,3 +222,129 @@ def test_rows_op_refuses_bad_arguments_like_the_reference():
         with pytest.raises(ValueError, match=message):
             T.hadamard_quantize_rows(rows, call["order"], call["start"], call["valid"],
                                      call["padded"], 8, 128, 32, "nearest")
+
+
+# --- the noise contract and the two paths ------------------------------------------------
+
+def _philox2x32(counter: np.ndarray, key: int):
+    """Philox-2x32-10 in numpy (uint64 arithmetic), the words for each 64-bit counter."""
+    c0, c1 = counter & 0xFFFFFFFF, counter >> 32
+    k = np.uint64(key)
+    for _ in range(10):
+        product = c0 * np.uint64(0xD256D193)
+        c0, c1 = ((product >> np.uint64(32)) ^ k ^ c1) & np.uint64(0xFFFFFFFF), product & np.uint64(0xFFFFFFFF)
+        k = (k + np.uint64(0x9E3779B9)) & np.uint64(0xFFFFFFFF)
+    return c0, c1
+
+
+def test_the_numpy_philox_model_matches_the_published_known_answers():
+    vectors = [((0x00000000, 0x00000000, 0x00000000), (0xFF1DAE59, 0x6CD10DF2)),
+               ((0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF), (0x2C3F628B, 0xAB4FD7AD)),
+               ((0x243F6A88, 0x85A308D3, 0x13198A2E), (0xDD7CE038, 0xF62A4C12))]
+    for (lo, hi, key), answer in vectors:
+        words = _philox2x32(np.array([lo | hi << 32], dtype=np.uint64), key)
+        assert (int(words[0][0]), int(words[1][0])) == answer
+
+
+def _expected_stochastic_codes(v: np.ndarray, group: int, seed: int) -> np.ndarray:
+    """The contract: code = floor((rne(256 v) + k) / 256) for the exact v = x * inv (fp64),
+    k = byte i % 4 of word i // 4 of Philox(counter = flat padded index of the element's
+    run of 8, key = seed)."""
+    index = np.arange(v.size, dtype=np.uint64)
+    col = index % np.uint64(group)
+    run_start = index - col + col // np.uint64(8) * np.uint64(8)
+    w0, w1 = _philox2x32(run_start, seed)
+    within = (col % np.uint64(8)).astype(np.int64)
+    word = np.where(within < 4, w0, w1)
+    k = (word >> (np.uint64(8) * (within % 4).astype(np.uint64))) & np.uint64(0xFF)
+    r = np.round(v.astype(np.float64) * 256)  # numpy rounds half to even, exact here
+    return np.floor((r + k.astype(np.float64)) / 256)
+
+
+@pytest.mark.parametrize("strips", [True, False])
+@pytest.mark.parametrize("bits,group,dtype", [(4, 2048, torch.float32), (8, 128, torch.bfloat16),
+                                              (2, 64, torch.float32), (4, 96, torch.float32)])
+def test_stochastic_codes_are_the_defined_function_of_seed_and_element_index(bits, group, dtype,
+                                                                              strips):
+    groups = max(3, 4096 // group + 1)
+    x = awkward_input(groups * group, group, bits, dtype, seed=group, specials=False).cpu()
+    # Groups where rounding x * inv to fp32 first would change R: the absmax makes the
+    # scale 1536 (inv = fp32(1/1536), just above 1/1536), and 3 * inv lies just above
+    # 1/512, a tie of the 1/256 grid once rounded to fp32. Such an element's code
+    # differs only for noise byte 255: > 4000 of them make a difference certain.
+    tie = dtype == torch.float32  # (bf16 cannot hold 127 * 1536)
+    if tie:
+        x[group:] = 3.0
+        x[group::group] = qmax(bits) * 1536.0
+    x = x.to(DEVICE)
+    gen = torch.Generator(DEVICE).manual_seed(17)
+    seed = int(torch.randint(2**31 - 1, (1,), generator=gen.clone_state(), device=gen.device))
+    with launch.tuning(strips=strips):
+        q = T.quantize(x, bits, group, "stochastic", gen)
+    scales = q.scales.cpu()
+    assert bool((scales > 0).all()) and (not tie or float(scales[1]) == 1536.0)
+    inv = (1 / scales).double()  # fp32 reciprocals, as the kernels compute them
+    v = (x.cpu().double().view(-1, group) * inv[:, None]).view(-1)  # exact products
+    expected = _expected_stochastic_codes(v.numpy(), group, seed)
+    assert np.array_equal(codes_of(q).numpy(), expected)
+    if tie:  # the test tells the exact product from the rounded one
+        rounded_first = _expected_stochastic_codes(v.float().double().numpy(), group, seed)
+        assert not np.array_equal(expected, rounded_first)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("case", ["quantize bf16", "hadamard", "rows", "requantize", "tail"])
+def test_the_strip_path_and_the_generic_path_give_the_same_bits(case, rounding):
+    def run():
+        gen = torch.Generator(DEVICE).manual_seed(3)
+        if case == "quantize bf16":
+            return T.quantize(awkward_input(4 * 256, 256, 4, torch.bfloat16, seed=1), 4, 256,
+                              rounding, gen)
+        if case == "hadamard":
+            return T.hadamard_quantize(awkward_input(4 * 128, 128, 8, seed=2), 8, 128, 32,
+                                       rounding, gen, 0.25)
+        if case == "rows":
+            rows = awkward_input(4 * 520, 128, 8, torch.bfloat16, seed=3).view(4, 520)
+            return T.hadamard_quantize_rows(rows, torch.tensor([1, 3, 0, 2], device=DEVICE), 256,
+                                            200, 256, 8, 128, 32, rounding, gen, 0.5)
+        if case == "requantize":
+            received = device_wire(reference_wire(awkward_input(4 * 512, 128, 8, seed=4,
+                                                                specials=False), 4, 8, 128))
+            return T.dequantize_sum_requantize(received, 4, 4, 128, rounding, gen)
+        return T.quantize_weight_diff(awkward_input(3 * 64 + 40, 64, 4, seed=5),
+                                      awkward_input(3 * 64 + 40, 64, 4, torch.bfloat16, seed=6),
+                                      4, 64, rounding, gen)
+
+    with launch.tuning(strips=False):
+        generic = run()
+    assert_same_bytes(run(), generic)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("case", ["dequantize fp32", "dequantize fp16", "dequantize bf16 tail",
+                                  "add bf16 rows", "add fp32 tail", "sum + H", "sum bf16 wire"])
+def test_the_dequantize_strip_path_and_the_generic_path_give_the_same_bits(case, bits):
+    k, n = 3, 2 * 256 + (45 if "tail" in case or "rows" in case else 0)
+    x = awkward_input(k * n, 128, bits, seed=bits, specials=False)
+    wire = device_wire(reference_wire(x, k, bits, 128))
+    base = awkward_input(k * (n + 7), 128, bits, seed=9, specials=False)
+
+    def run():
+        if case.startswith("dequantize"):
+            dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[case.split()[1]]
+            return T.dequantize(wire, dtype)
+        if case == "add bf16 rows":  # [k, n] rows of a wider buffer: an odd row stride
+            rows = base.to(torch.bfloat16).view(k, n + 7)
+            T.dequantize_add_(rows[:, 3:3 + n], wire)
+            return rows
+        if case == "add fp32 tail":
+            return T.dequantize_add_(base[: k * n].clone(), wire)
+        summed = device_wire(reference_wire(x[: k * 512], k, bits, 128))
+        if case == "sum + H":
+            return T.dequantize_sum(summed, k, 32)
+        out = torch.zeros(512, dtype=torch.bfloat16, device=DEVICE)
+        return T.dequantize_sum(summed, k, 32, out=out)
+
+    with launch.tuning(strips=False):
+        generic = run()
+    assert_same_values(run(), generic)

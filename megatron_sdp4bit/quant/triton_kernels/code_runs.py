@@ -22,13 +22,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megatron_sdp4bit.quant.triton_kernels.rounding import code_to_f32
+
 
 @triton.jit
 def _field(byte, SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """Signed two's-complement field of BITS bits at bit SHIFT of int32 ``byte``."""
-    FIELD: tl.constexpr = (1 << BITS) - 1
-    SIGN: tl.constexpr = 1 << (BITS - 1)
-    return ((((byte >> SHIFT) & FIELD) ^ SIGN) - SIGN).to(tl.float32)
+    """fp32 value of the two's-complement field of BITS bits at bit SHIFT of int32 ``byte``
+    (no conversion instruction: rounding.code_to_f32)."""
+    return code_to_f32((byte >> SHIFT) & ((1 << BITS) - 1), BITS)
 
 
 @triton.jit
@@ -36,7 +37,8 @@ def _codes(codes_ptr, first, n_valid, N: tl.constexpr, BITS: tl.constexpr):
     """fp32 codes of elements first .. first + N - 1 (0 from n_valid on)."""
     if BITS == 8:
         idx = tl.arange(0, N)
-        codes = tl.load(codes_ptr + first + idx, mask=idx < n_valid, other=0).to(tl.float32)
+        raw = tl.load(codes_ptr + first + idx, mask=idx < n_valid, other=0)
+        codes = code_to_f32(raw.to(tl.uint8, bitcast=True).to(tl.int32), 8)
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
         idx = tl.arange(0, N // PER_BYTE)

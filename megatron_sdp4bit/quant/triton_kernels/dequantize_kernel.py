@@ -19,6 +19,11 @@ import triton
 import triton.language as tl
 
 from megatron_sdp4bit.quant.triton_kernels.code_runs import dequantized_run_sum
+from megatron_sdp4bit.quant.triton_kernels.strips import (
+    dequantized_strip_sum,
+    load_float_strips,
+    store_float_strips,
+)
 from megatron_sdp4bit.quant.triton_kernels.tile_math import (
     hadamard_flat,
     load_f32,
@@ -28,23 +33,68 @@ from megatron_sdp4bit.quant.triton_kernels.tile_math import (
 
 # The scale stride's divisibility buys nothing (one scale load per 16 elements)
 # and differs between layouts: not specialised on, so one compiled variant serves all.
-@triton.jit(do_not_specialize=["scales_stride"])
+@triton.jit(do_not_specialize=["scales_stride", "zero"])
 def dequantize_kernel(
     codes_ptr, scales_ptr, out_ptr,
-    numel, codes_stride, scales_stride, out_stride,
+    numel, codes_stride, scales_stride, out_stride, zero,
     NUM_CHUNKS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
     HADAMARD: tl.constexpr, OUT_BF16: tl.constexpr, ACCUMULATE: tl.constexpr,
+    STRIPS: tl.constexpr, OUT_HALF: tl.constexpr, OUT_WORDS: tl.constexpr, TAIL: tl.constexpr,
 ):
     """out[c][i] (+)= H^-1(sum_j dequant(chunk c + j)[i]) for i in [pid * BLOCK, ...) below numel.
 
     ``numel``: elements of one chunk; output chunk c starts ``c * out_stride``
-    elements into ``out``.
+    elements into ``out``. STRIPS: the strip path (strips.py; 4- or 8-bit codes in
+    aligned words, groups of whole strips, HADAMARD <= 32), OUT_HALF: 2-byte
+    output elements, OUT_WORDS: a bf16 output read in 32-bit words (accumulate),
+    TAIL: numel is not a multiple of 32. ``zero`` is always 0 (strips.py's ``_fields``
+    keeps constants in registers with it).
     """
     pid = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1).to(tl.int64)
     codes_ptr += chunk * codes_stride
     scales_ptr += chunk * scales_stride
     out_ptr += chunk * out_stride
+    if STRIPS:
+        _dequantize_strips(pid, codes_ptr, scales_ptr, out_ptr, numel, codes_stride,
+                           scales_stride, zero, NUM_CHUNKS, BITS, GROUP, BLOCK, HADAMARD, OUT_BF16,
+                           ACCUMULATE, OUT_HALF, OUT_WORDS, TAIL)
+    else:
+        _dequantize_runs(pid, codes_ptr, scales_ptr, out_ptr, numel, codes_stride,
+                         scales_stride, NUM_CHUNKS, BITS, GROUP, BLOCK, HADAMARD, OUT_BF16,
+                         ACCUMULATE)
+
+
+@triton.jit
+def _dequantize_strips(pid, codes_ptr, scales_ptr, out_ptr, numel, codes_stride, scales_stride,
+                       zero, NUM_CHUNKS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK: tl.constexpr, HADAMARD: tl.constexpr, OUT_BF16: tl.constexpr,
+                       ACCUMULATE: tl.constexpr, OUT_HALF: tl.constexpr,
+                       OUT_WORDS: tl.constexpr, TAIL: tl.constexpr):
+    """The program's BLOCK elements as [1, BLOCK / 32, 32] strips, one a thread."""
+    S: tl.constexpr = BLOCK // 32
+    first = (pid * BLOCK + tl.arange(0, S) * 32)[None, :]  # [1, S] int64
+    # Codes exist up to numel rounded up to whole groups (their zero padding).
+    padded = tl.cast((numel - 1) // GROUP + 1, tl.int64) * GROUP
+    values = dequantized_strip_sum(codes_ptr, scales_ptr, codes_stride, scales_stride, first,
+                                   first < padded, zero, NUM_CHUNKS, BITS, GROUP)
+    if HADAMARD > 0:  # whole transform blocks in each thread; H^-1 = H / block (exact)
+        flat = hadamard_flat(tl.reshape(values, [BLOCK]), BLOCK, HADAMARD) * (1.0 / HADAMARD)
+        values = tl.reshape(flat, [1, S, 32])
+    valid = (numel - first).to(tl.int32)  # elements of the strip before numel (TAIL)
+    ok = first < numel
+    if ACCUMULATE:
+        values = values + load_float_strips(out_ptr, first, valid, ok, OUT_BF16, OUT_HALF,
+                                            TAIL, OUT_WORDS)
+    store_float_strips(out_ptr, first, valid, ok, values, OUT_BF16, OUT_HALF, TAIL)
+
+
+@triton.jit
+def _dequantize_runs(pid, codes_ptr, scales_ptr, out_ptr, numel, codes_stride, scales_stride,
+                     NUM_CHUNKS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     BLOCK: tl.constexpr, HADAMARD: tl.constexpr, OUT_BF16: tl.constexpr,
+                     ACCUMULATE: tl.constexpr):
+    """The program's BLOCK elements as one run (code_runs.py): any group size and bits."""
     elem = pid * BLOCK + tl.arange(0, BLOCK)
     ok = elem < numel
     # Codes exist up to numel rounded up to whole groups (the zero padding): reading

@@ -32,6 +32,9 @@ class LaunchTuning:
 
     tile_elements: int = 4096
     max_group_block: int = 8192
+    strips: bool = True
+    """Use the quantize kernel's strip path where it applies (tests turn it off to
+    check the generic path gives the same bits)."""
 
     def __post_init__(self) -> None:
         for name in ("tile_elements", "max_group_block"):
@@ -95,6 +98,33 @@ def quantize_tiling(num_groups: int, group_size: int,
         groups_per_program = max(1, min(TUNING.tile_elements // block, _next_pow2(num_groups)))
     grid = (-(-num_groups // groups_per_program), chunks)
     return block, groups_per_program, grid
+
+
+def quantize_strips(bits: int, group_size: int, hadamard_block: int, element_sizes=(),
+                    source=None, codes_aligned: bool = True) -> bool:
+    """Whether a quantize launch takes the strip path (quantize_kernel.py, strips.py):
+    4- or 8-bit codes in 32-bit words (4-byte aligned), power-of-two groups of 32 or
+    more held whole in a program, a Hadamard block of at most 32 (in a strip), 2- or
+    4-byte float inputs (two or four 16-byte parts a strip), or received 4- or 8-bit
+    codes, 4-byte aligned, in groups of whole strips (``source``: (bits, group size,
+    aligned))."""
+    if source is not None:
+        source_bits, source_group, source_aligned = source
+        if source_bits not in (4, 8) or source_group % 32 or not source_aligned:
+            return False
+    return (TUNING.strips and bits in (4, 8) and codes_aligned
+            and 32 <= group_size <= TUNING.max_group_block
+            and not group_size & (group_size - 1) and hadamard_block <= 32
+            and all(size in (2, 4) for size in element_sizes))
+
+
+def dequantize_strips(bits: int, group_size: int, hadamard_block: int, out_element_size: int,
+                      codes_aligned: bool) -> bool:
+    """Whether a dequantize launch takes the strip path (dequantize_kernel.py): 4- or
+    8-bit codes in aligned 32-bit words, groups of whole strips of 32, a Hadamard
+    block of at most 32, 2- or 4-byte outputs."""
+    return (TUNING.strips and bits in (4, 8) and codes_aligned and group_size % 32 == 0
+            and hadamard_block <= 32 and out_element_size in (2, 4))
 
 
 def dequantize_tiling(numel: int, hadamard_block: int,

@@ -2,10 +2,13 @@
 
 A program owns GROUPS_PER_PROGRAM whole groups of one output chunk (grid axis 1:
 the chunk; chunk c's codes and scales start ``c * codes_stride`` bytes and ``c *
-scales_stride`` scales into the output, so flat and wire layouts alike). When a
-group fits in registers (BLOCK >= GROUP, the usual case) the values are read
-once and everything happens in registers; a larger group is read twice, BLOCK
-columns at a time: once for its absmax, once to quantize (recomputing the values).
+scales_stride`` scales into the output, so flat and wire layouts alike). Three
+paths: STRIPS (the groups as strips of 32 elements, one a thread, strips.py: the
+fast path every real call of the collectives takes); otherwise a [groups, BLOCK]
+tile when a group fits in registers (BLOCK >= GROUP), read once; or a larger
+group read twice, BLOCK columns at a time: once for its absmax, once to quantize
+(recomputing the values). All three round with rounding.py and the noise of
+noise.py, so they give the same bits.
 
 Output chunk c holds elements [c * numel, (c + 1) * numel) of the source, padded
 to whole groups on its own. The source (``SOURCE``):
@@ -26,7 +29,13 @@ import triton
 import triton.language as tl
 
 from megatron_sdp4bit.quant.triton_kernels.code_runs import dequantized_run_sum
-from megatron_sdp4bit.quant.triton_kernels.noise import RUN, uniform_noise
+from megatron_sdp4bit.quant.triton_kernels.noise import noise_byte
+from megatron_sdp4bit.quant.triton_kernels.rounding import nearest_t, stochastic_t
+from megatron_sdp4bit.quant.triton_kernels.strips import (
+    dequantized_strip_sum,
+    load_float_strips,
+    store_code_strips,
+)
 from megatron_sdp4bit.quant.triton_kernels.tile_math import (
     dequantized_chunk_sum,
     hadamard_flat,
@@ -109,40 +118,40 @@ def _transformed(values, ROWS: tl.constexpr, BLOCK: tl.constexpr, HADAMARD: tl.c
 
 
 @triton.jit
-def _store_codes(values, inv, groups, noise_base, row_ok, first_col, codes_ptr, seed_ptr,
+def _rounded(values, inv, cols, noise_base, seed_ptr, STOCHASTIC: tl.constexpr):
+    """``t`` (code in bits 8 and up, rounding.py) of every ``values * inv``; ``cols``:
+    each element's column in its group, ``noise_base``: the flat padded index of its
+    group's first element (broadcast with values). The noise is keyed by the
+    element's index (noise.py)."""
+    if STOCHASTIC:
+        run_start = noise_base + cols // 8 * 8
+        t = stochastic_t(values, inv, noise_byte(tl.load(seed_ptr), run_start, cols))
+    else:
+        t = nearest_t(values, inv)
+    return t
+
+
+@triton.jit
+def _store_codes(values, inv, keep, groups, noise_base, row_ok, first_col, codes_ptr, seed_ptr,
                  BITS: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Round ``values * inv`` to codes, clamp, pack and store columns first_col.. of each
-    row (``groups``: the rows' group indices within the chunk; ``noise_base``: the
-    flat padded index of each row's first element, which keys the noise)."""
-    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-    scaled = values * inv[:, None]
-    if STOCHASTIC:
-        # u from Philox keyed by (seed, element index), 4 elements per call (noise.py):
-        # reproducible, and the same however groups are tiled, sliced or chunked.
-        run_cols = first_col + tl.arange(0, BLOCK // RUN) * RUN
-        run_start = noise_base[:, None] + run_cols[None, :]
-        scaled = scaled + uniform_noise(tl.load(seed_ptr), run_start, ROWS, BLOCK)
-    else:
-        scaled = scaled + 0.5
-    codes = tl.floor(scaled)
-    # NaN here comes from 0 * Inf (a subnormal scale whose inverse overflows) or from
-    # a non-finite x in an unusable group (inv = 0): code 0, what the reference's
-    # float->int8 cast yields on x86 and ARM. Every other element of an unusable
-    # group has x * 0 = +-0 and floor(+-0 + u) = 0 for u in [0, 1): code 0 as well,
-    # so no separate select on the group's usability is needed.
-    codes = tl.where(codes == codes, codes, 0.0)
-    codes = tl.minimum(tl.maximum(codes, -QMAX - 1.0), QMAX * 1.0).to(tl.int32)
-
+    """Round ``values * inv`` to codes, pack and store columns first_col.. of each row
+    (``groups``: the rows' group indices within the chunk; ``keep``: -1, or 0 for an
+    unusable group, whose codes are 0)."""
     cols = first_col + tl.arange(0, BLOCK)
+    t = _rounded(values, inv[:, None], cols[None, :], noise_base[:, None], seed_ptr, STOCHASTIC)
     if BITS == 8:
         elem = groups[:, None] * GROUP + cols[None, :]
-        tl.store(codes_ptr + elem, codes.to(tl.int8), mask=row_ok[:, None] & (cols[None, :] < GROUP))
+        codes = ((t >> 8) & keep[:, None]).to(tl.int8)
+        tl.store(codes_ptr + elem, codes, mask=row_ok[:, None] & (cols[None, :] < GROUP))
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
-        fields = tl.reshape(codes & ((1 << BITS) - 1), [ROWS, BLOCK // PER_BYTE, PER_BYTE])
-        shifts = tl.arange(0, PER_BYTE) * BITS
-        packed = tl.sum(fields << shifts[None, None, :], axis=2)  # disjoint bit fields: sum == or
+        FIELD: tl.constexpr = (1 << BITS) - 1
+        fields = tl.reshape(t, [ROWS, BLOCK // PER_BYTE, PER_BYTE])
+        position = tl.arange(0, PER_BYTE) * BITS  # field i of a byte at bit BITS * i
+        shifted = fields >> (8 - position)[None, None, :]
+        masked = shifted & ((FIELD << position)[None, None, :] & keep[:, None, None])
+        packed = tl.sum(masked, axis=2)  # disjoint bit fields: sum == or
         byte_cols = first_col // PER_BYTE + tl.arange(0, BLOCK // PER_BYTE)
         byte_idx = groups[:, None] * (GROUP // PER_BYTE) + byte_cols[None, :]
         byte_ok = row_ok[:, None] & (byte_cols[None, :] < GROUP // PER_BYTE)
@@ -167,13 +176,14 @@ def _row_absmax(values):
 
 @triton.jit
 def _scale_of(absmax, BITS: tl.constexpr):
-    """Per-row scale and its inverse (0 when the scale is 0, NaN or Inf)."""
+    """Per-row (scale, inverse, keep): the inverse is 0 and keep 0 (else -1) when the
+    group is unusable: its scale is 0, NaN or Inf, or so small that 1/scale overflows."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))  # IEEE division
-    usable = (scale > 0) & (scale < float("inf"))  # false for NaN too
-    safe = tl.where(usable, scale, 1.0)
-    inv = tl.where(usable, tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), safe), 0.0)
-    return scale, inv
+    positive = (scale > 0) & (scale < float("inf"))  # false for NaN too
+    inv = tl.math.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(positive, scale, 1.0))
+    usable = positive & (inv < float("inf"))
+    return scale, tl.where(usable, inv, 0.0), tl.where(usable, -1, 0)
 
 
 @triton.jit
@@ -203,23 +213,30 @@ def _row_sources(chunk, groups, row_ok, numel, num_groups,
 # the rows source's valid columns and row length in groups, whose divisibility the
 # kernel never uses, and which differ from call to call of one collective.
 @triton.jit(do_not_specialize=["src_scales_stride", "scales_stride", "row_valid",
-                               "groups_per_row", "num_groups"])
+                               "groups_per_row", "num_groups", "zero"])
 def quantize_kernel(
     x_ptr, y_ptr, multiplier,
     src_codes_ptr, src_scales_ptr, src_codes_stride, src_scales_stride,
     order_ptr, row_stride, row_start, row_valid, groups_per_row,
     codes_ptr, scales_ptr, codes_stride, scales_stride, seed_ptr,
-    numel, num_groups,
+    numel, num_groups, zero,
     SOURCE: tl.constexpr, X_BF16: tl.constexpr, HAS_Y: tl.constexpr, Y_BF16: tl.constexpr,
     SCALED: tl.constexpr, TAIL: tl.constexpr, SRC_BITS: tl.constexpr, SRC_GROUP: tl.constexpr,
     NUM_CHUNKS: tl.constexpr, HAS_ORDER: tl.constexpr,
     BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS_PER_PROGRAM: tl.constexpr,
     BLOCK: tl.constexpr, HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr,
+    STRIPS: tl.constexpr, X_HALF: tl.constexpr, Y_HALF: tl.constexpr, X_WORDS: tl.constexpr,
+    Y_WORDS: tl.constexpr,
 ):
     """Quantize groups [pid * GROUPS_PER_PROGRAM, ...) of output chunk program_id(1).
 
     ``numel`` and ``num_groups``: elements and groups of one output chunk (beyond
-    numel: zero padding); ``codes`` and ``scales`` as in QuantizedTensor.
+    numel: zero padding); ``codes`` and ``scales`` as in QuantizedTensor. STRIPS:
+    the strip path (strips.py; GROUP a power of two >= 32, HADAMARD <= 32, 2- or
+    4-byte float sources, received groups a multiple of 32); X_HALF / Y_HALF:
+    x / y have 2-byte elements; X_WORDS / Y_WORDS: bf16 x / y read as 32-bit words
+    (strips.py; every strip starts at an even offset of a 4-byte aligned tensor).
+    ``zero`` is always 0 (strips.py's ``_fields`` keeps constants in registers with it).
     """
     pid = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1).to(tl.int64)
@@ -231,26 +248,26 @@ def quantize_kernel(
                                  row_stride, row_start, row_valid, groups_per_row,
                                  SOURCE, HAS_ORDER, GROUP)
     noise_base = (chunk * num_groups + groups) * GROUP  # the flat padded index
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)  # (the sliced path's columns)
     # A received chunk is whole groups of the source (triton_ops checks it), so
     # chunk_end // SRC_GROUP * SRC_GROUP is chunk_end itself; written so, it tells the
     # compiler the mask is group-aligned. Only SOURCE_CHUNKS reads run_first/run_valid.
     chunk_end = (chunk + 1) * (numel // SRC_GROUP * SRC_GROUP)
 
-    if BLOCK >= GROUP:  # one pass: the whole group stays in registers
-        load_ok = _load_mask(row_ok, row_len, cols, GROUP, BLOCK, TAIL)
-        run_first = chunk * numel + pid * GROUPS_PER_PROGRAM * GROUP
-        run_valid = chunk_end - run_first
-        if GROUPS_PER_PROGRAM == 1:
-            run_valid = tl.minimum(run_valid, GROUP)
-        values = _source_values(base, cols, load_ok, run_first, run_valid, x_ptr, y_ptr,
-                                multiplier, src_codes_ptr, src_scales_ptr, src_codes_stride,
-                                src_scales_stride, SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED,
-                                SRC_BITS, SRC_GROUP, NUM_CHUNKS, GROUPS_PER_PROGRAM, BLOCK, GROUP)
-        values = _transformed(values, GROUPS_PER_PROGRAM, BLOCK, HADAMARD)
-        scale, inv = _scale_of(_row_absmax(values), BITS)
-        _store_codes(values, inv, groups, noise_base, row_ok, 0, codes_ptr, seed_ptr,
-                     BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
+    if STRIPS:  # each thread holds whole strips of 32: no shared memory
+        scale = _quantize_strips(chunk, groups, row_ok, base, row_len, noise_base, chunk_end,
+                                 numel, zero, x_ptr, y_ptr, multiplier, src_codes_ptr, src_scales_ptr,
+                                 src_codes_stride, src_scales_stride, codes_ptr, seed_ptr,
+                                 SOURCE, X_BF16, X_HALF, X_WORDS, HAS_Y, Y_BF16, Y_HALF,
+                                 Y_WORDS, SCALED, TAIL, SRC_BITS, SRC_GROUP, NUM_CHUNKS, BITS,
+                                 GROUP, HADAMARD, STOCHASTIC)
+    elif BLOCK >= GROUP:  # one pass: the whole group stays in registers
+        scale = _quantize_tile(pid, chunk, groups, row_ok, base, row_len, noise_base, chunk_end,
+                               numel, x_ptr, y_ptr, multiplier, src_codes_ptr, src_scales_ptr,
+                               src_codes_stride, src_scales_stride, codes_ptr, seed_ptr, SOURCE,
+                               X_BF16, HAS_Y, Y_BF16, SCALED, TAIL, SRC_BITS, SRC_GROUP,
+                               NUM_CHUNKS, BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, HADAMARD,
+                               STOCHASTIC)
     else:  # two passes over BLOCK-column slices: absmax first, then the codes
         absmax = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32)
         for first in range(0, GROUP, BLOCK):
@@ -261,7 +278,7 @@ def quantize_kernel(
                                    SRC_GROUP, NUM_CHUNKS, GROUPS_PER_PROGRAM, BLOCK, GROUP,
                                    HADAMARD)
             absmax = _max_keeping_nan(absmax, _row_absmax(values))
-        scale, inv = _scale_of(absmax, BITS)
+        scale, inv, keep = _scale_of(absmax, BITS)
         for first in range(0, GROUP, BLOCK):
             values = _slice_values(base, cols, first, row_ok, row_len, chunk, pid, numel,
                                    chunk_end, x_ptr, y_ptr, multiplier, src_codes_ptr,
@@ -269,8 +286,8 @@ def quantize_kernel(
                                    SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, TAIL, SRC_BITS,
                                    SRC_GROUP, NUM_CHUNKS, GROUPS_PER_PROGRAM, BLOCK, GROUP,
                                    HADAMARD)
-            _store_codes(values, inv, groups, noise_base, row_ok, first, codes_ptr, seed_ptr,
-                         BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
+            _store_codes(values, inv, keep, groups, noise_base, row_ok, first, codes_ptr,
+                         seed_ptr, BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
     # Stored as a [ROWS, 1] column: a [ROWS] vector's store has a layout of its own,
     # which made the compiler convert the whole tile into a second layout for the
     # absmax reduction (one more round trip through shared memory).
@@ -301,3 +318,75 @@ def _slice_values(base, cols, first, row_ok, row_len, chunk, pid, numel, chunk_e
                             src_scales_stride, SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED,
                             SRC_BITS, SRC_GROUP, NUM_CHUNKS, ROWS, BLOCK, GROUP)
     return _transformed(values, ROWS, BLOCK, HADAMARD)
+
+
+@triton.jit
+def _quantize_strips(chunk, groups, row_ok, base, row_len, noise_base, chunk_end, numel, zero,
+                     x_ptr, y_ptr, multiplier, src_codes_ptr, src_scales_ptr, src_codes_stride,
+                     src_scales_stride, codes_ptr, seed_ptr, SOURCE: tl.constexpr,
+                     X_BF16: tl.constexpr, X_HALF: tl.constexpr, X_WORDS: tl.constexpr,
+                     HAS_Y: tl.constexpr, Y_BF16: tl.constexpr, Y_HALF: tl.constexpr,
+                     Y_WORDS: tl.constexpr, SCALED: tl.constexpr,
+                     TAIL: tl.constexpr, SRC_BITS: tl.constexpr, SRC_GROUP: tl.constexpr,
+                     NUM_CHUNKS: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The rows ``groups`` as [groups, GROUP / 32, 32] strips: load, transform, quantize,
+    pack, store; returns the scales."""
+    ROWS: tl.constexpr = groups.shape[0]
+    SPG: tl.constexpr = GROUP // 32
+    col0 = tl.arange(0, SPG) * 32  # each strip's first column in its group
+    ok = row_ok[:, None] & (col0 < GROUP)[None, :]
+    strip_base = base[:, None] + col0[None, :]
+    valid = row_len[:, None] - col0[None, :]  # elements of the strip before the end (TAIL)
+    if SOURCE == 1:  # SOURCE_CHUNKS: whole strips of whole received groups
+        first = chunk * numel + groups[:, None] * GROUP + col0[None, :]
+        values = dequantized_strip_sum(src_codes_ptr, src_scales_ptr, src_codes_stride,
+                                       src_scales_stride, first, ok & (first < chunk_end),
+                                       zero, NUM_CHUNKS, SRC_BITS, SRC_GROUP)
+    else:
+        values = load_float_strips(x_ptr, strip_base, valid, ok, X_BF16, X_HALF, TAIL, X_WORDS)
+        if HAS_Y:
+            values = values - load_float_strips(y_ptr, strip_base, valid, ok, Y_BF16, Y_HALF,
+                                                TAIL, Y_WORDS)
+        if SCALED:
+            values = values * multiplier
+    if HADAMARD > 0:  # in each thread's registers: HADAMARD divides the strip's 32
+        flat = hadamard_flat(tl.reshape(values, [ROWS * SPG * 32]), ROWS * SPG * 32, HADAMARD)
+        values = tl.reshape(flat, [ROWS, SPG, 32])
+    absmax = tl.reduce(tl.reduce(tl.abs(values), 2, _max_keeping_nan), 1, _max_keeping_nan)
+    scale, inv, keep = _scale_of(absmax, BITS)
+    cols = col0[:, None] + tl.arange(0, 32)[None, :]  # [SPG, 32]: column in the group
+    t = _rounded(values, inv[:, None, None], cols[None, :, :], noise_base[:, None, None],
+                 seed_ptr, STOCHASTIC)
+    word_base = (groups[:, None] * GROUP + col0[None, :]) // (32 // BITS)
+    store_code_strips(codes_ptr, word_base, ok, tl.broadcast_to(keep[:, None], [ROWS, SPG]),
+                      t, BITS)
+    return scale
+
+
+@triton.jit
+def _quantize_tile(pid, chunk, groups, row_ok, base, row_len, noise_base, chunk_end, numel,
+                   x_ptr, y_ptr, multiplier, src_codes_ptr, src_scales_ptr, src_codes_stride,
+                   src_scales_stride, codes_ptr, seed_ptr, SOURCE: tl.constexpr,
+                   X_BF16: tl.constexpr, HAS_Y: tl.constexpr, Y_BF16: tl.constexpr,
+                   SCALED: tl.constexpr, TAIL: tl.constexpr, SRC_BITS: tl.constexpr,
+                   SRC_GROUP: tl.constexpr, NUM_CHUNKS: tl.constexpr, BITS: tl.constexpr,
+                   GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                   HADAMARD: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The generic one-pass path: the rows ``groups`` as a [ROWS, BLOCK] tile (BLOCK >=
+    GROUP): load, transform, quantize, pack, store; returns the scales."""
+    cols = tl.arange(0, BLOCK)
+    load_ok = _load_mask(row_ok, row_len, cols, GROUP, BLOCK, TAIL)
+    run_first = chunk * numel + pid * ROWS * GROUP
+    run_valid = chunk_end - run_first
+    if ROWS == 1:
+        run_valid = tl.minimum(run_valid, GROUP)
+    values = _source_values(base, cols, load_ok, run_first, run_valid, x_ptr, y_ptr,
+                            multiplier, src_codes_ptr, src_scales_ptr, src_codes_stride,
+                            src_scales_stride, SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED,
+                            SRC_BITS, SRC_GROUP, NUM_CHUNKS, ROWS, BLOCK, GROUP)
+    values = _transformed(values, ROWS, BLOCK, HADAMARD)
+    scale, inv, keep = _scale_of(_row_absmax(values), BITS)
+    _store_codes(values, inv, keep, groups, noise_base, row_ok, 0, codes_ptr, seed_ptr,
+                 BITS, GROUP, ROWS, BLOCK, STOCHASTIC)
+    return scale

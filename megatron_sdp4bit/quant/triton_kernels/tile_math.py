@@ -16,6 +16,8 @@ import os
 import triton
 import triton.language as tl
 
+from megatron_sdp4bit.quant.triton_kernels.rounding import code_to_f32
+
 
 def _interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older ones read the variable
@@ -31,8 +33,13 @@ INTERPRETED: bool = _interpreting()
 
 @triton.jit
 def bf16_bits_to_f32(bits):
-    """int16 bit patterns of bf16 values -> the exact fp32 values."""
-    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    """int16 bit patterns of bf16 values -> the exact fp32 values.
+
+    Zero-extended, not sign-extended, before the shift: for the upper of two
+    values sharing a 32-bit register that is one mask (x & 0xFFFF0000); a sign
+    extension made the compiler extract and shift it back (two instructions).
+    """
+    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -116,14 +123,14 @@ def dequantize_elements(codes_ptr, scales_ptr, elem, mask, BITS: tl.constexpr, G
     elements read the same byte, which the cache serves.
     """
     if BITS == 8:
-        code = tl.load(codes_ptr + elem, mask=mask, other=0).to(tl.float32)
+        raw = tl.load(codes_ptr + elem, mask=mask, other=0)
+        code = code_to_f32(raw.to(tl.uint8, bitcast=True).to(tl.int32), 8)
     else:
         PER_BYTE: tl.constexpr = 8 // BITS
         FIELD: tl.constexpr = (1 << BITS) - 1
-        SIGN: tl.constexpr = 1 << (BITS - 1)
-        byte = tl.load(codes_ptr + elem // PER_BYTE, mask=mask, other=0).to(tl.int32)
-        field = (byte >> ((elem % PER_BYTE) * BITS).to(tl.int32)) & FIELD
-        code = ((field ^ SIGN) - SIGN).to(tl.float32)
+        byte = tl.load(codes_ptr + elem // PER_BYTE, mask=mask, other=0)
+        byte = byte.to(tl.uint8, bitcast=True).to(tl.int32)
+        code = code_to_f32((byte >> ((elem % PER_BYTE) * BITS).to(tl.int32)) & FIELD, BITS)
     scale = tl.load(scales_ptr + elem // GROUP, mask=mask, other=0.0)
     return code * scale
 
