@@ -58,11 +58,7 @@ _NON_NEGATIVE = _number(float, 0)
 _PROBABILITY = _number(float, 0, 1, high_open=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="sdp4bit-pretrain", allow_abbrev=False,
-                description="GPT pre-training on megatron-core with SDP4Bit communication.")
-    p.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
-
+def _add_model_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=_POSITIVE_INT, default=2)
     m.add_argument("--hidden-size", type=_POSITIVE_INT, default=128)
@@ -77,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="layer spec: Transformer Engine when installed (auto), or megatron's local one")
 
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=_POSITIVE_INT, default=4)
     t.add_argument("--global-batch-size", type=_POSITIVE_INT, default=None, help="default micro-batch x DP")
@@ -110,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers per virtual pipeline stage: each PP stage holds (layers / PP) / this "
                         "interleaved model chunks (megatron's interleaved 1F1B schedule)")
 
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("data")
     d.add_argument("--data-path", nargs="*", default=None,
                    help="Megatron data prefixes (optionally weighted: W1 P1 W2 P2); "
@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--default-corpus-mb", type=_POSITIVE, default=None,
                    help="cap the embedded corpus at this many MB of text (default: all of it)")
 
+
+def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("logging, evaluation, checkpoints")
     e.add_argument("--log-interval", type=_POSITIVE_INT, default=10)
     e.add_argument("--eval-interval", type=_POSITIVE_INT, default=50)
@@ -139,6 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default runs/<timestamp>)")
     e.add_argument("--no-progress-bar", action="store_true")
     e.add_argument("--tensorboard-dir", default=None, help="default <run-dir>/tensorboard")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="sdp4bit-pretrain", allow_abbrev=False,
+                description="GPT pre-training on megatron-core with SDP4Bit communication.")
+    p.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
+    _add_model_args(p)
+    _add_training_args(p)
+    _add_data_args(p)
+    _add_logging_and_checkpoint_args(p)
     add_sdp4bit_args(p)
     return p
 

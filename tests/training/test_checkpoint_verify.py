@@ -37,7 +37,7 @@ def _fake_checkpoint(root, iteration, payloads=(b"rank zero " * 100, b"rank one 
         path = directory / f"rank_{rank:05d}.pt"
         path.write_bytes(payload)
         entries.append((path.name, *checkpoint.file_digest(str(path))))
-    checkpoint._write_manifest(str(directory), iteration, {"world_size": len(payloads)}, entries)
+    checkpoint.write_manifest(str(directory), iteration, {"world_size": len(payloads)}, entries)
     (root / LATEST).write_text(f"{iteration}\n")
     return directory
 
@@ -68,12 +68,12 @@ def test_a_damaged_latest_checkpoint_offers_the_previous_complete_one(tmp_path, 
     (tmp_path / "iter_0000004.tmp").mkdir()  # a save that never finished: not offered
     (damaged / "rank_00001.pt").write_bytes(b"rank one")
     with pytest.raises(CheckpointError) as info:
-        checkpoint._choose_checkpoint(str(tmp_path), fallback=False)
+        checkpoint.choose_checkpoint(str(tmp_path), fallback=False)
     assert str(info.value) == (
         f"checkpoint {damaged} is damaged: rank_00001.pt is 8 bytes, the manifest says 900 "
         f"(truncated). The previous complete checkpoint is {tmp_path / 'iter_0000002'} (iteration 2): "
         "rerun with --load-fallback to resume from it")
-    directory, manifest = checkpoint._choose_checkpoint(str(tmp_path), fallback=True)
+    directory, manifest = checkpoint.choose_checkpoint(str(tmp_path), fallback=True)
     assert directory == str(tmp_path / "iter_0000002") and manifest["iteration"] == 2
     out = capsys.readouterr().out
     assert out.startswith(f"--load-fallback: checkpoint {damaged} is damaged: rank_00001.pt is 8 bytes")
@@ -81,10 +81,10 @@ def test_a_damaged_latest_checkpoint_offers_the_previous_complete_one(tmp_path, 
     (tmp_path / "iter_0000002" / "rank_00000.pt").write_bytes(b"")  # now both are damaged
     for fallback in (False, True):
         with pytest.raises(CheckpointError, match="There is no earlier complete checkpoint in"):
-            checkpoint._choose_checkpoint(str(tmp_path), fallback=fallback)
+            checkpoint.choose_checkpoint(str(tmp_path), fallback=fallback)
     (tmp_path / LATEST).write_text("garbage\n")
     with pytest.raises(CheckpointError, match="holds 'garbage', not an iteration number"):
-        checkpoint._choose_checkpoint(str(tmp_path), fallback=False)
+        checkpoint.choose_checkpoint(str(tmp_path), fallback=False)
 
 
 # --- through the driver ----------------------------------------------------------------------
