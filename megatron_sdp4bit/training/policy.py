@@ -31,6 +31,8 @@ class StepPolicy:
     train_iters: int
     log_interval: int
     eval_interval: int
+    eval_iters: int = 1
+    """Batches per evaluation; 0: no evaluation (Megatron-LM's meaning)."""
     save_interval: Optional[int] = None
     """None: no scheduled saves."""
     saving: bool = False
@@ -40,7 +42,8 @@ class StepPolicy:
     @classmethod
     def from_args(cls, args) -> "StepPolicy":
         return cls(train_iters=args.train_iters, log_interval=args.log_interval,
-                   eval_interval=args.eval_interval, save_interval=args.save_interval,
+                   eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+                   save_interval=args.save_interval,
                    saving=bool(args.save), max_consecutive_skipped=args.max_consecutive_skipped_iters)
 
     def _scheduled_save(self, iteration: int) -> bool:
@@ -56,7 +59,7 @@ class StepPolicy:
         # become the "latest" that a resume falls into the same trouble from.
         withheld = save and skipped_streak > 0
         return Actions(log=iteration % self.log_interval == 0 or last or stop, stop=stop,
-                       evaluate=iteration % self.eval_interval == 0 or last,
+                       evaluate=self.eval_iters > 0 and (iteration % self.eval_interval == 0 or last),
                        save=save and not withheld, save_withheld=withheld)
 
     def saves_at_end(self, iteration: int) -> bool:

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 
+def _valid(loss) -> str:
+    return "not evaluated (--eval-iters 0)" if loss is None else f"{loss:.4f}"
+
+
 def summary_lines(summary: dict) -> list:
     if summary["bytes_exact"]:
         ratio = summary["bytes_sent"] / summary["bytes_exact"]
@@ -13,7 +17,7 @@ def summary_lines(summary: dict) -> list:
         "", "=== summary ===",
         f"iterations          {summary['iterations']}",
         f"final train loss    {summary['final_train_loss']:.4f}",
-        f"final valid loss    {summary['final_valid_loss']:.4f}",
+        f"final valid loss    {_valid(summary['final_valid_loss'])}",
         f"tokens/s            {summary['tokens_per_s']:.0f}",
         f"bytes sent per rank {wire}",
         f"metrics             {summary['metrics']}",

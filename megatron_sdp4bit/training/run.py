@@ -50,7 +50,8 @@ class TrainingRun:
                                          self.iteration * args.global_batch_size)
         self.window = TrainingWindow(parts.device)
         self.tokens_per_step = args.global_batch_size * args.seq_length
-        self.last_loss = self.last_valid = math.nan
+        self.last_loss = math.nan
+        self.last_valid: Optional[float] = None  # no evaluation yet (or none at all: --eval-iters 0)
         self.tokens_total, self.time_total = 0, 0.0
         self.skipped_streak = 0
         self.grad_norm = None

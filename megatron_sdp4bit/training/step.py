@@ -138,8 +138,9 @@ def train_step(ddp, optimizer, scheduler, args, data_iterator, num_microbatches:
 
 def evaluate(ddp, args, valid, layout, num_microbatches: int,
              forward_step_func: Callable = forward_step) -> float:
-    """The validation loss over ``--eval-iters`` batches, the same batches every time,
-    averaged over the data-parallel replicas (the last pipeline stage has it)."""
+    """The validation loss over ``--eval-iters`` batches (at least one: with 0 the
+    policy never evaluates), the same batches every time, averaged over the
+    data-parallel replicas (the last pipeline stage has it)."""
     ddp.eval()
     iterator = data_iterators(valid, args, layout, 0)
     with torch.no_grad():

@@ -7,7 +7,7 @@ from megatron_sdp4bit.training.policy import StepPolicy
 
 
 def _policy(**overrides) -> StepPolicy:
-    args = dict(train_iters=20, log_interval=5, eval_interval=8, save_interval=6, save="ckpt",
+    args = dict(train_iters=20, log_interval=5, eval_interval=8, eval_iters=1, save_interval=6, save="ckpt",
                 max_consecutive_skipped_iters=3)
     args.update(overrides)
     return StepPolicy.from_args(SimpleNamespace(**args))
@@ -41,3 +41,11 @@ def test_a_streak_of_skipped_steps_withholds_saves_and_stops_at_the_limit():
     assert _when(policy, "save_withheld", streaks) == [12]
     assert _when(policy, "stop", streaks) == [13]
     assert 13 in _when(policy, "log", streaks)  # the stopping window is logged first
+
+
+def test_eval_iters_0_never_evaluates():
+    """Megatron-LM's meaning (docs/megatron.md uses it): evaluation off, training and
+    saving as usual."""
+    policy = _policy(eval_iters=0)
+    assert _when(policy, "evaluate") == []
+    assert _when(policy, "save") == [6, 12, 18] and policy.saves_at_end(20)
