@@ -48,8 +48,12 @@ class RunParts:
     """One module for what sees the whole rank's model (checkpoints, weight hashes)."""
     optimizer: Any
     scheduler: Any
-    start_iteration: int = 0
-    """The iteration training starts from (the checkpoint's, when resumed)."""
+    plan: checkpoint.ResumePlan = checkpoint.ResumePlan()
+    """Where training starts: from scratch, or from the checkpoint ``--load`` names."""
+
+    @property
+    def start_iteration(self) -> int:
+        return self.plan.iteration
 
 
 def start_processes(args) -> tuple:
@@ -114,24 +118,29 @@ def build_training(args, vocab_size: int, device: str) -> tuple:
     return model, ddp, optimizer, scheduler
 
 
-def resume(parts: RunParts) -> int:
-    """The iteration to start from: the checkpoint's in ``--load``, else 0 (collective)."""
-    args = parts.args
-    if not args.load:
-        return 0
-    state = checkpoint.load_checkpoint(args.load, parts.ddp, parts.optimizer, parts.scheduler,
-                                       fallback=args.load_fallback, global_batch_size=args.global_batch_size)
-    if state is None:
-        log0(f"--load {args.load}: no checkpoint there, starting from scratch")
-        return 0
+def plan_checkpoints(args) -> checkpoint.ResumePlan:
+    """Collective, before anything is built: the checkpoint ``--load`` names (verified),
+    and a refusal of a ``--save`` whose checkpoints this run would replace."""
+    plan = checkpoint.plan_resume(args.load, args.save, fallback=args.load_fallback)
+    checkpoint.check_save_folder(args.save, plan)
+    return plan
+
+
+def resume(parts: RunParts) -> None:
+    """Load the planned checkpoint, if any, into the parts (collective)."""
+    args, plan = parts.args, parts.plan
+    if plan.directory is None:
+        return
+    state = checkpoint.load_checkpoint(plan.directory, plan.manifest, parts.ddp, parts.optimizer,
+                                       parts.scheduler, global_batch_size=args.global_batch_size)
     patch.load_state_dict(state["extra"].get("sdp4bit", {}), parts.optimizer)
     log0(f"resumed from {args.load} at iteration {state['iteration']}")
-    return state["iteration"]
 
 
 def set_up(args) -> RunParts:
     """Every part of the run, built in order on every rank (collective)."""
     device, layout, num_microbatches = start_processes(args)
+    plan = plan_checkpoints(args)
     config, quantized = install_layer(args, layout)
     tokenizer, train_ds, valid_ds = build_data(args)
     model, ddp, optimizer, scheduler = build_training(args, tokenizer.vocab_size, device)
@@ -140,6 +149,7 @@ def set_up(args) -> RunParts:
         log0(f"sdp4bit memory on rank 0: {footprint.describe()}")
     parts = RunParts(args=args, device=device, layout=layout, num_microbatches=num_microbatches,
                      config=config, quantized=quantized, tokenizer=tokenizer, train_ds=train_ds,
-                     valid_ds=valid_ds, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler)
-    parts.start_iteration = resume(parts)
+                     valid_ds=valid_ds, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
+                     plan=plan)
+    resume(parts)
     return parts

@@ -73,8 +73,9 @@ def test_a_damaged_latest_checkpoint_offers_the_previous_complete_one(tmp_path, 
         f"checkpoint {damaged} is damaged: rank_00001.pt is 8 bytes, the manifest says 900 "
         f"(truncated). The previous complete checkpoint is {tmp_path / 'iter_0000002'} (iteration 2): "
         "rerun with --load-fallback to resume from it")
-    directory, manifest = checkpoint.choose_checkpoint(str(tmp_path), fallback=True)
+    directory, manifest, passed_over = checkpoint.choose_checkpoint(str(tmp_path), fallback=True)
     assert directory == str(tmp_path / "iter_0000002") and manifest["iteration"] == 2
+    assert passed_over == [6]
     out = capsys.readouterr().out
     assert out.startswith(f"--load-fallback: checkpoint {damaged} is damaged: rank_00001.pt is 8 bytes")
     assert out.strip().endswith(f"loading the previous complete checkpoint, {directory} (iteration 2)")

@@ -27,9 +27,14 @@ One module per concern:
 - ``save``: atomic saves (``iter_X.tmp``, the manifest last, then the rename,
   then the tracker file);
 - ``reshard``: loading under another data-parallel size;
-- ``load``: the collective load, agreed between the ranks.
+- ``load``: the collective load, agreed between the ranks;
+- ``folders``: what ``--load`` and ``--save`` name: the checkpoint a resume starts
+  from (a ``--save`` folder's latest, one checkpoint of it, or nothing yet when
+  ``--load`` is ``--save``), and a ``--save`` whose checkpoints a run would
+  replace, refused.
 """
 from megatron_sdp4bit.training.checkpoint.common import LATEST, MANIFEST, CheckpointError
+from megatron_sdp4bit.training.checkpoint.folders import ResumePlan, check_save_folder, plan_resume
 from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, current_layout
 from megatron_sdp4bit.training.checkpoint.load import latest_iteration, load_checkpoint
 from megatron_sdp4bit.training.checkpoint.manifest import (
@@ -39,6 +44,7 @@ from megatron_sdp4bit.training.checkpoint.save import check_writable, save_check
 
 __all__ = [
     "LATEST", "MANIFEST", "CheckpointError",
+    "ResumePlan", "check_save_folder", "plan_resume",
     "compare_layouts", "current_layout",
     "latest_iteration", "load_checkpoint",
     "check_files", "choose_checkpoint", "file_digest", "read_manifest", "verify", "write_manifest",

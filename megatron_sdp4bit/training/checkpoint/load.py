@@ -1,9 +1,10 @@
 """Loading a checkpoint, decided alike on every rank.
 
-Three steps, the first two collective, so no rank starts (or says it resumed)
-when another cannot: verify the files (``manifest.choose_checkpoint``), compare
-the saved layout with this run's (``layout.compare_layouts``: refuse, warn, or
-reshard), then load, with the outcome agreed between the ranks.
+Three steps, all collective, so no rank starts (or says it resumed) when another
+cannot: the files were verified when the checkpoint was chosen
+(``folders.plan_resume``, ``manifest.choose_checkpoint``); here the saved layout is
+compared with this run's (``layout.compare_layouts``: refuse, warn, or reshard),
+then the state is loaded, with the outcome agreed between the ranks.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from megatron_sdp4bit.training.checkpoint.common import (
     LATEST, RANK_FILE, CheckpointError, adapter, all_gather, first_line, model_holder, rank_and_world,
     rank_file)
 from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, current_layout
-from megatron_sdp4bit.training.checkpoint.manifest import choose_checkpoint
 from megatron_sdp4bit.training.checkpoint.reshard import load_resharded, read_rank_file
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
 from megatron_sdp4bit.training.console import log0
@@ -93,21 +93,18 @@ def _agreed_load(directory: str, saved_layout: dict, reshard: bool, model, optim
     return state
 
 
-def load_checkpoint(load_dir: str, model, optimizer, scheduler, fallback: bool = False,
-                    global_batch_size: Optional[int] = None) -> Optional[dict]:
-    """Restore everything saved by ``save_checkpoint``; None when LOAD has no checkpoint.
+def load_checkpoint(directory: str, manifest: Optional[dict], model, optimizer, scheduler,
+                    global_batch_size: Optional[int] = None) -> dict:
+    """Restore everything ``save_checkpoint`` saved in ``directory`` (a checkpoint
+    ``choose_checkpoint`` verified, with its ``manifest``; None for an older save).
 
-    Collective. Verifies the checkpoint and compares its layout with this run's
-    before anything is loaded, and raises ``CheckpointError`` on every rank alike
-    when any rank cannot load. ``fallback``: load the newest earlier complete
-    checkpoint when the latest is damaged; ``global_batch_size``: this run's,
-    refused when it differs from the recorded one. The returned state carries
-    ``directory`` (the checkpoint loaded); its ``extra["sdp4bit"]`` is the layer's
-    state for this rank, resharded when the data-parallel size changed.
+    Collective. Compares the checkpoint's layout with this run's before anything
+    is loaded, and raises ``CheckpointError`` on every rank alike when any rank
+    cannot load. ``global_batch_size``: this run's, refused when it differs from
+    the recorded one. The returned state carries ``directory``; its
+    ``extra["sdp4bit"]`` is the layer's state for this rank, resharded when the
+    data-parallel size changed.
     """
-    if not os.path.isfile(os.path.join(load_dir, LATEST)):
-        return None
-    directory, manifest = choose_checkpoint(load_dir, fallback)
     saved_layout = manifest["layout"] if manifest is not None else _legacy_layout(directory)
     reshard, layout = _agreed_layout(directory, saved_layout, model, optimizer, global_batch_size)
     if reshard:

@@ -126,9 +126,9 @@ def checkpoint_iterations(load_dir: str) -> List[int]:
     return sorted(found, reverse=True)
 
 
-def _previous_complete(load_dir: str, below: Optional[int]) -> Optional[Tuple[str, dict]]:
+def _previous_complete(load_dir: str, below: Optional[int], damaged: List[int]) -> Optional[Tuple[str, dict]]:
     """Collective: the newest checkpoint below iteration ``below`` (any, when None)
-    whose manifest verifies."""
+    whose manifest verifies; those passed over are added to ``damaged``."""
     for iteration in checkpoint_iterations(load_dir):
         if below is not None and iteration >= below:
             continue
@@ -136,33 +136,51 @@ def _previous_complete(load_dir: str, below: Optional[int]) -> Optional[Tuple[st
         manifest, problem = verify(candidate)
         if problem is None and manifest is not None:
             return candidate, manifest
+        damaged.append(iteration)
     return None
 
 
-def choose_checkpoint(load_dir: str, fallback: bool) -> Tuple[str, Optional[dict]]:
-    """Collective: the directory to load and its manifest (see the package docstring)."""
+def _wanted(load_dir: str, iteration: Optional[int]) -> Tuple[Optional[int], str]:
+    """(the iteration to load, how it was named): the pinned one, the tracker's, or,
+    without a tracker file, the newest ``iter_*`` folder; None when the tracker holds
+    no number (the second value then says so)."""
+    if iteration is not None:
+        return iteration, ""
     path = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(path):
+        found = checkpoint_iterations(load_dir)
+        return (found[0] if found else None), f"{load_dir} has no checkpoint"
     text = open(path).read().strip()
     if text.isdigit():
-        wanted = int(text)
+        return int(text), ""
+    return None, f"{path} holds {text!r}, not an iteration number"
+
+
+def choose_checkpoint(load_dir: str, fallback: bool,
+                      iteration: Optional[int] = None) -> Tuple[str, Optional[dict], List[int]]:
+    """Collective: (the directory to load, its manifest, the iterations found damaged on
+    the way). ``iteration``: that checkpoint (``--load DIR/iter_N``); else the one the
+    tracker file names, or the newest without one. A damaged one is an error that
+    names the newest earlier complete checkpoint, which ``fallback`` loads instead."""
+    wanted, unreadable = _wanted(load_dir, iteration)
+    damaged: List[int] = []
+    if wanted is not None:
         directory = iter_dir(load_dir, wanted)
         manifest, problem = verify(directory)
         if problem is None:
             if manifest is None:
                 log0(f"warning: {directory} has no {MANIFEST} (saved by an older version): its files "
                      "are not verified and its layout is taken from its rank files")
-            return directory, manifest
-        damaged = f"checkpoint {directory} is damaged: {problem}"
-    else:
-        wanted = None
-        damaged = f"{path} holds {text!r}, not an iteration number"
-    previous = _previous_complete(load_dir, wanted)
+            return directory, manifest, damaged
+        damaged.append(wanted)
+        unreadable = f"checkpoint {directory} is damaged: {problem}"
+    previous = _previous_complete(load_dir, wanted, damaged)
     if previous is None:
-        raise CheckpointError(f"{damaged}. There is no earlier complete checkpoint in {load_dir}")
+        raise CheckpointError(f"{unreadable}. There is no earlier complete checkpoint in {load_dir}")
     if not fallback:
         raise CheckpointError(
-            f"{damaged}. The previous complete checkpoint is {previous[0]} (iteration "
+            f"{unreadable}. The previous complete checkpoint is {previous[0]} (iteration "
             f"{previous[1]['iteration']}): rerun with --load-fallback to resume from it")
-    log0(f"--load-fallback: {damaged}; loading the previous complete checkpoint, {previous[0]} "
+    log0(f"--load-fallback: {unreadable}; loading the previous complete checkpoint, {previous[0]} "
          f"(iteration {previous[1]['iteration']})")
-    return previous
+    return previous[0], previous[1], damaged
