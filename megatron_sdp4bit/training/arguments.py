@@ -135,6 +135,14 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--load", default=None, help="checkpoint directory to resume from")
     e.add_argument("--load-fallback", action="store_true",
                    help="when the latest checkpoint in --load is damaged, resume from the newest complete one")
+    e.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on resume, train with this run's learning-rate schedule and Adam settings where "
+                        "the checkpoint's differ (Megatron-LM's flag; the iteration count comes from it)")
+    e.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on resume, keep the checkpoint's learning-rate schedule and Adam settings where "
+                        "this run's flags differ (without either flag a difference is refused)")
     e.add_argument("--save-interval", type=_POSITIVE_INT, default=None)
     e.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, the loss plot and TensorBoard events go "
@@ -210,6 +218,9 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
             "warm-up or lengthen the decay")
     if args.save_interval is not None and not args.save:
         bad("--save-interval needs --save DIR")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        bad("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
+            "use this run's schedule or the checkpoint's, not both")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         bad("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
     try:

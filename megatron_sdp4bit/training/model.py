@@ -217,5 +217,9 @@ def build_optimizer(args, model):
         end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * samples,
         wd_incr_style="constant",
+        # Which values a resume takes where this run's and the checkpoint's differ
+        # (checkpoint/overrides.py refuses a difference when neither is set).
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     return optimizer, scheduler

@@ -19,11 +19,10 @@ import io
 import json
 import os
 import shutil
-from types import SimpleNamespace
 
 import pytest
 
-from megatron_harness import spawn_ranks
+from driver_runs import forked_ranks
 from megatron_sdp4bit.training import checkpoint
 from megatron_sdp4bit.training.checkpoint import LATEST, MANIFEST, CheckpointError
 from megatron_sdp4bit.training.metrics import read_metrics
@@ -93,25 +92,11 @@ def test_a_damaged_latest_checkpoint_offers_the_previous_complete_one(tmp_path, 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-warmup-iters", "1", "--bf16",
+    "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--bf16",
     "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
     "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
     "--sdp4bit", "--sdp4bit-ranks-per-node", "1",
 ]
-
-
-def _forked_ranks(fn, world_size, *args, timeout_s):
-    """``spawn_ranks`` with forked processes: the ranks inherit this process's imports
-    (megatron-core takes most of a rank's start-up on a busy CPU)."""
-    import multiprocessing
-
-    import megatron_harness
-
-    with pytest.MonkeyPatch.context() as mp:
-        if "fork" in multiprocessing.get_all_start_methods():
-            mp.setattr(megatron_harness, "multiprocessing",
-                       SimpleNamespace(get_context=lambda _kind: multiprocessing.get_context("fork")))
-        return spawn_ranks(fn, world_size, *args, timeout_s=timeout_s)
 
 
 def _world(rank, world_size, root):
@@ -161,7 +146,7 @@ def driver(tmp_path_factory):
         import megatron_sdp4bit.pretrain  # noqa: F401  (the forked ranks inherit it)
         import megatron_sdp4bit.training.model  # noqa: F401
 
-        return root, _forked_ranks(_world, 2, root, timeout_s=300)
+        return root, forked_ranks(_world, 2, root, timeout_s=300)
 
 
 def test_saves_write_a_manifest_of_the_layout_and_files(driver):

@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from megatron_harness import spawn_ranks
+from driver_runs import forked_ranks
 from megatron_sdp4bit.training.checkpoint import LATEST, CheckpointError
 from megatron_sdp4bit.training.metrics import read_metrics
 
@@ -29,20 +29,6 @@ TINY = [
     "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
     "--sdp4bit", "--sdp4bit-ranks-per-node", "1",
 ]
-
-
-def _forked_ranks(fn, world_size, *args, timeout_s):
-    """``spawn_ranks`` with forked processes (the ranks inherit this process's imports)."""
-    import multiprocessing
-    from types import SimpleNamespace
-
-    import megatron_harness
-
-    with pytest.MonkeyPatch.context() as mp:
-        if "fork" in multiprocessing.get_all_start_methods():
-            mp.setattr(megatron_harness, "multiprocessing",
-                       SimpleNamespace(get_context=lambda _kind: multiprocessing.get_context("fork")))
-        return spawn_ranks(fn, world_size, *args, timeout_s=timeout_s)
 
 
 def _copies(root, names):
@@ -96,7 +82,7 @@ def world(tmp_path_factory):
         prepare_default_corpus(max_mb=1)
         import megatron_sdp4bit.pretrain  # noqa: F401  (the forked ranks inherit it)
 
-        return root, _forked_ranks(_world, 2, root, timeout_s=600)
+        return root, forked_ranks(_world, 2, root, timeout_s=600)
 
 
 def _losses(root, name):

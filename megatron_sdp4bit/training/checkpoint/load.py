@@ -17,6 +17,7 @@ from megatron_sdp4bit.training.checkpoint.common import (
     LATEST, RANK_FILE, CheckpointError, adapter, all_gather, first_line, model_holder, rank_and_world,
     rank_file)
 from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, current_layout
+from megatron_sdp4bit.training.checkpoint.overrides import adam_settings, load_schedule_and_settle
 from megatron_sdp4bit.training.checkpoint.reshard import load_resharded, read_rank_file
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
 from megatron_sdp4bit.training.console import log0
@@ -40,8 +41,9 @@ def _legacy_layout(directory: str) -> dict:
             "tensor_model_parallel_size": None, "pipeline_model_parallel_size": None}
 
 
-def _load_same_layout(directory: str, model, optimizer, scheduler) -> dict:
+def _load_same_layout(directory: str, model, optimizer, scheduler, global_batch_size: Optional[int]) -> dict:
     rank, _ = rank_and_world()
+    asked = adam_settings(optimizer)
     state = read_rank_file(rank_file(directory, rank))
     model_state = state["model"]
     if model_state is None:
@@ -53,7 +55,7 @@ def _load_same_layout(directory: str, model, optimizer, scheduler) -> dict:
         if param_state is not None:
             adapter().load_parameter_state(opt, param_state)
         adapter().after_optimizer_load(opt)
-    scheduler.load_state_dict(state["scheduler"])
+    load_schedule_and_settle(state, directory, optimizer, scheduler, asked, global_batch_size)
     set_rng_state(state["rng"])
     return state
 
@@ -75,14 +77,15 @@ def _agreed_layout(directory: str, saved_layout: dict, model, optimizer, global_
     return reshard, layout
 
 
-def _agreed_load(directory: str, saved_layout: dict, reshard: bool, model, optimizer, scheduler) -> dict:
+def _agreed_load(directory: str, saved_layout: dict, reshard: bool, model, optimizer, scheduler,
+                 global_batch_size: Optional[int]) -> dict:
     """Collective: load on every rank; a failure on any rank raises on every rank."""
     rank, _ = rank_and_world()
     error, failure, state = None, None, None
     try:
         with torch.no_grad():  # fp32 params: megatron's main params are views of them
-            state = (load_resharded(directory, saved_layout, model, optimizer, scheduler) if reshard
-                     else _load_same_layout(directory, model, optimizer, scheduler))
+            state = (load_resharded(directory, saved_layout, model, optimizer, scheduler, global_batch_size)
+                     if reshard else _load_same_layout(directory, model, optimizer, scheduler, global_batch_size))
     except Exception as exc:  # agreed below, so that no rank goes on alone
         error, failure = exc, f"rank {rank}: {first_line(exc)}"
     failures = [f for f in all_gather(failure) if f]
@@ -110,6 +113,6 @@ def load_checkpoint(directory: str, manifest: Optional[dict], model, optimizer, 
     if reshard:
         log0(f"{directory} was saved with data-parallel size {saved_layout['data_parallel_size']}, "
              f"this run has {layout['data_parallel_size']}: resharding the optimizer state")
-    state = _agreed_load(directory, saved_layout, reshard, model, optimizer, scheduler)
+    state = _agreed_load(directory, saved_layout, reshard, model, optimizer, scheduler, global_batch_size)
     state["directory"] = directory
     return state
