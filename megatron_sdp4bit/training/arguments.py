@@ -95,7 +95,8 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                         "whose loss or gradients were not finite and were skipped")
     t.add_argument("--bf16", action="store_true")
     t.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer state (required by --sdp4bit; implied by it)")
+                   help="shard optimizer state (implied by --sdp4bit and by every --sdp4bit-* flag, "
+                        "preset baseline included)")
     t.add_argument("--overlap-grad-reduce", action="store_true")
     t.add_argument("--overlap-param-gather", action="store_true")
     t.add_argument("--bucket-size", type=_POSITIVE_INT, default=None, help="elements per DDP bucket")
@@ -227,7 +228,9 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
         args.sdp4bit_config = config_from_args(args)
     except SDP4BitFlagError as error:
         bad(str(error))
-    if args.sdp4bit_config is not None and args.sdp4bit_config.enabled:
+    if args.sdp4bit_config is not None:
+        # Every preset, the exact baseline included, is the same optimizer with other
+        # collectives: measured alike (bytes, replica check) and checkpoints compatible.
         args.use_distributed_optimizer = True
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         bad("--overlap-param-gather needs --use-distributed-optimizer")

@@ -59,7 +59,7 @@ def preset_name(config: Optional[dict]) -> str:
     """The preset a recorded SDP4Bit config is, in words."""
     if config is None:
         return "no SDP4Bit layer"
-    ignored = ("ranks_per_node", "seed")
+    ignored = ("ranks_per_node", "seed", "check_interval")  # where and how it ran, not which method
     for name, candidate in PRESETS.items():
         known = candidate.to_dict()
         if all(config.get(k) == v for k, v in known.items() if k not in ignored):
