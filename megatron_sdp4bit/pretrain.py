@@ -24,6 +24,7 @@ from megatron_sdp4bit.training.distributed import shutdown
 from megatron_sdp4bit.training.report import print_summary
 from megatron_sdp4bit.training.run import NonFiniteTraining, TrainingRun
 from megatron_sdp4bit.training.setup import set_up
+from megatron_sdp4bit.training.signals import StoppedBySignal
 
 __all__ = ["main", "run", "NonFiniteTraining"]
 
@@ -57,6 +58,10 @@ def main(argv: Optional[list] = None) -> int:
         if torch.distributed.get_rank() == 0:  # every rank stops alike; one says why
             print(f"sdp4bit-pretrain: stopped: {exc}", file=sys.stderr)
         return 4
+    except StoppedBySignal as exc:
+        if torch.distributed.get_rank() == 0:  # decided alike on every rank
+            print(f"sdp4bit-pretrain: stopped: {exc}", file=sys.stderr)
+        return exc.exit_code
     finally:
         shutdown()
     return 0

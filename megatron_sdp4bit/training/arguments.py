@@ -13,6 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_sdp4bit.megatron.args import SDP4BitFlagError, add_sdp4bit_args, config_from_args
+from megatron_sdp4bit.training.signals import SIGNALS
 
 
 class ArgumentError(ValueError):
@@ -145,6 +146,11 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="on resume, keep the checkpoint's learning-rate schedule and Adam settings where "
                         "this run's flags differ (without either flag a difference is refused)")
     e.add_argument("--save-interval", type=_POSITIVE_INT, default=None)
+    e.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (a scheduler's preemption), save at the next step boundary and "
+                        "stop with exit code 128 + the signal's number (Megatron-LM's flag)")
+    e.add_argument("--exit-signal", choices=sorted(SIGNALS), default="SIGTERM",
+                   help="the signal --exit-signal-handler acts on")
     e.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, the loss plot and TensorBoard events go "
                    "(default runs/<timestamp>)")

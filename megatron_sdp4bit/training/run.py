@@ -10,6 +10,7 @@ there; a script counts what a step did).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -24,6 +25,7 @@ from megatron_sdp4bit.training.meters import TrainingWindow, WireMeter
 from megatron_sdp4bit.training.metrics import MetricsLogger, plot_losses
 from megatron_sdp4bit.training.policy import Actions, StepPolicy
 from megatron_sdp4bit.training.setup import RunParts
+from megatron_sdp4bit.training.signals import ExitSignal, StoppedBySignal
 from megatron_sdp4bit.training import step as steps
 
 
@@ -55,6 +57,7 @@ class TrainingRun:
         self.tokens_total, self.time_total = 0, 0.0
         self.skipped_streak = 0
         self.grad_norm = None
+        self.exit_signal = ExitSignal(args.exit_signal) if args.exit_signal_handler else None
 
     @property
     def ddp(self):
@@ -106,12 +109,35 @@ class TrainingRun:
             self.window.resume()
 
     def train(self) -> None:
-        """Iterations up to ``--train-iters``, then the final checkpoint."""
-        self.window.start()
-        while self.iteration < self.args.train_iters:
-            self.advance()
+        """Iterations up to ``--train-iters``, then the final checkpoint; with
+        ``--exit-signal-handler``, a save and ``StoppedBySignal`` once any rank has
+        received the signal (checked after every iteration)."""
+        with self.exit_signal if self.exit_signal is not None else contextlib.nullcontext():
+            self.window.start()
+            while self.iteration < self.args.train_iters:
+                actions = self.advance()
+                if self.exit_signal is not None and self.exit_signal.received_anywhere():
+                    self.stop_on_signal(saved=actions.save)
         if self.policy.saves_at_end(self.iteration):
             self.save()
+
+    def stop_on_signal(self, saved: bool) -> None:
+        """Log the open window, save unless this iteration did (or its steps were
+        skipped: the last checkpoint is then the last good one), and stop."""
+        if self.window.steps:
+            self.log_window()
+        name, save = self.exit_signal.name, self.args.save
+        if not save:
+            outcome = "nothing saved (no --save)"
+        elif self.skipped_streak:
+            outcome = (f"not saved: its last {self.skipped_streak} iteration(s) were skipped (Inf/NaN), "
+                       f"the latest checkpoint in {save} is the last good one; resume with --load {save}")
+        else:
+            if not saved:
+                self.save()
+            outcome = f"its checkpoint is saved in {save}; resume with --load {save}"
+        raise StoppedBySignal(f"{name} received: stopped after iteration {self.iteration}, {outcome}",
+                              self.exit_signal.signum)
 
     # --- the policy's actions --------------------------------------------------------------
 
