@@ -18,10 +18,11 @@ import torch
 
 from megatron_sdp4bit.flag_errors import report_bad_flag
 from megatron_sdp4bit.megatron.consistency import ReplicaMismatch
+from megatron_sdp4bit.training.agreement import AgreedError
 from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
 from megatron_sdp4bit.training.checkpoint import CheckpointError
 from megatron_sdp4bit.training.distributed import shutdown
-from megatron_sdp4bit.training.report import print_summary
+from megatron_sdp4bit.training.report import print_summary, report_crash, report_stop
 from megatron_sdp4bit.training.run import NonFiniteTraining, TrainingRun
 from megatron_sdp4bit.training.setup import set_up
 from megatron_sdp4bit.training.signals import StoppedBySignal
@@ -37,6 +38,16 @@ def run(args, on_step: Optional[Callable[[TrainingRun], None]] = None) -> dict:
     return training.summary()
 
 
+# How a run stops -> (what the line says, exit code, whether every rank stops alike).
+STOPS = (
+    (StoppedBySignal, "stopped", None, True),  # 128 + the signal's number
+    (NonFiniteTraining, "stopped", 3, True),
+    (ReplicaMismatch, "stopped", 4, True),
+    ((ArgumentError, CheckpointError, AgreedError), "error", 2, True),
+    ((FileNotFoundError, ValueError), "error", 2, False),
+)
+
+
 def main(argv: Optional[list] = None) -> int:
     try:
         args = parse_args(argv)
@@ -46,25 +57,15 @@ def main(argv: Optional[list] = None) -> int:
         summary = run(args)
         if torch.distributed.get_rank() == 0:
             print_summary(summary)
-    except (ArgumentError, FileNotFoundError, ValueError, CheckpointError) as exc:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        print(f"sdp4bit-pretrain: error (rank {rank}): {exc}", file=sys.stderr)
-        return 2
-    except NonFiniteTraining as exc:
-        if torch.distributed.get_rank() == 0:  # every rank stops alike; one says why
-            print(f"sdp4bit-pretrain: stopped: {exc}", file=sys.stderr)
-        return 3
-    except ReplicaMismatch as exc:
-        if torch.distributed.get_rank() == 0:  # every rank stops alike; one says why
-            print(f"sdp4bit-pretrain: stopped: {exc}", file=sys.stderr)
-        return 4
-    except StoppedBySignal as exc:
-        if torch.distributed.get_rank() == 0:  # decided alike on every rank
-            print(f"sdp4bit-pretrain: stopped: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return 0
+    except Exception as exc:
+        for kinds, kind, code, agreed in STOPS:
+            if isinstance(exc, kinds):
+                return report_stop(kind, exc, exc.exit_code if code is None else code, agreed)
+        report_crash(exc)
+        raise
     finally:
         shutdown()
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from megatron_sdp4bit.data.batches import iterate_micro_batches
 from megatron_sdp4bit.data.corpus import load_default_corpus_tokenizer, prepare_default_corpus
 from megatron_sdp4bit.data.gpt_datasets import build_gpt_datasets, check_data_path
 from megatron_sdp4bit.data.tokenizer import build_tokenizer
+from megatron_sdp4bit.training.agreement import on_every_rank
 from megatron_sdp4bit.training.arguments import ArgumentError
 from megatron_sdp4bit.training.console import log0
 from megatron_sdp4bit.training.distributed import ParallelLayout
@@ -16,7 +17,8 @@ from megatron_sdp4bit.training.distributed import ParallelLayout
 
 def _tokenizer_and_prefixes(args) -> tuple:
     if args.data_path:
-        check_data_path(args.data_path)  # before the tokenizer: fail fast on bad files
+        # Before the tokenizer, fail fast on bad files, alike on every rank.
+        on_every_rank(lambda: check_data_path(args.data_path))
         if args.tokenizer_type is None:
             raise ArgumentError("--data-path needs --tokenizer-type: the tokenizer the data was "
                                 "preprocessed with (GPT2BPETokenizer, HuggingFaceTokenizer or "

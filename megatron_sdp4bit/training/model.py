@@ -24,6 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
+from megatron_sdp4bit.training.arguments import ArgumentError
 from megatron_sdp4bit.training.distributed import virtual_pipeline_size
 from megatron_sdp4bit.training.fusions import Fusions, module_imports
 
@@ -35,13 +36,13 @@ def _layer_spec(impl: str, device: str):
         return specs.get_gpt_layer_local_spec(), "local"
     if device != "cuda":
         if impl == "transformer_engine":
-            raise RuntimeError("--transformer-impl transformer_engine needs a GPU; "
+            raise ArgumentError("--transformer-impl transformer_engine needs a GPU; "
                                "use --transformer-impl local (or auto) on the CPU")
         return specs.get_gpt_layer_local_spec(), "local"
     if module_imports("transformer_engine"):
         return specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
     if impl == "transformer_engine":
-        raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine does not "
+        raise ArgumentError("--transformer-impl transformer_engine: Transformer Engine does not "
                            "import here; install it or use --transformer-impl local")
     return specs.get_gpt_layer_local_spec(), "local"
 

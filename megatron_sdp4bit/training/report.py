@@ -1,5 +1,16 @@
-"""What the driver prints at the end of a run: the summary block."""
+"""What the driver prints at the end of a run: the summary block, or why it stopped."""
 from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Optional
+
+import torch
+
+from megatron_sdp4bit.flag_errors import LAUNCHER_GRACE_S
 
 
 def _valid(loss) -> str:
@@ -33,3 +44,54 @@ def summary_lines(summary: dict) -> list:
 
 def print_summary(summary: dict) -> None:
     print("\n".join(summary_lines(summary)), flush=True)
+
+
+# --- how a run ended ---------------------------------------------------------------------
+
+def launcher_error_file(message: str, callstack: Optional[str] = None) -> None:
+    """Give torchrun the reason: it names each failed rank's error file in its own
+    report ("Root Cause ... traceback : ..."), which otherwise says only "To enable
+    traceback see ..." at the end of its output, below ours."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    if callstack is None:
+        data = {"message": message, "timestamp": int(time.time())}
+    else:
+        data = {"message": {"message": message,
+                            "extraInfo": {"py_callstack": callstack, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # the report is a courtesy; the line on stderr is the message
+        pass
+
+
+def _rank() -> int:
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def report_stop(kind: str, exc: BaseException, code: int, agreed: bool) -> int:
+    """One line on stderr and in torchrun's report; returns ``code``.
+
+    ``agreed``: every rank stopped alike with this error, so rank 0 alone says it,
+    and the other ranks wait (a bounded time) for the launcher to stop them once rank
+    0 has exited: leaving first, they could have torchrun stop rank 0 before it
+    printed. Otherwise each failing rank says it, naming itself.
+    """
+    line = f"sdp4bit-pretrain: {kind}: {exc}"
+    launcher_error_file(line)
+    if not agreed:
+        print(f"sdp4bit-pretrain: {kind} (rank {_rank()}): {exc}", file=sys.stderr, flush=True)
+    elif _rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_ERROR_FILE" in os.environ:
+        time.sleep(LAUNCHER_GRACE_S)
+    return code
+
+
+def report_crash(exc: BaseException) -> None:
+    """An error no rule foresaw (a bug): its traceback goes to torchrun's report too."""
+    launcher_error_file(f"{type(exc).__name__}: {exc}", traceback.format_exc())

@@ -26,8 +26,7 @@ from megatron_sdp4bit.training.checkpoint.manifest import file_digest, write_man
 from megatron_sdp4bit.training.checkpoint.rng import rng_state
 
 
-def check_writable(save_dir: str) -> None:
-    """Fail before training, not at the first save, when SAVE cannot be written."""
+def _probe_writable(save_dir: str) -> Optional[str]:
     try:
         os.makedirs(save_dir, exist_ok=True)
         probe = os.path.join(save_dir, f".write-probe-{os.getpid()}")
@@ -35,9 +34,16 @@ def check_writable(save_dir: str) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as exc:
-        raise CheckpointError(
-            f"--save {save_dir} is not writable ({exc.strerror}); choose a directory you can write"
-        ) from exc
+        return f"--save {save_dir} is not writable ({exc.strerror}); choose a directory you can write"
+    return None
+
+
+def check_writable(save_dir: str) -> None:
+    """Collective: fail before training, not at the first save, when SAVE cannot be
+    written by some rank (on every rank alike)."""
+    problem = next((p for p in all_gather(_probe_writable(save_dir)) if p), None)
+    if problem:
+        raise CheckpointError(problem)
 
 
 def describe_os_error(exc: OSError, path: str) -> str:
