@@ -38,13 +38,15 @@ def run(args, on_step: Optional[Callable[[TrainingRun], None]] = None) -> dict:
     return training.summary()
 
 
-# How a run stops -> (what the line says, exit code, whether every rank stops alike).
+# How a run stops -> (what the line says, exit code, who says it: rank 0 while the
+# others wait for the launcher; rank 0 with the others leaving at once (a signal:
+# the launcher is stopping too, and a wait would outlast its grace period); each rank).
 STOPS = (
-    (StoppedBySignal, "stopped", None, True),  # 128 + the signal's number
-    (NonFiniteTraining, "stopped", 3, True),
-    (ReplicaMismatch, "stopped", 4, True),
-    ((ArgumentError, CheckpointError, AgreedError), "error", 2, True),
-    ((FileNotFoundError, ValueError), "error", 2, False),
+    (StoppedBySignal, "stopped", None, "rank 0, now"),  # 128 + the signal's number
+    (NonFiniteTraining, "stopped", 3, "rank 0"),
+    (ReplicaMismatch, "stopped", 4, "rank 0"),
+    ((ArgumentError, CheckpointError, AgreedError), "error", 2, "rank 0"),
+    ((FileNotFoundError, ValueError), "error", 2, "each rank"),
 )
 
 
@@ -59,9 +61,9 @@ def main(argv: Optional[list] = None) -> int:
             print_summary(summary)
         return 0
     except Exception as exc:
-        for kinds, kind, code, agreed in STOPS:
+        for kinds, kind, code, who in STOPS:
             if isinstance(exc, kinds):
-                return report_stop(kind, exc, exc.exit_code if code is None else code, agreed)
+                return report_stop(kind, exc, exc.exit_code if code is None else code, who)
         report_crash(exc)
         raise
     finally:

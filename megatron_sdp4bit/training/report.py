@@ -73,21 +73,22 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def report_stop(kind: str, exc: BaseException, code: int, agreed: bool) -> int:
+def report_stop(kind: str, exc: BaseException, code: int, who: str = "rank 0") -> int:
     """One line on stderr and in torchrun's report; returns ``code``.
 
-    ``agreed``: every rank stopped alike with this error, so rank 0 alone says it,
-    and the other ranks wait (a bounded time) for the launcher to stop them once rank
-    0 has exited: leaving first, they could have torchrun stop rank 0 before it
-    printed. Otherwise each failing rank says it, naming itself.
+    ``who``: ``"rank 0"`` when every rank stopped alike with this error: rank 0
+    alone says it, and the other ranks wait (a bounded time) for the launcher to stop
+    them once rank 0 has exited (leaving first, they could have torchrun stop rank 0
+    before it printed); ``"rank 0, now"``: the same without the wait (the launcher is
+    stopping too); ``"each rank"``: every failing rank says it, naming itself.
     """
     line = f"sdp4bit-pretrain: {kind}: {exc}"
     launcher_error_file(line)
-    if not agreed:
+    if who == "each rank":
         print(f"sdp4bit-pretrain: {kind} (rank {_rank()}): {exc}", file=sys.stderr, flush=True)
     elif _rank() == 0:
         print(line, file=sys.stderr, flush=True)
-    elif "TORCHELASTIC_ERROR_FILE" in os.environ:
+    elif who == "rank 0" and "TORCHELASTIC_ERROR_FILE" in os.environ:
         time.sleep(LAUNCHER_GRACE_S)
     return code
 
