@@ -44,3 +44,13 @@ def test_eval_iters_0_trains_and_saves_without_evaluating(tmp_path, cache):
     records = read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
     assert [r["iteration"] for r in records if r["kind"] == "train"] == [1, 2, 3]
     assert not [r for r in records if r["kind"] == "valid"]
+
+
+def test_a_small_corpus_with_the_default_split_trains_and_evaluates(tmp_path, cache):
+    """Before: refused because the test split (weight 1 of 1000) got no document of the
+    1 MB corpus (49 documents), though the driver never reads the test split."""
+    done = _cli(tmp_path, cache, "--default-corpus-mb", "1", "--train-iters", "2", "--eval-interval", "2",
+                "--eval-iters", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (valid,) = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["kind"] == "valid"]
+    assert valid["iteration"] == 2 and valid["loss"] > 0
