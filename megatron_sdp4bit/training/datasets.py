@@ -7,7 +7,7 @@ from megatron.core import parallel_state
 
 from megatron_sdp4bit.data.batches import iterate_micro_batches
 from megatron_sdp4bit.data.corpus import load_default_corpus_tokenizer, prepare_default_corpus
-from megatron_sdp4bit.data.gpt_datasets import build_gpt_datasets, check_gpt_data
+from megatron_sdp4bit.data.gpt_datasets import build_gpt_datasets, check_data_path, check_gpt_data
 from megatron_sdp4bit.data.tokenizer import build_tokenizer
 from megatron_sdp4bit.training.agreement import on_every_rank
 from megatron_sdp4bit.training.arguments import ArgumentError
@@ -22,11 +22,12 @@ def _tokenizer_and_prefixes(args, sizes: list) -> tuple:
         on_every_rank(lambda: check_gpt_data(data_path, args.split, sizes))
 
     if args.data_path:
-        check(args.data_path)
+        on_every_rank(lambda: check_data_path(args.data_path))  # the files first: the commonest mistake
         if args.tokenizer_type is None:
             raise ArgumentError("--data-path needs --tokenizer-type: the tokenizer the data was "
                                 "preprocessed with (GPT2BPETokenizer, HuggingFaceTokenizer or "
                                 "StdlibBPETokenizer)")
+        check(args.data_path)
         tokenizer = build_tokenizer(args.tokenizer_type,
                                     vocab_file=args.vocab_file, merge_file=args.merge_file,
                                     tokenizer_model=args.tokenizer_model)
