@@ -24,10 +24,10 @@ from megatron_sdp4bit.training.checkpoint import CheckpointError
 from megatron_sdp4bit.training.distributed import shutdown
 from megatron_sdp4bit.training.report import print_summary, report_crash, report_stop
 from megatron_sdp4bit.training.run import NonFiniteTraining, TrainingRun
-from megatron_sdp4bit.training.setup import set_up
+from megatron_sdp4bit.training.setup import NothingToTrain, set_up
 from megatron_sdp4bit.training.signals import StoppedBySignal
 
-__all__ = ["main", "run", "NonFiniteTraining"]
+__all__ = ["main", "run", "NonFiniteTraining", "NothingToTrain"]
 
 
 def run(args, on_step: Optional[Callable[[TrainingRun], None]] = None) -> dict:
@@ -42,6 +42,7 @@ def run(args, on_step: Optional[Callable[[TrainingRun], None]] = None) -> dict:
 # others wait for the launcher; rank 0 with the others leaving at once (a signal:
 # the launcher is stopping too, and a wait would outlast its grace period); each rank).
 STOPS = (
+    (NothingToTrain, "done", 0, "rank 0, now"),
     (StoppedBySignal, "stopped", None, "rank 0, now"),  # 128 + the signal's number
     (NonFiniteTraining, "stopped", 3, "rank 0"),
     (ReplicaMismatch, "stopped", 4, "rank 0"),

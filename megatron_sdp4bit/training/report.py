@@ -74,7 +74,8 @@ def _rank() -> int:
 
 
 def report_stop(kind: str, exc: BaseException, code: int, who: str = "rank 0") -> int:
-    """One line on stderr and in torchrun's report; returns ``code``.
+    """One line on stderr and in torchrun's report (on stdout for code 0: a run with
+    nothing to do); returns ``code``.
 
     ``who``: ``"rank 0"`` when every rank stopped alike with this error: rank 0
     alone says it, and the other ranks wait (a bounded time) for the launcher to stop
@@ -83,11 +84,13 @@ def report_stop(kind: str, exc: BaseException, code: int, who: str = "rank 0") -
     stopping too); ``"each rank"``: every failing rank says it, naming itself.
     """
     line = f"sdp4bit-pretrain: {kind}: {exc}"
-    launcher_error_file(line)
+    stream = sys.stdout if code == 0 else sys.stderr  # 0: nothing went wrong
+    if code:
+        launcher_error_file(line)
     if who == "each rank":
-        print(f"sdp4bit-pretrain: {kind} (rank {_rank()}): {exc}", file=sys.stderr, flush=True)
+        print(f"sdp4bit-pretrain: {kind} (rank {_rank()}): {exc}", file=stream, flush=True)
     elif _rank() == 0:
-        print(line, file=sys.stderr, flush=True)
+        print(line, file=stream, flush=True)
     elif who == "rank 0" and "TORCHELASTIC_ERROR_FILE" in os.environ:
         time.sleep(LAUNCHER_GRACE_S)
     return code

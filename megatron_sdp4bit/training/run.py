@@ -111,15 +111,19 @@ class TrainingRun:
     def train(self) -> None:
         """Iterations up to ``--train-iters``, then the final checkpoint; with
         ``--exit-signal-handler``, a save and ``StoppedBySignal`` once any rank has
-        received the signal (checked after every iteration)."""
-        with self.exit_signal if self.exit_signal is not None else contextlib.nullcontext():
-            self.window.start()
-            while self.iteration < self.args.train_iters:
-                actions = self.advance()
-                if self.exit_signal is not None and self.exit_signal.received_anywhere():
-                    self.stop_on_signal(saved=actions.save)
-        if self.policy.saves_at_end(self.iteration):
-            self.save()
+        received the signal (checked after every iteration). Then (or on any error)
+        the ``--save`` folder's lock is released."""
+        try:
+            with self.exit_signal if self.exit_signal is not None else contextlib.nullcontext():
+                self.window.start()
+                while self.iteration < self.args.train_iters:
+                    actions = self.advance()
+                    if self.exit_signal is not None and self.exit_signal.received_anywhere():
+                        self.stop_on_signal(saved=actions.save)
+            if self.policy.saves_at_end(self.iteration):
+                self.save()
+        finally:
+            self.parts.release()  # the --save folder, for the next job
 
     def stop_on_signal(self, saved: bool) -> None:
         """Log the open window, save unless this iteration did (or its steps were
@@ -182,7 +186,7 @@ class TrainingRun:
         extra = {"sdp4bit": patch.state_dict(parts.optimizer)}
         directory = checkpoint.save_checkpoint(self.args.save, self.iteration, parts.ddp, parts.optimizer,
                                                parts.scheduler, extra,
-                                               global_batch_size=self.args.global_batch_size)
+                                               global_batch_size=self.args.global_batch_size, seed=self.args.seed)
         log0(f"saved checkpoint at iteration {self.iteration} to {self.args.save}")
         return directory
 

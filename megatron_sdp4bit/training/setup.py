@@ -8,8 +8,9 @@ function of its own, so a test or a script can build the parts and change one
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -17,6 +18,7 @@ from megatron.core import parallel_state
 from megatron_sdp4bit.config import SDP4BitConfig, preset
 from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.training import checkpoint
+from megatron_sdp4bit.training.checkpoint.lock import SaveLock, lock_save_folder
 from megatron_sdp4bit.training.console import log0
 from megatron_sdp4bit.training.datasets import build_data
 from megatron_sdp4bit.training.distributed import (
@@ -24,6 +26,10 @@ from megatron_sdp4bit.training.distributed import (
 from megatron_sdp4bit.training.fusions import choose_fusions
 from megatron_sdp4bit.training.model import ModelChunks, build_model, build_optimizer
 from megatron_sdp4bit.training.step import wire_schedule_hooks
+
+
+class NothingToTrain(RuntimeError):
+    """``--load`` names a checkpoint at ``--train-iters`` already: the run is done."""
 
 
 @dataclass
@@ -50,6 +56,13 @@ class RunParts:
     scheduler: Any
     plan: checkpoint.ResumePlan = checkpoint.ResumePlan()
     """Where training starts: from scratch, or from the checkpoint ``--load`` names."""
+    save_lock: Optional[SaveLock] = None
+    """This job's lock on ``--save`` (rank 0), held until training ends."""
+
+    def release(self) -> None:
+        """Let another job save into ``--save`` (this run saves no more)."""
+        if self.save_lock is not None:
+            self.save_lock.release()
 
     @property
     def start_iteration(self) -> int:
@@ -118,12 +131,34 @@ def build_training(args, vocab_size: int, device: str) -> tuple:
     return model, ddp, optimizer, scheduler
 
 
-def plan_checkpoints(args) -> checkpoint.ResumePlan:
-    """Collective, before anything is built: the checkpoint ``--load`` names (verified),
-    and a refusal of a ``--save`` whose checkpoints this run would replace."""
-    plan = checkpoint.plan_resume(args.load, args.save, fallback=args.load_fallback)
-    checkpoint.check_save_folder(args.save, plan)
-    return plan
+def _check_iterations(args, plan: checkpoint.ResumePlan) -> None:
+    """A checkpoint at or past ``--train-iters``: nothing to train, or a mistake."""
+    if plan.directory is None or plan.iteration < args.train_iters:
+        return
+    if plan.iteration == args.train_iters:
+        raise NothingToTrain(f"--load {args.load} is at iteration {plan.iteration}, which is --train-iters: "
+                             "nothing to train (raise --train-iters to train on)")
+    raise checkpoint.CheckpointError(
+        f"--load {args.load} is at iteration {plan.iteration}, past --train-iters {args.train_iters}: raise "
+        f"--train-iters to train on, or --load one of its earlier checkpoints "
+        f"({os.path.join(plan.folder, 'iter_NNNNNNN')})")
+
+
+def plan_checkpoints(args) -> tuple:
+    """Collective, before anything is built: (the checkpoint ``--load`` names, verified;
+    this job's lock on ``--save``). Refused: another job saving into ``--save``, a
+    ``--save`` whose checkpoints this run would replace, a checkpoint past
+    ``--train-iters``."""
+    lock = lock_save_folder(args.save)
+    try:
+        plan = checkpoint.plan_resume(args.load, args.save, fallback=args.load_fallback)
+        checkpoint.check_save_folder(args.save, plan)
+        _check_iterations(args, plan)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return plan, lock
 
 
 def resume(parts: RunParts) -> None:
@@ -132,7 +167,7 @@ def resume(parts: RunParts) -> None:
     if plan.directory is None:
         return
     state = checkpoint.load_checkpoint(plan.directory, plan.manifest, parts.ddp, parts.optimizer,
-                                       parts.scheduler, global_batch_size=args.global_batch_size)
+                                       parts.scheduler, global_batch_size=args.global_batch_size, seed=args.seed)
     patch.load_state_dict(state["extra"].get("sdp4bit", {}), parts.optimizer)
     log0(f"resumed from {args.load} at iteration {state['iteration']}")
 
@@ -140,16 +175,21 @@ def resume(parts: RunParts) -> None:
 def set_up(args) -> RunParts:
     """Every part of the run, built in order on every rank (collective)."""
     device, layout, num_microbatches = start_processes(args)
-    plan = plan_checkpoints(args)
-    config, quantized = install_layer(args, layout)
-    tokenizer, train_ds, valid_ds = build_data(args)
-    model, ddp, optimizer, scheduler = build_training(args, tokenizer.vocab_size, device)
-    if quantized:  # collective (plans the node layout), logged by rank 0 for its own stage
-        footprint = patch.memory(optimizer, sum(p.numel() for p in ddp.parameters()))
-        log0(f"sdp4bit memory on rank 0: {footprint.describe()}")
-    parts = RunParts(args=args, device=device, layout=layout, num_microbatches=num_microbatches,
-                     config=config, quantized=quantized, tokenizer=tokenizer, train_ds=train_ds,
-                     valid_ds=valid_ds, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
-                     plan=plan)
-    resume(parts)
+    plan, lock = plan_checkpoints(args)
+    try:
+        config, quantized = install_layer(args, layout)
+        tokenizer, train_ds, valid_ds = build_data(args)
+        model, ddp, optimizer, scheduler = build_training(args, tokenizer.vocab_size, device)
+        if quantized:  # collective (plans the node layout), logged by rank 0 for its own stage
+            footprint = patch.memory(optimizer, sum(p.numel() for p in ddp.parameters()))
+            log0(f"sdp4bit memory on rank 0: {footprint.describe()}")
+        parts = RunParts(args=args, device=device, layout=layout, num_microbatches=num_microbatches,
+                         config=config, quantized=quantized, tokenizer=tokenizer, train_ds=train_ds,
+                         valid_ds=valid_ds, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
+                         plan=plan, save_lock=lock)
+        resume(parts)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return parts

@@ -255,6 +255,15 @@ def test_layout_differences_are_refused_or_warned_in_one_line():
         == (False, [])
     # checkpoints written before the batch size was recorded load as before
     assert compare_layouts(d, _with(global_batch_size=None), LAYOUT) == (False, [])
+    # the seed (--seed): refused when it differs; not recorded before, so not compared then
+    with pytest.raises(CheckpointError, match=r"was saved with --seed 1234, this run has 7: resume with --seed 1234"):
+        compare_layouts(d, _with(seed=1234), _with(seed=7))
+    assert compare_layouts(d, LAYOUT, _with(seed=7)) == (False, [])
+    # another SDP4Bit seed: the rounding streams come from the checkpoint all the same
+    _, (warning,) = compare_layouts(d, _with(sdp4bit={**LAYOUT["sdp4bit"], "seed": 1}),
+                                    _with(sdp4bit={**LAYOUT["sdp4bit"], "seed": 5}))
+    assert "(seed 1 -> 5)" in warning and warning.endswith("the rounding streams continue the checkpoint's: its "
+                                                           "seed drew them)")
 
 
 def test_each_pipeline_stage_is_compared_with_its_own_saved_buckets():

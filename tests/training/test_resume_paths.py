@@ -43,7 +43,7 @@ def _copies(root, names):
 
 
 def _world(rank, world_size, root):
-    from megatron_sdp4bit.pretrain import run
+    from megatron_sdp4bit.pretrain import NothingToTrain, run
     from megatron_sdp4bit.training.arguments import parse_args
 
     def go(name, flags):
@@ -51,8 +51,8 @@ def _world(rank, world_size, root):
         with contextlib.redirect_stdout(text):
             try:
                 summary, error = run(parse_args(TINY + ["--run-dir", os.path.join(root, name)] + flags)), None
-            except CheckpointError as exc:
-                summary, error = None, str(exc)
+            except (CheckpointError, NothingToTrain) as exc:
+                summary, error = None, f"{type(exc).__name__}: {exc}"
         return {"stdout": text.getvalue(), "error": error, "summary": summary}
 
     at = lambda folder, *more: os.path.join(root, folder, *more)  # noqa: E731
@@ -68,6 +68,11 @@ def _world(rank, world_size, root):
     out["nothing"] = go("nothing", ["--train-iters", "2", "--load", at("typo")])
     out["other_run"] = go("other_run", ["--train-iters", "2", "--save", at("other_run")])
     out["first_start"] = go("first_start", ["--train-iters", "1", "--load", at("new"), "--save", at("new")])
+    out["done"] = go("done", ["--train-iters", "4", "--load", at("ck"), "--save", at("ck")])
+    out["past"] = go("past", ["--train-iters", "3", "--load", at("ck")])
+    out["other_seed"] = go("other_seed", ["--train-iters", "6", "--load", at("ck"), "--seed", "7"])
+    out["save_into_one"] = go("save_into_one", ["--train-iters", "6", "--load", at("ck"),
+                                                "--save", at("ck", "iter_0000004")])
     return out
 
 
@@ -94,6 +99,10 @@ def _latest(root, folder):
     return open(os.path.join(root, folder, LATEST)).read().strip()
 
 
+def _listing(folder):
+    return sorted(name for name in os.listdir(folder) if not name.startswith("."))  # not the save lock
+
+
 def _trained_nothing(result):
     return "resumed" not in result["stdout"] and "iter " not in result["stdout"]
 
@@ -113,7 +122,7 @@ def test_an_older_checkpoint_resumes_but_does_not_overwrite_newer_ones(world):
     older = os.path.join(root, "pinned_older")
     for result in results:
         assert result["pinned_older_saving"]["error"] == (
-            f"--save {older} holds checkpoints newer than the one this run resumes from (iteration 2): "
+            f"CheckpointError: --save {older} holds checkpoints newer than the one this run resumes from (iteration 2): "
             f"iteration(s) [4]; saving there would replace them. Resume from the newest with --load "
             f"{os.path.join(older, 'iter_0000004')}, or choose another --save")
         assert _trained_nothing(result["pinned_older_saving"])
@@ -137,7 +146,7 @@ def test_a_load_that_names_nothing_is_refused(world):
     root, results = world
     for result in results:
         assert result["nothing"]["error"] == (
-            f"--load {os.path.join(root, 'typo')} does not exist: pass the folder --save wrote, or drop "
+            f"CheckpointError: --load {os.path.join(root, 'typo')} does not exist: pass the folder --save wrote, or drop "
             "--load to start from scratch")
         assert _trained_nothing(result["nothing"])
 
@@ -147,11 +156,10 @@ def test_a_save_folder_of_another_run_is_refused(world):
     other = os.path.join(root, "other_run")
     for result in results:
         assert result["other_run"]["error"] == (
-            f"--save {other} already holds checkpoints (up to iteration 4) and this run starts from "
+            f"CheckpointError: --save {other} already holds checkpoints (up to iteration 4) and this run starts from "
             f"scratch: saving there would replace them. Resume them with --load {other}, or choose an "
             "empty --save folder")
-    assert _latest(root, "other_run") == "4" and sorted(os.listdir(other)) == sorted([
-        LATEST, "iter_0000002", "iter_0000004"])
+    assert _latest(root, "other_run") == "4" and _listing(other) == sorted([LATEST, "iter_0000002", "iter_0000004"])
 
 
 def test_load_and_save_of_one_new_folder_start_from_scratch(world):
@@ -161,3 +169,39 @@ def test_load_and_save_of_one_new_folder_start_from_scratch(world):
     assert result["error"] is None, result["error"]
     assert "no checkpoint there yet, starting from scratch (it is also --save)" in result["stdout"]
     assert _latest(root, "new") == "1"
+
+
+def test_a_checkpoint_at_train_iters_is_done_and_one_past_it_is_refused(world):
+    """Before: nothing trained, the same iteration saved again (over the checkpoint)
+    and a summary of NaN losses, exit 0; past --train-iters the same, silently."""
+    root, results = world
+    ck = os.path.join(root, "ck")
+    for result in results:
+        assert result["done"]["error"] == (
+            f"NothingToTrain: --load {ck} is at iteration 4, which is --train-iters: nothing to train (raise "
+            "--train-iters to train on)")
+        assert result["past"]["error"] == (
+            f"CheckpointError: --load {ck} is at iteration 4, past --train-iters 3: raise --train-iters to "
+            f"train on, or --load one of its earlier checkpoints ({os.path.join(ck, 'iter_NNNNNNN')})")
+        assert _trained_nothing(result["done"]) and _trained_nothing(result["past"])
+    assert _latest(root, "ck") == "4"
+
+
+def test_a_resume_with_another_seed_is_refused(world):
+    """The random states come from the checkpoint, the data order from --seed: a resume
+    with another one would read other samples than the run it continues."""
+    root, results = world
+    for result in results:
+        assert result["other_seed"]["error"] == (
+            f"CheckpointError: checkpoint {os.path.join(root, 'ck', 'iter_0000004')} was saved with --seed "
+            "1234, this run has 7: resume with --seed 1234 (the data order and the random states a resume "
+            "continues come from it)")
+
+
+def test_a_save_folder_that_is_one_checkpoint_is_refused(world):
+    root, results = world
+    one = os.path.join(root, "ck", "iter_0000004")
+    for result in results:
+        assert result["save_into_one"]["error"] == (
+            f"CheckpointError: --save {one} is one checkpoint (it holds manifest.json or rank files), not a "
+            f"folder of them: pass its folder, --save {os.path.join(root, 'ck')}")

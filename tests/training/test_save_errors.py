@@ -113,7 +113,7 @@ def _world(rank, world_size, root):
 
         out["read_only"] = go("read_only", ["--train-iters", "3", "--save", read_only] + every_step,
                               on_step=remount_read_only)
-        out["read_only_listing"] = sorted(os.listdir(read_only))
+        out["read_only_listing"] = sorted(n for n in os.listdir(read_only) if not n.startswith("."))
     for name, code in (("eacces", errno.EACCES), ("edquot", errno.EDQUOT)):
         folder = os.path.join(root, name)
         with _refused_open(1, os.path.join(folder, "iter_0000002"), code):

@@ -12,7 +12,7 @@
 
 ``check_save_folder`` then refuses a ``--save`` folder whose checkpoints this run
 would replace: another run's (it does not resume from them) or newer ones than
-the checkpoint it resumes from.
+the checkpoint it resumes from; and a ``--save`` that is one checkpoint itself.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from megatron_sdp4bit.training.checkpoint.common import (
-    ITER_DIR, LATEST, CheckpointError, all_gather, rank_and_world)
+    ITER_DIR, LATEST, MANIFEST, RANK_FILE, CheckpointError, all_gather, rank_and_world)
 from megatron_sdp4bit.training.checkpoint.manifest import checkpoint_iterations, choose_checkpoint
 from megatron_sdp4bit.training.console import log0
 
@@ -122,7 +122,12 @@ def _iteration_of(directory: str, manifest: Optional[dict]) -> int:
 
 
 def _save_refusal(save: str, plan: ResumePlan) -> Optional[str]:
-    """Why saving into ``save`` would replace checkpoints this run does not continue."""
+    """Why saving into ``save`` would replace checkpoints this run does not continue, or
+    put them where a ``--load`` of the folder meant would not find them."""
+    if os.path.isdir(save) and (os.path.isfile(os.path.join(save, MANIFEST))
+                                or any(RANK_FILE.match(name) for name in os.listdir(save))):
+        return (f"--save {save} is one checkpoint (it holds {MANIFEST} or rank files), not a folder of them: "
+                f"pass its folder, --save {os.path.dirname(os.path.normpath(save)) or '.'}")
     if same_folder(save, plan.folder):
         newer = [i for i in saved_iterations(save) if i > plan.iteration and i not in plan.damaged]
         if not newer:

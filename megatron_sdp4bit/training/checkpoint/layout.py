@@ -33,13 +33,14 @@ def _parallel_sizes() -> dict:
 
 
 def current_layout(model, optimizer, stage_buckets: Optional[dict] = None,
-                   global_batch_size: Optional[int] = None) -> dict:
+                   global_batch_size: Optional[int] = None, seed: Optional[int] = None) -> dict:
     """What a checkpoint of this run records about how it was run (JSON-ready).
 
     ``buckets`` maps each pipeline stage to its optimizer buckets: all stages'
     (``stage_buckets``, gathered by the saving ranks), else only this rank's.
     ``global_batch_size``: the training loop's, when it has one (the learning-rate
-    schedule and the data position count samples of that size).
+    schedule and the data position count samples of that size); ``seed``: its
+    ``--seed`` (the data order and the random states follow from it).
     """
     _, world = rank_and_world()
     config = patch.current_config()
@@ -52,6 +53,7 @@ def current_layout(model, optimizer, stage_buckets: Optional[dict] = None,
         "buckets": stage_buckets if stage_buckets is not None else {pipeline_stage(): own_buckets(optimizer)},
         "bucket_size": getattr(ddp_config, "bucket_size", None),
         "global_batch_size": global_batch_size,
+        "seed": seed,
     }
 
 
@@ -117,6 +119,16 @@ def _refuse_other_global_batch(where: str, saved: dict, current: dict) -> None:
             f"--global-batch-size {batch}")
 
 
+def _refuse_other_seed(where: str, saved: dict, current: dict) -> None:
+    seed = saved.get("seed")
+    if seed is not None and current.get("seed") is not None and seed != current["seed"]:
+        # The random states are restored from the checkpoint, but the datasets are
+        # shuffled with this run's seed: the resume would read other samples.
+        raise CheckpointError(
+            f"{where} --seed {seed}, this run has {current['seed']}: resume with --seed {seed} (the data "
+            "order and the random states a resume continues come from it)")
+
+
 def _warnings(where: str, saved: dict, current: dict) -> List[str]:
     warnings = []
     if saved.get("megatron_core") and release(saved["megatron_core"]) != release(current["megatron_core"]):
@@ -129,9 +141,11 @@ def _warnings(where: str, saved: dict, current: dict) -> List[str]:
         changed = [f"{k} {old.get(k)} -> {new.get(k)}" for k in new
                    if k not in ignored and old.get(k) != new.get(k)]
         if changed:
+            streams = (" (the rounding streams continue the checkpoint's: its seed drew them)"
+                       if old.get("seed") != new.get("seed") else "")
             warnings.append(f"warning: {where} SDP4Bit {preset_name(old)}, this run uses "
                             f"{preset_name(new)} ({', '.join(changed)}); training continues with this "
-                            "run's config")
+                            f"run's config{streams}")
     return warnings
 
 
@@ -143,6 +157,7 @@ def compare_layouts(directory: str, saved: dict, current: dict) -> Tuple[bool, L
     _refuse_other_model_parallel_sizes(where, saved, current)
     _refuse_other_buckets(where, saved, current)
     _refuse_other_global_batch(where, saved, current)
+    _refuse_other_seed(where, saved, current)
     reshard = saved["data_parallel_size"] != current["data_parallel_size"]
     if reshard and (current["tensor_model_parallel_size"] != 1 or current["pipeline_model_parallel_size"] != 1):
         raise CheckpointError(
