@@ -132,8 +132,13 @@ def build_training(args, vocab_size: int, device: str) -> tuple:
 
 
 def _check_iterations(args, plan: checkpoint.ResumePlan) -> None:
-    """A checkpoint at or past ``--train-iters``: nothing to train, or a mistake."""
+    """A checkpoint at or past ``--train-iters``: nothing to do, or a mistake. At it
+    with ``--save`` elsewhere, the run saves the loaded state there at once (e.g.
+    resharded to this run's data-parallel size)."""
     if plan.directory is None or plan.iteration < args.train_iters:
+        return
+    copies = args.save and not checkpoint.same_folder(args.save, plan.folder)
+    if plan.iteration == args.train_iters and copies:
         return
     if plan.iteration == args.train_iters:
         raise NothingToTrain(f"--load {args.load} is at iteration {plan.iteration}, which is --train-iters: "

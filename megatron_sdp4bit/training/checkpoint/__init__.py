@@ -34,7 +34,7 @@ One module per concern:
   replace, refused.
 """
 from megatron_sdp4bit.training.checkpoint.common import LATEST, MANIFEST, CheckpointError
-from megatron_sdp4bit.training.checkpoint.folders import ResumePlan, check_save_folder, plan_resume
+from megatron_sdp4bit.training.checkpoint.folders import ResumePlan, check_save_folder, plan_resume, same_folder
 from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, current_layout
 from megatron_sdp4bit.training.checkpoint.load import latest_iteration, load_checkpoint
 from megatron_sdp4bit.training.checkpoint.manifest import (
@@ -44,7 +44,7 @@ from megatron_sdp4bit.training.checkpoint.save import check_writable, save_check
 
 __all__ = [
     "LATEST", "MANIFEST", "CheckpointError",
-    "ResumePlan", "check_save_folder", "plan_resume",
+    "ResumePlan", "check_save_folder", "plan_resume", "same_folder",
     "compare_layouts", "current_layout",
     "latest_iteration", "load_checkpoint",
     "check_files", "choose_checkpoint", "file_digest", "read_manifest", "verify", "write_manifest",
