@@ -111,17 +111,20 @@ class TrainingRun:
     def train(self) -> None:
         """Iterations up to ``--train-iters``, then the final checkpoint; with
         ``--exit-signal-handler``, a save and ``StoppedBySignal`` once any rank has
-        received the signal (checked after every iteration). Then (or on any error)
-        the ``--save`` folder's lock is released."""
+        received the signal (checked after every iteration but the last, after which
+        the run completes). Then (or on any error) the ``--save`` folder's lock is
+        released."""
         try:
             with self.exit_signal if self.exit_signal is not None else contextlib.nullcontext():
                 self.window.start()
                 while self.iteration < self.args.train_iters:
                     actions = self.advance()
-                    if self.exit_signal is not None and self.exit_signal.received_anywhere():
+                    if (self.exit_signal is not None and self.iteration < self.args.train_iters
+                            and self.exit_signal.received_anywhere()):
                         self.stop_on_signal(saved=actions.save)
-            if self.policy.saves_at_end(self.iteration):
-                self.save()
+                # A signal from here on waits for the final save: the run is complete.
+                if self.policy.saves_at_end(self.iteration):
+                    self.save()
         finally:
             self.parts.release()  # the --save folder, for the next job
 

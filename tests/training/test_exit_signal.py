@@ -77,6 +77,7 @@ def _world(rank, world_size, root):
         "different_steps": go("different_steps", HANDLER + ["--train-iters", "5", "--save", at("ck2")],
                               {0: 2, 1: 4}),
         "no_save": go("no_save", HANDLER + ["--train-iters", "5"], {0: 1}),
+        "at_the_end": go("at_the_end", HANDLER + ["--train-iters", "2", "--save", at("ck3")], {1: 2}),
     }
 
 
@@ -176,3 +177,11 @@ def test_sigterm_to_a_torchrun_job_saves_and_the_job_resumes_from_it(tmp_path):
                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {ck} at iteration {saved}" in resumed.stdout
+
+
+def test_a_signal_after_the_last_iteration_lets_the_run_complete(world):
+    """The final checkpoint is written with the handler still in place: exit 0, done."""
+    root, results = world
+    for result in results:
+        assert result["at_the_end"]["stopped"] is None and result["at_the_end"]["iteration"] == 2
+    assert open(os.path.join(root, "ck3", LATEST)).read().strip() == "2"
