@@ -132,9 +132,11 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("logging, evaluation, checkpoints")
     e.add_argument("--log-interval", type=_POSITIVE_INT, default=10)
     e.add_argument("--eval-interval", type=_POSITIVE_INT, default=50)
-    e.add_argument("--eval-iters", type=_NON_NEGATIVE_INT, default=5)
-    e.add_argument("--save", default=None, help="checkpoint directory")
-    e.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    e.add_argument("--eval-iters", type=_NON_NEGATIVE_INT, default=5, help="batches per evaluation; 0: none")
+    e.add_argument("--save", default=None, help="checkpoint folder (one job at a time saves into it)")
+    e.add_argument("--load", default=None,
+                   help="resume from the folder --save wrote (its latest checkpoint) or one checkpoint of it "
+                        "(FOLDER/iter_N); --load and --save the same new folder: start, then resume there")
     e.add_argument("--load-fallback", action="store_true",
                    help="when the latest checkpoint in --load is damaged, resume from the newest complete one")
     e.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
