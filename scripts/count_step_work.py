@@ -37,8 +37,10 @@ def _count_one(preset: str, iters: int, log_interval: int) -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import megatron_sdp4bit.pretrain as driver
     from megatron_sdp4bit.training.arguments import parse_args
+    from megatron_sdp4bit.training.distributed import shutdown
+    from megatron_sdp4bit.training.run import TrainingRun
+    from megatron_sdp4bit.training.setup import set_up
 
     ops: collections.Counter = collections.Counter()
     reads: collections.Counter = collections.Counter()
@@ -59,7 +61,6 @@ def _count_one(preset: str, iters: int, log_interval: int) -> dict:
 
         setattr(torch.Tensor, name, wrapper)
 
-    step = driver.train_step
     seen = [0]
 
     def counted_step(*args, **kwargs):
@@ -74,13 +75,15 @@ def _count_one(preset: str, iters: int, log_interval: int) -> dict:
         finally:
             counting[0] = False
 
-    driver.train_step = counted_step
     args = parse_args(MODEL + ["--sdp4bit", "--sdp4bit-preset", preset, "--train-iters", str(iters),
                                "--log-interval", str(log_interval),
                                "--run-dir", os.path.join(os.environ.get("TMPDIR", "/tmp"),
                                                          f"count-step-{preset}")])
-    driver.run(args)
-    driver.shutdown() if hasattr(driver, "shutdown") else None
+    training = TrainingRun(set_up(args))
+    step = training.train_step  # one iteration, without the run's bookkeeping
+    training.train_step = counted_step
+    training.train()
+    shutdown()
     measured = sum(1 for k in range(1, iters + 1) if k > 2 and k % log_interval)
     return {"preset": preset, "steps": measured,
             "ops_per_step": sum(ops.values()) / measured,

@@ -10,7 +10,8 @@ it adds is checking first, because megatron-core fails late and obscurely:
 - missing ``.bin``/``.idx`` files -> ``FileNotFoundError`` naming every one;
 - a damaged ``.idx`` -> ``ValueError`` naming it (``indexed_files``);
 - a split that gets no document -> ``ValueError`` (megatron would loop forever
-  looking for tokens, or read out of bounds);
+  looking for tokens, or read out of bounds); a split asked for 0 samples is not
+  built (``None``) and not checked, its weight still placing the others' bounds;
 - no compiled ``helpers_cpp`` -> the exact NumPy twins (``dataset_helpers``).
 
 Several ranks: call it on every rank. megatron-core builds the index caches on
@@ -144,12 +145,13 @@ def check_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
     return prefixes, weights
 
 
-def _check_splits(prefix: str, num_sequences: int, split: str) -> None:
+def _check_splits(prefix: str, num_sequences: int, split: str, sizes: Sequence[Optional[int]]) -> None:
     """Fail where megatron-core would hang or read out of bounds: a split with
-    nonzero weight that receives no sequence of ``prefix``."""
+    nonzero weight, asked for samples (``sizes``: 0 = not used), that receives no
+    sequence of ``prefix``."""
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    for part, bounds in zip(Split, matrix):
-        if bounds is None:
+    for part, bounds, size in zip(Split, matrix, sizes):
+        if bounds is None or size == 0:
             continue
         begin = int(round(bounds[0] * num_sequences))
         end = int(round(bounds[1] * num_sequences))
@@ -158,6 +160,21 @@ def _check_splits(prefix: str, num_sequences: int, split: str) -> None:
                 f"split {split!r} gives the {part.name} set no document of {prefix} "
                 f"({num_sequences} documents); give it weight 0 (e.g. '1,0,0') or use more data."
             )
+
+
+def check_gpt_data(data_path: Union[str, Sequence[str]], split: str,
+                   sizes: Sequence[Optional[int]] = (None, None, None)) -> Blend:
+    """Every check ``build_gpt_datasets`` makes before megatron-core builds anything:
+    the files (``check_data_path``), sample counts for a weighted blend, and that
+    every split it is asked to build (a weight above 0 and a sample count other than
+    0 in ``sizes``) gets a document.
+    Touches no process group, so it can be run and agreed on every rank."""
+    prefixes, weights = check_data_path(data_path)
+    if weights is not None and None in sizes:
+        raise ValueError("a weighted --data-path needs explicit train/valid/test sample counts.")
+    for prefix in prefixes:
+        _check_splits(prefix, check_indexed_prefix(prefix).num_sequences, split, sizes)
+    return prefixes, weights
 
 
 @contextlib.contextmanager
@@ -199,7 +216,7 @@ def build_gpt_datasets(
             and returns ``tokens``/``labels`` shifted by one.
         train_samples, valid_samples, test_samples: samples to draw per split
             (more than one epoch repeats the data, reshuffled); ``None`` = one epoch
-            (only without weights).
+            (only without weights); 0 = the split is not used (not built: ``None``).
         split: Megatron ``--split``, e.g. ``"969,30,1"``.
         seed: the shuffle seed.
         path_to_cache: where the sample-index ``.npy`` files go (Megatron
@@ -220,11 +237,8 @@ def build_gpt_datasets(
     for attribute in ("vocab_size", "eod"):
         if getattr(tokenizer, attribute, None) is None:
             raise ValueError(f"tokenizer {tokenizer!r} has no {attribute}; megatron's GPTDataset needs it.")
-    prefixes, weights = check_data_path(data_path)
-    if weights is not None and None in (train_samples, valid_samples, test_samples):
-        raise ValueError("a weighted --data-path needs explicit train/valid/test sample counts.")
-    for prefix in prefixes:
-        _check_splits(prefix, check_indexed_prefix(prefix).num_sequences, split)
+    sizes = [train_samples, valid_samples, test_samples]
+    prefixes, weights = check_gpt_data(data_path, split, sizes)
 
     ensure_dataset_helpers()
     config = GPTDatasetConfig(
@@ -240,6 +254,8 @@ def build_gpt_datasets(
         create_attention_mask=create_attention_mask,
         mmap_bin_files=True,
     )
-    sizes = [train_samples, valid_samples, test_samples]
+    # A split of 0 samples is not built (None), and the others keep their documents:
+    # the split's bounds stay those of its weights.
+    config.split_matrix = [None if size == 0 else bounds for bounds, size in zip(config.split_matrix, sizes)]
     with _process_group():
         return BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank, config).build()

@@ -13,6 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from megatron_sdp4bit.megatron.args import SDP4BitFlagError, add_sdp4bit_args, config_from_args
+from megatron_sdp4bit.training.signals import SIGNALS
 
 
 class ArgumentError(ValueError):
@@ -58,11 +59,7 @@ _NON_NEGATIVE = _number(float, 0)
 _PROBABILITY = _number(float, 0, 1, high_open=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="sdp4bit-pretrain", allow_abbrev=False,
-                description="GPT pre-training on megatron-core with SDP4Bit communication.")
-    p.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
-
+def _add_model_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument("--num-layers", type=_POSITIVE_INT, default=2)
     m.add_argument("--hidden-size", type=_POSITIVE_INT, default=128)
@@ -77,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="layer spec: Transformer Engine when installed (auto), or megatron's local one")
 
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch-size", type=_POSITIVE_INT, default=4)
     t.add_argument("--global-batch-size", type=_POSITIVE_INT, default=None, help="default micro-batch x DP")
@@ -97,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "whose loss or gradients were not finite and were skipped")
     t.add_argument("--bf16", action="store_true")
     t.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer state (required by --sdp4bit; implied by it)")
+                   help="shard optimizer state (implied by --sdp4bit and by every --sdp4bit-* flag, "
+                        "preset baseline included)")
     t.add_argument("--overlap-grad-reduce", action="store_true")
     t.add_argument("--overlap-param-gather", action="store_true")
     t.add_argument("--bucket-size", type=_POSITIVE_INT, default=None, help="elements per DDP bucket")
@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers per virtual pipeline stage: each PP stage holds (layers / PP) / this "
                         "interleaved model chunks (megatron's interleaved 1F1B schedule)")
 
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("data")
     d.add_argument("--data-path", nargs="*", default=None,
                    help="Megatron data prefixes (optionally weighted: W1 P1 W2 P2); "
@@ -129,20 +131,47 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--default-corpus-mb", type=_POSITIVE, default=None,
                    help="cap the embedded corpus at this many MB of text (default: all of it)")
 
+
+def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("logging, evaluation, checkpoints")
     e.add_argument("--log-interval", type=_POSITIVE_INT, default=10)
     e.add_argument("--eval-interval", type=_POSITIVE_INT, default=50)
-    e.add_argument("--eval-iters", type=_NON_NEGATIVE_INT, default=5)
-    e.add_argument("--save", default=None, help="checkpoint directory")
-    e.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    e.add_argument("--eval-iters", type=_NON_NEGATIVE_INT, default=5, help="batches per evaluation; 0: none")
+    e.add_argument("--save", default=None, help="checkpoint folder (one job at a time saves into it)")
+    e.add_argument("--load", default=None,
+                   help="resume from the folder --save wrote (its latest checkpoint) or one checkpoint of it "
+                        "(FOLDER/iter_N); --load and --save the same new folder: start, then resume there")
     e.add_argument("--load-fallback", action="store_true",
                    help="when the latest checkpoint in --load is damaged, resume from the newest complete one")
+    e.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on resume, train with this run's learning-rate schedule and Adam settings where "
+                        "the checkpoint's differ (Megatron-LM's flag; the iteration count comes from it)")
+    e.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on resume, keep the checkpoint's learning-rate schedule and Adam settings where "
+                        "this run's flags differ (without either flag a difference is refused)")
     e.add_argument("--save-interval", type=_POSITIVE_INT, default=None)
+    e.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (a scheduler's preemption), save at the next step boundary and "
+                        "stop with exit code 128 + the signal's number (Megatron-LM's flag)")
+    e.add_argument("--exit-signal", choices=sorted(SIGNALS), default="SIGTERM",
+                   help="the signal --exit-signal-handler acts on")
     e.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, the loss plot and TensorBoard events go "
                    "(default runs/<timestamp>)")
     e.add_argument("--no-progress-bar", action="store_true")
     e.add_argument("--tensorboard-dir", default=None, help="default <run-dir>/tensorboard")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="sdp4bit-pretrain", allow_abbrev=False,
+                description="GPT pre-training on megatron-core with SDP4Bit communication.")
+    p.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
+    _add_model_args(p)
+    _add_training_args(p)
+    _add_data_args(p)
+    _add_logging_and_checkpoint_args(p)
     add_sdp4bit_args(p)
     return p
 
@@ -202,13 +231,18 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
             "warm-up or lengthen the decay")
     if args.save_interval is not None and not args.save:
         bad("--save-interval needs --save DIR")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        bad("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
+            "use this run's schedule or the checkpoint's, not both")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         bad("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
     try:
         args.sdp4bit_config = config_from_args(args)
     except SDP4BitFlagError as error:
         bad(str(error))
-    if args.sdp4bit_config is not None and args.sdp4bit_config.enabled:
+    if args.sdp4bit_config is not None:
+        # Every preset, the exact baseline included, is the same optimizer with other
+        # collectives: measured alike (bytes, replica check) and checkpoints compatible.
         args.use_distributed_optimizer = True
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         bad("--overlap-param-gather needs --use-distributed-optimizer")

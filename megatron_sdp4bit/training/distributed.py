@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state, tensor_parallel
 
-from megatron_sdp4bit.training.arguments import ArgumentError
+from megatron_sdp4bit.comm import forget_subgroups
+
+from megatron_sdp4bit.training.arguments import ArgumentError, check_parallel_sizes
 
 
 def _free_port() -> int:
@@ -149,8 +152,6 @@ def parallel_layout(args, world_size: int) -> ParallelLayout:
     """The layout of ``args`` on ``world_size`` ranks; a bad one raises ``ArgumentError``
     with one line naming the flag. Also fills ``--global-batch-size`` and checks it
     against the data-parallel size (``arguments.check_parallel_sizes``)."""
-    from megatron_sdp4bit.training.arguments import check_parallel_sizes
-
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     per_virtual = args.num_layers_per_virtual_pipeline_stage
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
@@ -197,8 +198,6 @@ def init_model_parallel(seed: int, layout: Optional[ParallelLayout] = None) -> N
 
     A state made for another layout (an earlier run in the same processes) is replaced.
     """
-    from megatron.core import parallel_state, tensor_parallel
-
     layout = layout or ParallelLayout(world=torch.distributed.get_world_size(),
                                       data=torch.distributed.get_world_size())
     if parallel_state.model_parallel_is_initialized():
@@ -217,8 +216,6 @@ def init_model_parallel(seed: int, layout: Optional[ParallelLayout] = None) -> N
 
 def parallel_ranks() -> dict:
     """This rank's coordinates: tensor, pipeline and data-parallel rank."""
-    from megatron.core import parallel_state
-
     return {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
             "dp_rank": parallel_state.get_data_parallel_rank()}
@@ -226,8 +223,6 @@ def parallel_ranks() -> dict:
 
 def is_loss_rank() -> bool:
     """Whether this rank computes the loss (the last pipeline stage)."""
-    from megatron.core import parallel_state
-
     return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
@@ -253,10 +248,6 @@ def all_reduce_sum(value: int, group=None) -> int:
 def shutdown() -> None:
     if torch.distributed.is_initialized():
         try:
-            from megatron.core import parallel_state
-
-            from megatron_sdp4bit.comm import forget_subgroups
-
             parallel_state.destroy_model_parallel()
             forget_subgroups()  # no process group may outlive destroy_process_group
         finally:

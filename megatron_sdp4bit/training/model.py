@@ -15,26 +15,34 @@ its ``vp_stage``), each wrapped in its own DDP (bucketing only for the first).
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt import gpt_layer_specs as specs
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
+from megatron_sdp4bit.training.arguments import ArgumentError
+from megatron_sdp4bit.training.distributed import virtual_pipeline_size
 from megatron_sdp4bit.training.fusions import Fusions, module_imports
 
 
 def _layer_spec(impl: str, device: str):
     """megatron-core's Transformer Engine layer spec when TE imports (and the run is
     on CUDA), its local spec otherwise; ``impl`` is ``--transformer-impl``."""
-    from megatron.core.models.gpt import gpt_layer_specs as specs
-
     if impl == "local":
         return specs.get_gpt_layer_local_spec(), "local"
     if device != "cuda":
         if impl == "transformer_engine":
-            raise RuntimeError("--transformer-impl transformer_engine needs a GPU; "
+            raise ArgumentError("--transformer-impl transformer_engine needs a GPU; "
                                "use --transformer-impl local (or auto) on the CPU")
         return specs.get_gpt_layer_local_spec(), "local"
     if module_imports("transformer_engine"):
         return specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
     if impl == "transformer_engine":
-        raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine does not "
+        raise ArgumentError("--transformer-impl transformer_engine: Transformer Engine does not "
                            "import here; install it or use --transformer-impl local")
     return specs.get_gpt_layer_local_spec(), "local"
 
@@ -47,8 +55,6 @@ def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
 def _parallel_config_kwargs(args) -> dict:
     """TP/PP/VP sizes for megatron's config, with Megatron-LM's p2p defaults: the
     interleaved schedule overlaps its sends with compute, the plain one batches them."""
-    from megatron_sdp4bit.training.distributed import virtual_pipeline_size
-
     virtual = virtual_pipeline_size(args)
     return dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
                 pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -58,8 +64,6 @@ def _parallel_config_kwargs(args) -> dict:
 
 def transformer_config(args, device: str, fusions: Fusions):
     """megatron-core's TransformerConfig for the driver's flags, on ``device``."""
-    from megatron.core.transformer import TransformerConfig
-
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -87,8 +91,6 @@ def build_gpt(args, vocab_size: int, device: str, fusions: Fusions, config=None,
     virtual pipeline stage it is (None without interleaving). The defaults are the
     whole model. The vocabulary is padded to a multiple of 128 x TP, as in Megatron-LM.
     """
-    from megatron.core.models.gpt import GPTModel
-
     config = config or transformer_config(args, device, fusions)
     spec, impl = _layer_spec(args.transformer_impl, device)
     args.transformer_impl_used = impl
@@ -111,10 +113,6 @@ def build_gpt(args, vocab_size: int, device: str, fusions: Fusions, config=None,
 def build_gpt_chunks(args, vocab_size: int, device: str, fusions: Fusions):
     """This rank's model chunks (one per virtual pipeline stage, else one) and their config,
     as Megatron-LM's ``get_model`` calls ``model_provider``."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_sdp4bit.training.distributed import virtual_pipeline_size
-
     config = transformer_config(args, device, fusions)
     virtual = virtual_pipeline_size(args)
     stages = range(virtual) if virtual else [None]
@@ -134,12 +132,8 @@ def build_gpt_chunks(args, vocab_size: int, device: str, fusions: Fusions):
 def build_model(args, vocab_size: int, device: str, fusions: Fusions):
     """This rank's model chunks on ``device`` (``"cuda"`` or ``"cpu"``), each wrapped in
     megatron's DDP (a list of one without virtual pipeline stages), and their config."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     chunks, config = build_gpt_chunks(args, vocab_size, device, fusions)
     if args.bf16:
-        from megatron.core.transformer.module import Float16Module
-
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -189,9 +183,6 @@ def optimizer_checks_nonfinite(args) -> bool:
 
 
 def build_optimizer(args, model):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=args.lr,
@@ -227,5 +218,9 @@ def build_optimizer(args, model):
         end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * samples,
         wd_incr_style="constant",
+        # Which values a resume takes where this run's and the checkpoint's differ
+        # (checkpoint/overrides.py refuses a difference when neither is set).
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
     )
     return optimizer, scheduler

@@ -18,8 +18,9 @@ def main() -> int:
     kill_rank, kill_iteration, stamp = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     argv = sys.argv[4:]
     import megatron_sdp4bit.pretrain as driver
+    from megatron_sdp4bit.training import step
 
-    forward = driver.forward_step
+    forward = step.forward_step
     calls = [0]
 
     def forward_then_die(data_iterator, model):
@@ -30,7 +31,7 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGKILL)
         return forward(data_iterator, model)
 
-    driver.forward_step = forward_then_die
+    step.forward_step = forward_then_die  # the run takes the module's at its start
     return driver.main(argv)
 
 

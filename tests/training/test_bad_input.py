@@ -146,7 +146,8 @@ def test_runtime_input_errors_are_clear_and_keep_checkpoints(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     cases = [
-        (["--data-path", str(tmp_path / "missing"), "--save", str(save)], "missing.bin"),
+        (["--data-path", str(tmp_path / "missing"), "--save", str(save), "--load", str(save),
+          "--train-iters", "20"], "missing.bin"),
         (["--data-path", str(corrupt), "--tokenizer-type", "GPT2BPETokenizer"], "corrupt_text_document.idx"),
         (["--data-path", str(tmp_path / "good_text_document")], "--tokenizer-type"),
         (["--global-batch-size", "3", "--micro-batch-size", "2"], "--global-batch-size 3"),

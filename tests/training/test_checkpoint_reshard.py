@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_harness import spawn_ranks
+from driver_runs import forked_ranks
 from megatron_sdp4bit.training.checkpoint import CheckpointError, compare_layouts
 from megatron_sdp4bit.training.metrics import read_metrics
 
@@ -56,20 +56,6 @@ def _world(rank, world_size, root, runs):
     return out
 
 
-def _forked_ranks(fn, world_size, *args, timeout_s):
-    """``spawn_ranks`` with forked processes: each world's ranks inherit this process's
-    imports (megatron-core takes most of a rank's start-up on a busy CPU)."""
-    import multiprocessing
-
-    import megatron_harness
-
-    with pytest.MonkeyPatch.context() as mp:
-        if "fork" in multiprocessing.get_all_start_methods():
-            mp.setattr(megatron_harness, "multiprocessing",
-                       SimpleNamespace(get_context=lambda _kind: multiprocessing.get_context("fork")))
-        return spawn_ranks(fn, world_size, *args, timeout_s=timeout_s)
-
-
 def _import_the_driver():
     """What the driver imports lazily, imported here once (forked ranks inherit it)."""
     import megatron.core.models.gpt  # noqa: F401
@@ -92,16 +78,16 @@ def worlds(tmp_path_factory):
         mp.setenv("OMP_NUM_THREADS", "1")
         prepare_default_corpus(max_mb=1)
         _import_the_driver()
-        four = _forked_ranks(_world, 4, root, [
+        four = forked_ranks(_world, 4, root, [
             ("first4", ["--train-iters", str(SAVED_AT), "--save", ck["A"]]),
             ("straight4", ["--train-iters", str(STEPS), "--load", ck["A"]]),
         ], timeout_s=300)
-        two = _forked_ranks(_world, 2, root, [
+        two = forked_ranks(_world, 2, root, [
             ("to2", ["--train-iters", str(SAVED_AT), "--load", ck["A"], "--save", ck["B"]]),
             ("cont2", ["--train-iters", str(STEPS), "--load", ck["A"]]),
             ("other_model", ["--train-iters", str(STEPS), "--load", ck["A"], "--hidden-size", "64"]),
         ], timeout_s=300)
-        back = _forked_ranks(_world, 4, root, [
+        back = forked_ranks(_world, 4, root, [
             ("back4", ["--train-iters", str(SAVED_AT), "--load", ck["B"], "--save", ck["C"]]),
         ], timeout_s=300)
     return root, ck, four, two, back
@@ -269,6 +255,15 @@ def test_layout_differences_are_refused_or_warned_in_one_line():
         == (False, [])
     # checkpoints written before the batch size was recorded load as before
     assert compare_layouts(d, _with(global_batch_size=None), LAYOUT) == (False, [])
+    # the seed (--seed): refused when it differs; not recorded before, so not compared then
+    with pytest.raises(CheckpointError, match=r"was saved with --seed 1234, this run has 7: resume with --seed 1234"):
+        compare_layouts(d, _with(seed=1234), _with(seed=7))
+    assert compare_layouts(d, LAYOUT, _with(seed=7)) == (False, [])
+    # another SDP4Bit seed: the rounding streams come from the checkpoint all the same
+    _, (warning,) = compare_layouts(d, _with(sdp4bit={**LAYOUT["sdp4bit"], "seed": 1}),
+                                    _with(sdp4bit={**LAYOUT["sdp4bit"], "seed": 5}))
+    assert "(seed 1 -> 5)" in warning and warning.endswith("the rounding streams continue the checkpoint's: its "
+                                                           "seed drew them)")
 
 
 def test_each_pipeline_stage_is_compared_with_its_own_saved_buckets():

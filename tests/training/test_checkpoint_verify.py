@@ -19,11 +19,10 @@ import io
 import json
 import os
 import shutil
-from types import SimpleNamespace
 
 import pytest
 
-from megatron_harness import spawn_ranks
+from driver_runs import forked_ranks
 from megatron_sdp4bit.training import checkpoint
 from megatron_sdp4bit.training.checkpoint import LATEST, MANIFEST, CheckpointError
 from megatron_sdp4bit.training.metrics import read_metrics
@@ -37,7 +36,7 @@ def _fake_checkpoint(root, iteration, payloads=(b"rank zero " * 100, b"rank one 
         path = directory / f"rank_{rank:05d}.pt"
         path.write_bytes(payload)
         entries.append((path.name, *checkpoint.file_digest(str(path))))
-    checkpoint._write_manifest(str(directory), iteration, {"world_size": len(payloads)}, entries)
+    checkpoint.write_manifest(str(directory), iteration, {"world_size": len(payloads)}, entries)
     (root / LATEST).write_text(f"{iteration}\n")
     return directory
 
@@ -68,23 +67,24 @@ def test_a_damaged_latest_checkpoint_offers_the_previous_complete_one(tmp_path, 
     (tmp_path / "iter_0000004.tmp").mkdir()  # a save that never finished: not offered
     (damaged / "rank_00001.pt").write_bytes(b"rank one")
     with pytest.raises(CheckpointError) as info:
-        checkpoint._choose_checkpoint(str(tmp_path), fallback=False)
+        checkpoint.choose_checkpoint(str(tmp_path), fallback=False)
     assert str(info.value) == (
         f"checkpoint {damaged} is damaged: rank_00001.pt is 8 bytes, the manifest says 900 "
         f"(truncated). The previous complete checkpoint is {tmp_path / 'iter_0000002'} (iteration 2): "
         "rerun with --load-fallback to resume from it")
-    directory, manifest = checkpoint._choose_checkpoint(str(tmp_path), fallback=True)
+    directory, manifest, passed_over = checkpoint.choose_checkpoint(str(tmp_path), fallback=True)
     assert directory == str(tmp_path / "iter_0000002") and manifest["iteration"] == 2
+    assert passed_over == [6]
     out = capsys.readouterr().out
     assert out.startswith(f"--load-fallback: checkpoint {damaged} is damaged: rank_00001.pt is 8 bytes")
     assert out.strip().endswith(f"loading the previous complete checkpoint, {directory} (iteration 2)")
     (tmp_path / "iter_0000002" / "rank_00000.pt").write_bytes(b"")  # now both are damaged
     for fallback in (False, True):
         with pytest.raises(CheckpointError, match="There is no earlier complete checkpoint in"):
-            checkpoint._choose_checkpoint(str(tmp_path), fallback=fallback)
+            checkpoint.choose_checkpoint(str(tmp_path), fallback=fallback)
     (tmp_path / LATEST).write_text("garbage\n")
     with pytest.raises(CheckpointError, match="holds 'garbage', not an iteration number"):
-        checkpoint._choose_checkpoint(str(tmp_path), fallback=False)
+        checkpoint.choose_checkpoint(str(tmp_path), fallback=False)
 
 
 # --- through the driver ----------------------------------------------------------------------
@@ -92,25 +92,11 @@ def test_a_damaged_latest_checkpoint_offers_the_previous_complete_one(tmp_path, 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-warmup-iters", "1", "--bf16",
+    "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--bf16",
     "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
     "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
     "--sdp4bit", "--sdp4bit-ranks-per-node", "1",
 ]
-
-
-def _forked_ranks(fn, world_size, *args, timeout_s):
-    """``spawn_ranks`` with forked processes: the ranks inherit this process's imports
-    (megatron-core takes most of a rank's start-up on a busy CPU)."""
-    import multiprocessing
-
-    import megatron_harness
-
-    with pytest.MonkeyPatch.context() as mp:
-        if "fork" in multiprocessing.get_all_start_methods():
-            mp.setattr(megatron_harness, "multiprocessing",
-                       SimpleNamespace(get_context=lambda _kind: multiprocessing.get_context("fork")))
-        return spawn_ranks(fn, world_size, *args, timeout_s=timeout_s)
 
 
 def _world(rank, world_size, root):
@@ -160,7 +146,7 @@ def driver(tmp_path_factory):
         import megatron_sdp4bit.pretrain  # noqa: F401  (the forked ranks inherit it)
         import megatron_sdp4bit.training.model  # noqa: F401
 
-        return root, _forked_ranks(_world, 2, root, timeout_s=300)
+        return root, forked_ranks(_world, 2, root, timeout_s=300)
 
 
 def test_saves_write_a_manifest_of_the_layout_and_files(driver):

@@ -44,7 +44,7 @@ def _start_megatron_on_cpu():
 
 
 def _forward_on_meta_model(rank, world_size):
-    from megatron_sdp4bit.pretrain import forward_step
+    from megatron_sdp4bit.training.step import forward_step
     from megatron_sdp4bit.training.arguments import parse_args
     from megatron_sdp4bit.training.model import build_gpt
 

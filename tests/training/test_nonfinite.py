@@ -27,15 +27,12 @@ COMMON = [
 POISONED_RANK, POISONED_ELEMENT = 1, 7
 
 
-def _poison_gradients_at(rank: int, iterations: set) -> None:
-    """Make the driver's schedule hooks put a NaN into this rank's gradient buffer
-    before the gradient sync of the given iterations (counted from 1)."""
-    import megatron_sdp4bit.pretrain as driver
-
-    wire = driver.wire_schedule_hooks
-
-    def wire_and_poison(ddp, optimizer):
-        wire(ddp, optimizer)
+def _poison_gradients_at(rank: int, iterations: set):
+    """A ``prepare(parts)`` that puts a NaN into this rank's gradient buffer before the
+    gradient sync of the given iterations (counted from 1), through megatron's
+    ``finalize_model_grads_func`` callback."""
+    def prepare(parts):
+        ddp = parts.ddp
         finalize = ddp.config.finalize_model_grads_func
         calls = [0]
 
@@ -47,16 +44,15 @@ def _poison_gradients_at(rank: int, iterations: set) -> None:
 
         ddp.config.finalize_model_grads_func = finalize_with_nan
 
-    driver.wire_schedule_hooks = wire_and_poison
+    return prepare
 
 
-def _infinite_loss_at(rank: int, iterations: set) -> None:
-    """Make this rank's loss +Inf at the given iterations (one micro-batch per step)
-    while leaving its gradients finite: the loss is shifted by a constant, whose
-    gradient is 0, as for a token whose probability underflowed to 0."""
-    import megatron_sdp4bit.pretrain as driver
+def _infinite_loss_at(rank: int, iterations: set):
+    """A forward step whose loss is +Inf on this rank at the given iterations (one
+    micro-batch per step) while its gradients stay finite: the loss is shifted by a
+    constant, whose gradient is 0, as for a token whose probability underflowed to 0."""
+    from megatron_sdp4bit.training.step import forward_step
 
-    forward_step = driver.forward_step
     calls = [0]
 
     def forward_step_with_inf(data_iterator, model):
@@ -66,34 +62,28 @@ def _infinite_loss_at(rank: int, iterations: set) -> None:
             return output, loss_func
         return output, lambda output_tensor: loss_func(output_tensor + float("inf"))
 
-    driver.forward_step = forward_step_with_inf
+    return forward_step_with_inf
 
 
 def _nonfinite_world(rank, world_size, root):
-    from megatron_sdp4bit.pretrain import NonFiniteTraining, run
+    from driver_runs import run_with_hashes
+    from megatron_sdp4bit.pretrain import NonFiniteTraining
     from megatron_sdp4bit.training.arguments import parse_args
 
-    import megatron_sdp4bit.pretrain as driver
-
-    plain_hooks, plain_forward_step = driver.wire_schedule_hooks, driver.forward_step
-    _poison_gradients_at(rank, {3, 4})
-    recovered = run(parse_args(COMMON + [
+    recovered = run_with_hashes(parse_args(COMMON + [
         "--train-iters", "8", "--log-interval", "4", "--run-dir", os.path.join(root, "recovered")]),
-        with_weights_hash=True)
+        prepare=_poison_gradients_at(rank, {3, 4}))
 
-    driver.wire_schedule_hooks = plain_hooks
-    _infinite_loss_at(rank, {2})
-    infinite_loss = run(parse_args(COMMON + [
+    infinite_loss = run_with_hashes(parse_args(COMMON + [
         "--train-iters", "3", "--log-interval", "3", "--run-dir", os.path.join(root, "inf-loss")]),
-        with_weights_hash=True)
-    driver.forward_step = plain_forward_step
+        forward_step=_infinite_loss_at(rank, {2}))
 
-    _poison_gradients_at(rank, set(range(3, 100)))  # iterations 3.. poisoned
     ckpt = os.path.join(root, "ckpt")
     try:
-        run(parse_args(COMMON + [
+        run_with_hashes(parse_args(COMMON + [
             "--train-iters", "10", "--log-interval", "5", "--max-consecutive-skipped-iters", "3",
-            "--save", ckpt, "--save-interval", "2", "--run-dir", os.path.join(root, "diverged")]))
+            "--save", ckpt, "--save-interval", "2", "--run-dir", os.path.join(root, "diverged")]),
+            prepare=_poison_gradients_at(rank, set(range(3, 100))))  # iterations 3.. poisoned
         stopped = None
     except NonFiniteTraining as exc:
         stopped = str(exc)

@@ -42,17 +42,11 @@ CHUNKS = {"tp2": 1, "pp2": 1, "pp2vp2": 2}
 
 # --- inside a rank ------------------------------------------------------------------------
 
-_COUNTS: dict = {}  # this rank's quantized / exact collectives per model chunk, per run
-
-
-def _count_collectives_per_chunk() -> None:
-    """Wrap the driver's ``build_model`` so that every bucket group of every DDP chunk
-    reports, per call, whether the collective it ran sent 4/8-bit codes (quantized) or
-    plain values (exact), read from the wire accounting around the call."""
+def _count_collectives_per_chunk(counts: dict):
+    """A ``prepare(parts)`` that makes every bucket group of every DDP chunk report into
+    ``counts``, per call, whether the collective it ran sent 4/8-bit codes (quantized)
+    or plain values (exact), read from the wire accounting around the call."""
     from megatron_sdp4bit import comm
-    from megatron_sdp4bit.training import model as model_module
-
-    build = model_module.build_model
 
     def counted(method, chunk_counts, collective):
         def wrapper(*args, **kwargs):
@@ -68,11 +62,10 @@ def _count_collectives_per_chunk() -> None:
             return result
         return wrapper
 
-    def build_and_count(*args, **kwargs):
-        model, config = build(*args, **kwargs)
-        _COUNTS.clear()
-        for index, chunk in enumerate(model):
-            chunk_counts = _COUNTS.setdefault(index, defaultdict(int))
+    def prepare(parts):
+        counts.clear()
+        for index, chunk in enumerate(parts.model):
+            chunk_counts = counts.setdefault(index, defaultdict(int))
             for bucket_group in chunk.bucket_groups:
                 # Instance attributes: megatron calls them as bucket_group.start_*_sync().
                 bucket_group.start_grad_sync = counted(
@@ -80,22 +73,21 @@ def _count_collectives_per_chunk() -> None:
                 bucket_group.start_param_sync = counted(
                     bucket_group.start_param_sync, chunk_counts, "all_gather")
             chunk_counts["bucket groups"] = len(chunk.bucket_groups)
-        return model, config
 
-    model_module.build_model = build_and_count
+    return prepare
 
 
 def _layouts_world(rank, world_size, root):
+    from driver_runs import run_with_hashes
     from megatron_sdp4bit.pretrain import run
     from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
-
-    _count_collectives_per_chunk()
 
     def go(name, extra, iters):
         args = parse_args(COMMON + extra + ["--train-iters", str(iters),
                                             "--run-dir", os.path.join(root, name)])
-        summary = run(args, with_weights_hash=True)
-        summary["collectives_per_chunk"] = {k: dict(v) for k, v in _COUNTS.items()}
+        counts = {}
+        summary = run_with_hashes(args, prepare=_count_collectives_per_chunk(counts))
+        summary["collectives_per_chunk"] = {k: dict(v) for k, v in counts.items()}
         return summary
 
     def resumed(name, extra, iters):

@@ -26,13 +26,13 @@ SDP = ["--sdp4bit", "--sdp4bit-ranks-per-node", "2"]
 
 
 def _driver_world(rank, world_size, root):
-    from megatron_sdp4bit.pretrain import run
+    from driver_runs import run_with_hashes
     from megatron_sdp4bit.training.arguments import parse_args
 
     def go(name, extra, iters):
         args = parse_args(COMMON + extra + ["--train-iters", str(iters),
                                             "--run-dir", os.path.join(root, name)])
-        return run(args, with_weights_hash=True)
+        return run_with_hashes(args)
 
     ckpt = os.path.join(root, "ckpt")
     return {

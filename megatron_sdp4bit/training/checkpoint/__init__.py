@@ -1,0 +1,53 @@
+"""Checkpoints: every rank saves its own shard; writes are atomic and verified.
+
+Layout (Megatron-LM-like)::
+
+    SAVE/latest_checkpointed_iteration.txt       the newest complete checkpoint
+    SAVE/iter_0000020/rank_00000.pt              one torch.save file per rank
+    SAVE/iter_0000020/manifest.json              written last: layout, files, sizes, SHA-256
+
+Each rank file holds the model's state dict (data-parallel rank 0 only: the
+weights are identical across data-parallel ranks), the distributed optimizer's
+non-parameter state and this rank's parameter shards (fp32 main weights, Adam
+moments) in megatron's "dp_reshardable" form, the learning-rate scheduler, the
+iteration (the data position follows from it), every RNG state (python, numpy,
+torch, megatron's tracker, the SDP4Bit quantizers') and the patch layer's own state.
+
+One module per concern:
+
+- ``rng``: the RNG states;
+- ``layout``: what a checkpoint records about the run's layout (world, data-,
+  tensor- and pipeline-parallel sizes, megatron-core version, SDP4Bit config,
+  the optimizer's buckets, the global batch size), and whether another run may
+  load it (refused in one line, loaded with a warning, or resharded);
+- ``manifest``: each file's size and SHA-256, verified collectively before
+  anything is loaded; a damaged latest checkpoint names the bad file and the
+  newest earlier checkpoint that verifies, which ``fallback`` (``--load-fallback``)
+  loads instead;
+- ``save``: atomic saves (``iter_X.tmp``, the manifest last, then the rename,
+  then the tracker file);
+- ``reshard``: loading under another data-parallel size;
+- ``load``: the collective load, agreed between the ranks;
+- ``folders``: what ``--load`` and ``--save`` name: the checkpoint a resume starts
+  from (a ``--save`` folder's latest, one checkpoint of it, or nothing yet when
+  ``--load`` is ``--save``), and a ``--save`` whose checkpoints a run would
+  replace, refused.
+"""
+from megatron_sdp4bit.training.checkpoint.common import LATEST, MANIFEST, CheckpointError
+from megatron_sdp4bit.training.checkpoint.folders import ResumePlan, check_save_folder, plan_resume, same_folder
+from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, current_layout
+from megatron_sdp4bit.training.checkpoint.load import latest_iteration, load_checkpoint
+from megatron_sdp4bit.training.checkpoint.manifest import (
+    check_files, choose_checkpoint, file_digest, read_manifest, verify, write_manifest)
+from megatron_sdp4bit.training.checkpoint.rng import rng_state, set_rng_state
+from megatron_sdp4bit.training.checkpoint.save import check_writable, save_checkpoint
+
+__all__ = [
+    "LATEST", "MANIFEST", "CheckpointError",
+    "ResumePlan", "check_save_folder", "plan_resume", "same_folder",
+    "compare_layouts", "current_layout",
+    "latest_iteration", "load_checkpoint",
+    "check_files", "choose_checkpoint", "file_digest", "read_manifest", "verify", "write_manifest",
+    "rng_state", "set_rng_state",
+    "check_writable", "save_checkpoint",
+]

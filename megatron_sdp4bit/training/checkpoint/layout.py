@@ -1,0 +1,167 @@
+"""How a run was laid out, as a checkpoint records it, and whether another run can load it.
+
+``current_layout`` is what a checkpoint's manifest records; ``compare_layouts``
+decides, from the saved and the current layout alone, whether the checkpoint is
+loaded as it is, resharded to another data-parallel size, loaded with a warning,
+or refused in one line that says which flag to change.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_sdp4bit.config import PRESETS
+from megatron_sdp4bit.megatron import adapters, patch
+from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter, pipeline_stage, rank_and_world
+
+
+def own_buckets(optimizer) -> list:
+    """This rank's optimizer buckets (dtypes, element counts), one list per sub-optimizer."""
+    return [adapter().bucket_layout(opt) for opt in adapter().sub_optimizers(optimizer)]
+
+
+def _parallel_sizes() -> dict:
+    _, world = rank_and_world()
+    if not parallel_state.model_parallel_is_initialized():
+        return {"data_parallel_size": world, "tensor_model_parallel_size": 1,
+                "pipeline_model_parallel_size": 1}
+    return {"data_parallel_size": parallel_state.get_data_parallel_world_size(),
+            "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size()}
+
+
+def current_layout(model, optimizer, stage_buckets: Optional[dict] = None,
+                   global_batch_size: Optional[int] = None, seed: Optional[int] = None) -> dict:
+    """What a checkpoint of this run records about how it was run (JSON-ready).
+
+    ``buckets`` maps each pipeline stage to its optimizer buckets: all stages'
+    (``stage_buckets``, gathered by the saving ranks), else only this rank's.
+    ``global_batch_size``: the training loop's, when it has one (the learning-rate
+    schedule and the data position count samples of that size); ``seed``: its
+    ``--seed`` (the data order and the random states follow from it).
+    """
+    _, world = rank_and_world()
+    config = patch.current_config()
+    chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]  # virtual stages
+    ddp_config = getattr(chunks[0], "ddp_config", None) if chunks else None
+    return {
+        "world_size": world, **_parallel_sizes(),
+        "megatron_core": adapters.megatron_version(),
+        "sdp4bit": config.to_dict() if config is not None else None,
+        "buckets": stage_buckets if stage_buckets is not None else {pipeline_stage(): own_buckets(optimizer)},
+        "bucket_size": getattr(ddp_config, "bucket_size", None),
+        "global_batch_size": global_batch_size,
+        "seed": seed,
+    }
+
+
+def preset_name(config: Optional[dict]) -> str:
+    """The preset a recorded SDP4Bit config is, in words."""
+    if config is None:
+        return "no SDP4Bit layer"
+    ignored = ("ranks_per_node", "seed", "check_interval")  # where and how it ran, not which method
+    for name, candidate in PRESETS.items():
+        known = candidate.to_dict()
+        if all(config.get(k) == v for k, v in known.items() if k not in ignored):
+            return f"preset {name}"
+    return "a custom SDP4Bit config"
+
+
+def release(version: str) -> str:
+    """``0.19.2`` of ``0.19.2+3b25f53``: megatron-core 0.19 appends the git commit of the
+    directory it is imported from, which says nothing about the checkpoint."""
+    return version.split("+", 1)[0]
+
+
+def _refuse_other_model_parallel_sizes(where: str, saved: dict, current: dict) -> None:
+    for key, what, flag in (("tensor_model_parallel_size", "tensor-parallel", "--tensor-model-parallel-size"),
+                            ("pipeline_model_parallel_size", "pipeline-parallel",
+                             "--pipeline-model-parallel-size")):
+        if saved.get(key) is not None and saved[key] != current[key]:
+            raise CheckpointError(
+                f"{where} {what} size {saved[key]}, this run has {current[key]}; checkpoints are "
+                f"resharded across data-parallel sizes only: resume with {flag} {saved[key]}")
+
+
+def _refuse_other_buckets(where: str, saved: dict, current: dict) -> None:
+    stage, = current["buckets"]  # this rank's stage
+    saved_buckets, buckets = saved.get("buckets"), current["buckets"][stage]
+    if isinstance(saved_buckets, dict):
+        saved_buckets = saved_buckets.get(stage)
+    if saved_buckets is None or buckets is None or saved_buckets == buckets:
+        return
+    saved_dtypes = [b["dtypes"] for opt in saved_buckets if opt for b in opt]
+    dtypes = [b["dtypes"] for opt in buckets if opt for b in opt]
+    if saved_dtypes != dtypes or [o is None for o in saved_buckets] != [o is None for o in buckets]:
+        raise CheckpointError(
+            f"{where} parameter/gradient dtypes {saved_dtypes}, this run has {dtypes} "
+            f"(--bf16 and the distributed optimizer must be as when it was saved)")
+    hint, size = "", saved.get("bucket_size")
+    if size != current.get("bucket_size"):
+        hint = (f" (its DDP bucket size was {size}: pass --bucket-size {size})" if size else
+                " (it had one bucket per buffer: resume without --overlap-grad-reduce)")
+    raise CheckpointError(
+        f"{where} optimizer buckets of {[b['numel_unpadded'] for opt in saved_buckets if opt for b in opt]} "
+        f"elements, this run's are {[b['numel_unpadded'] for opt in buckets if opt for b in opt]}: "
+        f"the model's shape or the bucketing differ{hint}")
+
+
+def _refuse_other_global_batch(where: str, saved: dict, current: dict) -> None:
+    batch = saved.get("global_batch_size")
+    if batch is not None and current.get("global_batch_size") is not None and batch != current["global_batch_size"]:
+        # Its default is micro-batch x data-parallel size, so it changes silently with
+        # the number of ranks; the schedule and the data position count its samples.
+        raise CheckpointError(
+            f"{where} global batch size {batch}, this run has {current['global_batch_size']} (without "
+            f"--global-batch-size it is --micro-batch-size x data-parallel size): resume with "
+            f"--global-batch-size {batch}")
+
+
+def _refuse_other_seed(where: str, saved: dict, current: dict) -> None:
+    seed = saved.get("seed")
+    if seed is not None and current.get("seed") is not None and seed != current["seed"]:
+        # The random states are restored from the checkpoint, but the datasets are
+        # shuffled with this run's seed: the resume would read other samples.
+        raise CheckpointError(
+            f"{where} --seed {seed}, this run has {current['seed']}: resume with --seed {seed} (the data "
+            "order and the random states a resume continues come from it)")
+
+
+def _warnings(where: str, saved: dict, current: dict) -> List[str]:
+    warnings = []
+    if saved.get("megatron_core") and release(saved["megatron_core"]) != release(current["megatron_core"]):
+        warnings.append(f"warning: {where} megatron-core {saved['megatron_core']}, this run has "
+                        f"{current['megatron_core']}; loading it (the checkpoint's contents are the same "
+                        "in the supported releases)")
+    ignored = ("ranks_per_node",)
+    old, new = saved.get("sdp4bit"), current.get("sdp4bit")
+    if old is not None and new is not None:
+        changed = [f"{k} {old.get(k)} -> {new.get(k)}" for k in new
+                   if k not in ignored and old.get(k) != new.get(k)]
+        if changed:
+            streams = (" (the rounding streams continue the checkpoint's: its seed drew them)"
+                       if old.get("seed") != new.get("seed") else "")
+            warnings.append(f"warning: {where} SDP4Bit {preset_name(old)}, this run uses "
+                            f"{preset_name(new)} ({', '.join(changed)}); training continues with this "
+                            f"run's config{streams}")
+    return warnings
+
+
+def compare_layouts(directory: str, saved: dict, current: dict) -> Tuple[bool, List[str]]:
+    """(reshard, warnings): whether the data-parallel size differs (then the state is
+    resharded) and one line per harmless difference. A difference that cannot be
+    loaded raises ``CheckpointError``, in one line saying what differs."""
+    where = f"checkpoint {directory} was saved with"
+    _refuse_other_model_parallel_sizes(where, saved, current)
+    _refuse_other_buckets(where, saved, current)
+    _refuse_other_global_batch(where, saved, current)
+    _refuse_other_seed(where, saved, current)
+    reshard = saved["data_parallel_size"] != current["data_parallel_size"]
+    if reshard and (current["tensor_model_parallel_size"] != 1 or current["pipeline_model_parallel_size"] != 1):
+        raise CheckpointError(
+            f"{where} data-parallel size {saved['data_parallel_size']}, this run has "
+            f"{current['data_parallel_size']}; resharding is supported with TP = PP = 1 only: "
+            f"resume with {saved['data_parallel_size']} data-parallel ranks")
+    return reshard, _warnings(where, saved, current)

@@ -1,0 +1,144 @@
+"""A resume that asks for another learning-rate schedule or other Adam settings (issue 18 item 3).
+
+megatron-core's scheduler keeps the checkpoint's schedule by default, and the
+optimizer's state brings Adam's betas and epsilon along: extending a 4-step run
+to 8 steps with ``--lr-decay-iters 8`` trained every extra step at the old
+schedule's minimum. As in Megatron-LM, a difference is now refused unless
+``--override-opt_param-scheduler`` (this run's flags) or
+``--use-checkpoint-opt_param-scheduler`` (the checkpoint's) says which to use.
+
+One forked world of 2 gloo ranks: 4 steps with a schedule decaying over 4,
+saved; a straight 8-step run decaying over 8 (the reference learning rates);
+then the resumes.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+import pytest
+
+from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
+from megatron_sdp4bit.training.checkpoint import CheckpointError
+from megatron_sdp4bit.training.metrics import read_metrics
+from driver_runs import forked_ranks
+
+TINY = [
+    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "1", "--bf16",
+    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
+    "--sdp4bit", "--sdp4bit-ranks-per-node", "1",
+]
+LONGER = ["--train-iters", "8", "--lr-decay-iters", "8"]
+OVERRIDE, KEEP = "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"
+
+
+def _world(rank, world_size, root):
+    from megatron_sdp4bit.training.run import TrainingRun
+    from megatron_sdp4bit.training.setup import set_up
+
+    def go(name, flags):
+        text, betas = io.StringIO(), []
+        with contextlib.redirect_stdout(text):
+            try:
+                training = TrainingRun(
+                    set_up(parse_args(TINY + ["--run-dir", os.path.join(root, name)] + flags)),
+                    on_step=lambda run: betas.append(tuple(run.parts.optimizer.param_groups[0]["betas"])))
+                training.train()
+                error = None
+            except CheckpointError as exc:
+                error = str(exc)
+        return {"stdout": text.getvalue(), "error": error, "betas": betas}
+
+    ck = os.path.join(root, "ck")
+    load = ["--load", ck]
+    return {
+        "first": go("first", ["--train-iters", "4", "--lr-decay-iters", "4", "--save", ck]),
+        "straight": go("straight", LONGER),
+        "asked": go("asked", LONGER + load),
+        "override": go("override", LONGER + load + [OVERRIDE]),
+        "keep": go("keep", LONGER + load + [KEEP]),
+        "same_schedule": go("same_schedule", ["--train-iters", "8", "--lr-decay-iters", "4"] + load),
+        "adam": go("adam", ["--train-iters", "8", "--lr-decay-iters", "4", "--adam-beta2", "0.99"] + load),
+        "adam_override": go("adam_override", ["--train-iters", "5", "--lr-decay-iters", "4",
+                                              "--adam-beta2", "0.99", OVERRIDE] + load),
+    }
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("overrides"))
+    from megatron_sdp4bit.data import prepare_default_corpus
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
+        mp.setenv("OMP_NUM_THREADS", "1")
+        prepare_default_corpus(max_mb=1)
+        import megatron_sdp4bit.training.run  # noqa: F401  (the forked ranks inherit it)
+
+        return root, forked_ranks(_world, 2, root, timeout_s=600)
+
+
+def _lrs(root, name):
+    return {r["iteration"]: r["lr"] for r in read_metrics(os.path.join(root, name, "metrics.jsonl"))
+            if r["kind"] == "train"}
+
+
+def test_another_schedule_is_refused_naming_both_flags(world):
+    root, results = world
+    for result in results:
+        assert result["asked"]["error"] == (
+            f"checkpoint {os.path.join(root, 'ck', 'iter_0000004')} was saved with another learning-rate "
+            "schedule (--lr-decay-iters 4 -> 8), which loading it would silently keep: resume with the "
+            "checkpoint's values, add --override-opt_param-scheduler to train with this run's values, or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+        assert "iter " not in result["asked"]["stdout"]
+
+
+def test_override_trains_the_extra_steps_on_this_runs_schedule(world):
+    """Before: every extra step at the old schedule's minimum learning rate."""
+    root, results = world
+    assert results[0]["override"]["error"] is None, results[0]["override"]["error"]
+    assert "--lr-decay-iters 4 -> 8; training continues with this run's flags" in results[0]["override"]["stdout"]
+    resumed, straight = _lrs(root, "override"), _lrs(root, "straight")
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert [resumed[i] for i in resumed] == [straight[i] for i in resumed]
+    assert resumed[5] > 3e-4
+
+
+def test_use_checkpoint_keeps_the_saved_schedule(world):
+    root, results = world
+    assert results[0]["keep"]["error"] is None, results[0]["keep"]["error"]
+    assert "training continues with the checkpoint's values" in results[0]["keep"]["stdout"]
+    lrs = _lrs(root, "keep")
+    assert sorted(lrs) == [5, 6, 7, 8]
+    assert lrs == {i: pytest.approx(3e-4) for i in lrs}  # past the old decay: its minimum
+
+
+def test_a_longer_run_on_the_same_schedule_needs_no_flag(world):
+    root, results = world
+    assert results[0]["same_schedule"]["error"] is None, results[0]["same_schedule"]["error"]
+    assert sorted(_lrs(root, "same_schedule")) == [5, 6, 7, 8]
+
+
+def test_other_adam_settings_are_refused_or_overridden(world):
+    root, results = world
+    for result in results:
+        assert result["adam"]["error"] == (
+            f"checkpoint {os.path.join(root, 'ck', 'iter_0000004')} was saved with other Adam settings "
+            "(--adam-beta2 0.95 -> 0.99), which loading it would silently keep: resume with the checkpoint's "
+            "values, add --override-opt_param-scheduler to train with this run's values, or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    assert results[0]["adam_override"]["error"] is None, results[0]["adam_override"]["error"]
+    assert results[0]["adam_override"]["betas"] == [(0.9, 0.99)]
+    assert results[0]["same_schedule"]["betas"][0] == (0.9, 0.95)
+
+
+def test_the_two_flags_contradict_each_other():
+    with pytest.raises(ArgumentError, match="--override-opt_param-scheduler and "
+                                            "--use-checkpoint-opt_param-scheduler contradict"):
+        parse_args(["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"])
+    assert parse_args(["--override-opt-param-scheduler"]).override_opt_param_scheduler
