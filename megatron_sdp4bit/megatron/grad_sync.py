@@ -36,8 +36,11 @@ def _megatron(layer, bucket_group, force_all_reduce):
 def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = False):
     state, adapter = layer.state, layer.adapter
     quantize = state.grads_quantized_now() and not force_all_reduce
+    if not (quantize or state.own_exact_collectives):
+        return _megatron(layer, bucket_group, force_all_reduce)
+    # (without the distributed optimizer a bucket group has no such group: not here)
     group, size, rank = adapter.collective_group(bucket_group)
-    if not (quantize and size > 1) and not state.own_exact_collectives:
+    if size == 1 and not state.own_exact_collectives:
         return _megatron(layer, bucket_group, force_all_reduce)
     if quantize:
         check_ddp_config(adapter, adapter.ddp_config(bucket_group))

@@ -137,7 +137,8 @@ def schedule_cases(rank: int, world: int, rpn: int, results: dict) -> None:
     from megatron_sdp4bit.comm import gradients
 
     stochastic = config.replace(rounding="stochastic")
-    cap, gradients.MAX_CHUNK_ELEMENTS = gradients.MAX_CHUNK_ELEMENTS, world * 256
+    caps = gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS
+    gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS = world * 256, 1
     try:
         capped_sync = buffer_capped = x.clone()
         capped_view = buffer_capped[rank * shard:(rank + 1) * shard]
@@ -147,7 +148,7 @@ def schedule_cases(rank: int, world: int, rpn: int, results: dict) -> None:
                                       generator=torch.Generator().manual_seed(5 + rank))
                    for async_op in (False, True)]
     finally:
-        gradients.MAX_CHUNK_ELEMENTS = cap
+        gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS = caps
     results[f"sched|rpn={rpn}"] = {
         "capped_chunks": torch.equal(capped_view, base_x) and torch.equal(capped_async, base_x),
         "stochastic_async_is_sync": torch.equal(*rounded),
