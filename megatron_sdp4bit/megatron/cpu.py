@@ -124,13 +124,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron_sdp4bit.megatron.adapters import current_adapter, supported_minors
+from megatron_sdp4bit.patching import Patches
 
 __all__ = [
     "enable_cpu_backend",
@@ -140,10 +140,8 @@ __all__ = [
     "check_gloo_collectives",
 ]
 
-_MISSING = object()
 _enabled = False
-# (owner, attribute name, value found in owner.__dict__ or _MISSING), in apply order.
-_saved: List[Tuple[Any, str, Any]] = []
+_patches = Patches("CPU backend", f"this backend supports megatron-core {', '.join(supported_minors())}")
 
 
 # --------------------------------------------------------------------------- torch.cuda
@@ -318,71 +316,34 @@ def _seed_cpu_default_generator_too(original: Callable) -> Callable:
     return model_parallel_cuda_manual_seed
 
 
-# ------------------------------------------------------------------------ bookkeeping
-
-
-def _set(owner: Any, name: str, value: Any) -> None:
-    """Set ``owner.name = value``, remembering what ``owner`` itself held."""
-    if not hasattr(owner, name):
-        raise RuntimeError(
-            f"CPU backend: {getattr(owner, '__name__', owner)!r} has no attribute {name!r}; "
-            f"this backend supports megatron-core {', '.join(supported_minors())}")
-    _saved.append((owner, name, vars(owner).get(name, _MISSING)))
-    setattr(owner, name, value)
-
-
-def _rebind_everywhere(original: Callable, replacement: Callable) -> None:
-    """Replace every binding of ``original`` in loaded ``megatron.core`` modules."""
-    found = False
-    for module_name, module in list(sys.modules.items()):
-        if module is None or not (module_name == "megatron.core"
-                                  or module_name.startswith("megatron.core.")):
-            continue
-        for attr, value in list(vars(module).items()):
-            if value is original:
-                _set(module, attr, replacement)
-                found = True
-    if not found:
-        raise RuntimeError(f"CPU backend: no megatron.core module binds {original.__qualname__}")
-
-
-def _restore_all() -> None:
-    while _saved:
-        owner, name, value = _saved.pop()
-        if value is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, value)
-
-
 def _apply_patches(adapter) -> None:
     sites = adapter.cpu_backend_sites()  # imports what it names, so every binding is seen
     random = sites["rng"]
 
     # 3. torch.cuda functions (see module docstring).
     for name, twin in _TORCH_CUDA_TWINS.items():
-        _set(torch.cuda, name, twin)
+        _patches.set(torch.cuda, name, twin)
 
     # 1. RNG tracker.
     get_state, set_state = sites["rng_state_functions"]
-    _set(random, get_state, _cpu_get_rng_state)
-    _set(random, set_state, _cpu_set_rng_state)
-    _set(sites["rng_tracker"], "add", _cpu_tracker_add)
-    _set(sites["rng_tracker"], "fork", _make_cpu_tracker_fork(sites["rng_tracker_name"]))
+    _patches.set(random, get_state, _cpu_get_rng_state)
+    _patches.set(random, set_state, _cpu_set_rng_state)
+    _patches.set(sites["rng_tracker"], "add", _cpu_tracker_add)
+    _patches.set(sites["rng_tracker"], "fork", _make_cpu_tracker_fork(sites["rng_tracker_name"]))
     seed_fn = sites["rng_seed_function"]
-    _rebind_everywhere(seed_fn, _seed_cpu_default_generator_too(seed_fn))
+    _patches.set_everywhere(seed_fn, _seed_cpu_default_generator_too(seed_fn), "megatron.core")
 
     # 2. Functions that name CUDA in device literals or type-name checks.
     for cls in sites["type_named_inits"]:
-        _set(cls, "__init__", _on_cpu(vars(cls)["__init__"], type_names=True))
+        _patches.set(cls, "__init__", _on_cpu(vars(cls)["__init__"], type_names=True))
     for cls in sites["inits"]:
-        _set(cls, "__init__", _on_cpu(vars(cls)["__init__"]))
+        _patches.set(cls, "__init__", _on_cpu(vars(cls)["__init__"]))
     for fn in sites["type_named_functions"]:
-        _rebind_everywhere(fn, _on_cpu(fn, type_names=True))
+        _patches.set_everywhere(fn, _on_cpu(fn, type_names=True), "megatron.core")
     for fn in sites["functions"]:
-        _rebind_everywhere(fn, _on_cpu(fn))
+        _patches.set_everywhere(fn, _on_cpu(fn), "megatron.core")
     for owner, name in sites.get("methods", ()):
-        _set(owner, name, _on_cpu_method(vars(owner)[name], type_names=False))
+        _patches.set(owner, name, _on_cpu_method(vars(owner)[name], type_names=False))
 
 
 def _on_cpu_method(descriptor, type_names: bool):
@@ -411,7 +372,7 @@ def enable_cpu_backend() -> None:
     try:
         _apply_patches(adapter)
     except BaseException:
-        _restore_all()
+        _patches.restore()
         raise
     _enabled = True
 
@@ -419,7 +380,7 @@ def enable_cpu_backend() -> None:
 def disable_cpu_backend() -> None:
     """Restore every original that ``enable_cpu_backend`` replaced (idempotent)."""
     global _enabled
-    _restore_all()
+    _patches.restore()
     _enabled = False
 
 

@@ -83,13 +83,13 @@ import contextlib
 import functools
 import importlib
 import logging
-import sys
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator
 
 import torch
 
 from megatron_sdp4bit.megatron import cpu
 from megatron_sdp4bit.megatron.cpu import _CudaNamesOnCpu
+from megatron_sdp4bit.patching import Patches
 
 __all__ = [
     "ENV_VAR",
@@ -104,50 +104,9 @@ ENV_VAR = "SDP4BIT_CPU"
 
 logger = logging.getLogger(__name__)
 
-_MISSING = object()
 _enabled = False
 _enabled_cpu_backend = False  # whether enable_cpu_training turned cpu.py's backend on
-# (owner, attribute name, value found in owner.__dict__ or _MISSING), in apply order.
-_saved: List[Tuple[Any, str, Any]] = []
-
-
-# ------------------------------------------------------------------------ bookkeeping
-
-
-def _set(owner: Any, name: str, value: Any) -> None:
-    """Set ``owner.name = value``, remembering what ``owner`` itself held."""
-    if not hasattr(owner, name):
-        raise RuntimeError(f"CPU training: {getattr(owner, '__name__', owner)!r} has no "
-                           f"attribute {name!r}; the adapter's cpu_training_sites() is stale")
-    _saved.append((owner, name, vars(owner).get(name, _MISSING)))
-    setattr(owner, name, value)
-
-
-def _rebind_in_training(original: Callable, replacement: Callable) -> None:
-    """Replace every binding of ``original`` in loaded ``megatron.training`` modules
-    (``from x import f`` copies the name; the defining module is rebound too, so later
-    imports get the replacement)."""
-    found = False
-    for module_name, module in list(sys.modules.items()):
-        if module is None or not (module_name == "megatron.training"
-                                  or module_name.startswith("megatron.training.")):
-            continue
-        for attr, value in list(vars(module).items()):
-            if value is original:
-                _set(module, attr, replacement)
-                found = True
-    if not found:
-        raise RuntimeError(f"CPU training: no megatron.training module binds "
-                           f"{original.__qualname__}")
-
-
-def _restore_all() -> None:
-    while _saved:
-        owner, name, value = _saved.pop()
-        if value is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, value)
+_patches = Patches("CPU training", "the adapter's cpu_training_sites() is stale")
 
 
 def _marked(wrapper: Callable, original: Callable) -> Callable:
@@ -162,17 +121,10 @@ def _marked(wrapper: Callable, original: Callable) -> Callable:
 @contextlib.contextmanager
 def _torch_cuda_as(twins: Dict[str, Any]) -> Iterator[None]:
     """``torch.cuda.<name>`` is ``twins[name]`` inside, the previous value after."""
-    saved = {name: vars(torch.cuda).get(name, _MISSING) for name in twins}
-    for name, twin in twins.items():
-        setattr(torch.cuda, name, twin)
-    try:
+    with Patches("CPU training") as during_call:
+        for name, twin in twins.items():
+            during_call.set(torch.cuda, name, twin)
         yield
-    finally:
-        for name, value in saved.items():
-            if value is _MISSING:
-                delattr(torch.cuda, name)
-            else:
-                setattr(torch.cuda, name, value)
 
 
 def _with_torch_cuda(original: Callable, twins: Dict[str, Any]) -> Callable:
@@ -270,18 +222,18 @@ def _cuda_names_on_cpu(original: Callable) -> Callable:
 
 
 def _apply(sites: dict, helpers_module: str) -> None:
-    _rebind_in_training(sites["initialize_megatron"],
-                        _initialize_megatron_on_cpu(sites["initialize_megatron"]))
+    _patches.set_everywhere(sites["initialize_megatron"],
+                            _initialize_megatron_on_cpu(sites["initialize_megatron"]), "megatron.training")
     for owner, name in sites["one_device"]:
-        _set(owner, name, _with_torch_cuda(vars(owner)[name], _ONE_CPU_DEVICE))
+        _patches.set(owner, name, _with_torch_cuda(vars(owner)[name], _ONE_CPU_DEVICE))
     owner, name = sites["jit_warmup"]
-    _set(owner, name, _skip_jit_warmup)
+    _patches.set(owner, name, _skip_jit_warmup)
     owner, name = sites["compile_helpers"]
-    _set(owner, name, _compile_helpers_unless_present(vars(owner)[name], helpers_module))
+    _patches.set(owner, name, _compile_helpers_unless_present(vars(owner)[name], helpers_module))
     for owner, name in sites["rng_save_restore"]:
-        _set(owner, name, _with_torch_cuda(vars(owner)[name], _CPU_RNG_AS_CUDA))
-    _rebind_in_training(sites["device_arch"], _no_cuda_arch)
-    _rebind_in_training(sites["pretrain"], _cuda_names_on_cpu(sites["pretrain"]))
+        _patches.set(owner, name, _with_torch_cuda(vars(owner)[name], _CPU_RNG_AS_CUDA))
+    _patches.set_everywhere(sites["device_arch"], _no_cuda_arch, "megatron.training")
+    _patches.set_everywhere(sites["pretrain"], _cuda_names_on_cpu(sites["pretrain"]), "megatron.training")
 
 
 # ------------------------------------------------------------------------- public API
@@ -320,7 +272,7 @@ def enable_cpu_training() -> None:
     try:
         _apply(sites, adapter.dataset_helpers_module)
     except BaseException:
-        _restore_all()
+        _patches.restore()
         if started_backend:
             cpu.disable_cpu_backend()
         raise
@@ -331,7 +283,7 @@ def disable_cpu_training() -> None:
     """Put back everything ``enable_cpu_training`` replaced (idempotent); also disables
     ``cpu.py``'s backend if it was ``enable_cpu_training`` that enabled it."""
     global _enabled, _enabled_cpu_backend
-    _restore_all()
+    _patches.restore()
     if _enabled_cpu_backend:
         cpu.disable_cpu_backend()
     _enabled, _enabled_cpu_backend = False, False

@@ -45,22 +45,6 @@ class MegatronAdapter:
         methods are swapped (see ``SWAPPED_METHODS``)."""
         raise NotImplementedError
 
-    def swap_methods(self, replacements: dict) -> dict:
-        """Put ``{(owner key, name): function}`` onto megatron's classes; return the
-        originals, as found in each class's own ``__dict__``, for ``restore_methods``."""
-        targets = self.patch_targets()
-        originals = {}
-        for (owner, name), function in replacements.items():
-            cls = targets[owner]
-            originals[(owner, name)] = vars(cls)[name]
-            setattr(cls, name, function)
-        return originals
-
-    def restore_methods(self, originals: dict) -> None:
-        targets = self.patch_targets()
-        for (owner, name), function in originals.items():
-            setattr(targets[owner], name, function)
-
     def installed_layer(self):
         """The layer whose methods are on megatron's classes now, or None.
 
