@@ -27,6 +27,7 @@ from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import grad_sync, param_sync
 from megatron_sdp4bit.comm.primitives import runs_on_host_staged_gloo
 from megatron_sdp4bit.megatron.checks import (
+    check_alltoall_ddp_config,
     check_ddp_config,
     check_host_staged_ddp,
     check_model_config,
@@ -140,6 +141,8 @@ def _ddp_init(layer, ddp, *args, **kwargs):
     if _megatron_collectives_cannot_run(adapter, ddp):
         check_host_staged_ddp(adapter.ddp_config(ddp))
         state.own_exact_collectives = True
+    if state.config.exact_reduce_scatter == "alltoall":
+        check_alltoall_ddp_config(adapter, adapter.ddp_config(ddp))
     if not state.config.enabled:
         return
     check_ddp_config(adapter, adapter.ddp_config(ddp))
