@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     sys.path.insert(0, os.path.dirname(script))
     taught = _teach_megatron_lm_parser()
     if os.environ.get("SDP4BIT_CPU", "0") not in ("", "0"):  # docs/cpu_backend.md
-        from megatron_sdp4bit.megatron.cpu_training import enable_cpu_training
+        from megatron_sdp4bit.cpu_backend import enable_cpu_training
 
         try:
             enable_cpu_training()

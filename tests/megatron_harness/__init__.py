@@ -319,7 +319,8 @@ class TinyGPTTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
-        from megatron_sdp4bit.megatron.cpu import check_gloo_collectives, enable_cpu_backend
+        from megatron_sdp4bit.cpu_backend import enable_cpu_backend
+        from megatron_sdp4bit.diagnostics.gloo_collectives import check_gloo_collectives
 
         if not torch.distributed.is_initialized():
             raise RuntimeError("TinyGPTTrainer needs torch.distributed initialised with gloo "
