@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_harness import TinyGPTSpec, spawn_ranks
+from megatron_harness import TinyGPTSpec, refusal, spawn_ranks
 from megatron_sdp4bit.config import preset
 
 WORLD = 4
@@ -64,29 +64,20 @@ def _train(spec: TinyGPTSpec, config):
             "first_shards": [values for _, _, values in records[0].reduced_grad_shards]}
 
 
-def _refused_without_distributed_optimizer():
-    from megatron_harness import TinyGPTTrainer
-    from megatron_sdp4bit.megatron import patch
-
-    patch.install(ALLTOALL)
-    try:
-        TinyGPTTrainer(TinyGPTSpec(use_distributed_optimizer=False))
-    except RuntimeError as error:
-        return str(error)
-    finally:
-        patch.uninstall()
-    return None
-
-
 def _world(rank, world_size):
     runs = {name: {"stock": _train(spec, None), "alltoall": _train(spec, ALLTOALL)}
             for name, spec in SPECS.items()}
-    return runs, _refused_without_distributed_optimizer()
+    return runs, refusal(ALLTOALL, TinyGPTSpec(use_distributed_optimizer=False))
 
 
 @pytest.fixture(scope="module")
 def world():
     return spawn_ranks(_world, WORLD, timeout_s=900)
+
+
+def _per_rank(world, name: str):
+    """(stock run, all-to-all run) of ``name``, rank by rank."""
+    return [(runs[name]["stock"], runs[name]["alltoall"]) for runs, _ in world]
 
 
 @pytest.mark.parametrize("name", list(SPECS))
@@ -96,19 +87,17 @@ def test_alltoall_reduces_and_trains_as_megatrons_exact_reduce_scatter(world, na
     # fp32 sum against gloo's sum in bf16 (a few bf16 ulps). An unreduced, misplaced or
     # summed-not-averaged shard is off by O(1) of the largest gradient.
     bf16 = SPECS[name].dtype == "bf16"
-    for runs, _ in world:
-        stock, alltoall = runs[name]["stock"], runs[name]["alltoall"]
+    for stock, alltoall in _per_rank(world, name):
         for want, got in zip(stock["first_shards"], alltoall["first_shards"]):
             assert (got - want).abs().max() <= (2 ** -6 if bf16 else 1e-6) * want.abs().max()
         assert alltoall["losses"] == pytest.approx(stock["losses"], rel=1e-3 if bf16 else 1e-5)
     for step in range(STEPS):
-        assert len({runs[name]["alltoall"]["hashes"][step] for runs, _ in world}) == 1
+        assert len({alltoall["hashes"][step] for _, alltoall in _per_rank(world, name)}) == 1
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_megatrons_reduce_scatter_never_ran_and_the_all_to_alls_did(world, name):
-    for runs, _ in world:
-        stock, alltoall = runs[name]["stock"], runs[name]["alltoall"]
+    for stock, alltoall in _per_rank(world, name):
         reduce_scatters = stock["calls"]["megatron_reduce_scatter"]
         assert reduce_scatters >= stock["buckets"] * STEPS and stock["calls"]["all_to_all"] == 0
         # each of megatron's reduce-scatters (one per bucket and step) became one all-to-all

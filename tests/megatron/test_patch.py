@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_sdp4bit.config import preset
-from megatron_harness import TinyGPTSpec, spawn_ranks
+from megatron_harness import TinyGPTSpec, refusal, spawn_ranks
 
 WORLD = 4
 STEPS = 20
@@ -188,15 +188,7 @@ def test_install_rejects_non_config():
 
 
 def _mismatch(rank, world_size):
-    from megatron_sdp4bit.megatron import patch
-
-    try:
-        patch.install(SDP.replace(seed=rank))
-    except RuntimeError as exc:
-        return str(exc)
-    finally:
-        patch.uninstall()
-    return None
+    return refusal(SDP.replace(seed=rank))
 
 
 def test_mismatched_configs_raise_on_every_rank():
@@ -205,17 +197,7 @@ def test_mismatched_configs_raise_on_every_rank():
 
 
 def _no_distributed_optimizer(rank, world_size):
-    from megatron_harness import TinyGPTTrainer
-    from megatron_sdp4bit.megatron import patch
-
-    patch.install(SDP)
-    try:
-        TinyGPTTrainer(TinyGPTSpec(use_distributed_optimizer=False))
-    except RuntimeError as exc:
-        return str(exc)
-    finally:
-        patch.uninstall()
-    return None
+    return refusal(SDP, TinyGPTSpec(use_distributed_optimizer=False))
 
 
 def test_plain_ddp_is_refused_with_a_clear_error():
