@@ -44,6 +44,11 @@ def _exact_is_the_layers(state, size: int) -> bool:
 def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = False):
     state, adapter = layer.state, layer.adapter
     quantize = state.grads_quantized_now() and not force_all_reduce
+    if not adapter.ddp_config(bucket_group).use_distributed_optimizer:
+        # megatron all-reduces (its bucket group has no reduce-scatter group to ask for)
+        if quantize:
+            check_ddp_config(adapter, adapter.ddp_config(bucket_group))  # refuses, naming the flag
+        return _megatron(layer, bucket_group, force_all_reduce)
     group, size, rank = adapter.collective_group(bucket_group)
     if not (quantize and size > 1) and not _exact_is_the_layers(state, size):
         return _megatron(layer, bucket_group, force_all_reduce)

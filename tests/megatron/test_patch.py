@@ -200,6 +200,27 @@ def _no_distributed_optimizer(rank, world_size):
     return refusal(SDP, TinyGPTSpec(use_distributed_optimizer=False))
 
 
+def _plain_ddp_with_quantization_off(rank, world_size):
+    """Without the distributed optimizer megatron all-reduces: the layer, installed with
+    quantization off (as the driver always installs it), leaves that to megatron."""
+    from megatron_harness import TinyGPTTrainer
+    from megatron_sdp4bit.megatron import patch
+
+    spec = TinyGPTSpec(dtype="fp32", use_distributed_optimizer=False)
+    stock = [r.weights_sha256 for r in TinyGPTTrainer(spec).train_steps(3)]
+    patch.install(preset("baseline", ranks_per_node=RANKS_PER_NODE))
+    try:
+        patched = [r.weights_sha256 for r in TinyGPTTrainer(spec).train_steps(3)]
+    finally:
+        patch.uninstall()
+    return stock, patched
+
+
+def test_plain_ddp_with_quantization_off_is_megatrons_own():
+    for stock, patched in spawn_ranks(_plain_ddp_with_quantization_off, 2, timeout_s=180):
+        assert patched == stock
+
+
 def test_plain_ddp_is_refused_with_a_clear_error():
     messages = spawn_ranks(_no_distributed_optimizer, 2, timeout_s=120)
     assert all(m is not None and "--use-distributed-optimizer" in m for m in messages)
