@@ -255,5 +255,6 @@ def build_gpt_datasets(
         mmap_bin_files=True,
     )
     sizes = [train_samples, valid_samples, test_samples]
-    with _process_group(), dataset_helpers_in_place():
-        return BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank, config).build()
+    with _process_group():
+        with dataset_helpers_in_place():
+            return BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank, config).build()
