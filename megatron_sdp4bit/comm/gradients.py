@@ -100,7 +100,8 @@ def quantized_reduce_scatter(
                                 async_op)
     if not config.quantize_grads:
         record_peer_sends(_COLLECTIVE, same, other, values=shard * element_size, elements=shard)
-        return reduce_scatter_flat(output, input, op, group, async_op)
+        return reduce_scatter_flat(output, input, op, group, async_op,
+                                   as_alltoall=config.exact_reduce_scatter == "alltoall")
     topology = get_topology(group, config.ranks_per_node)
     run = _QuantizedReduceScatter(output, input, op == dist.ReduceOp.AVG, topology, config,
                                   generator, workspace if workspace is not None else Workspace())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_sdp4bit.config import preset
-from megatron_harness import TinyGPTSpec, spawn_ranks
+from megatron_harness import TinyGPTSpec, refusal, spawn_ranks
 
 WORLD = 4
 STEPS = 20
@@ -188,15 +188,7 @@ def test_install_rejects_non_config():
 
 
 def _mismatch(rank, world_size):
-    from megatron_sdp4bit.megatron import patch
-
-    try:
-        patch.install(SDP.replace(seed=rank))
-    except RuntimeError as exc:
-        return str(exc)
-    finally:
-        patch.uninstall()
-    return None
+    return refusal(SDP.replace(seed=rank))
 
 
 def test_mismatched_configs_raise_on_every_rank():
@@ -205,17 +197,28 @@ def test_mismatched_configs_raise_on_every_rank():
 
 
 def _no_distributed_optimizer(rank, world_size):
+    return refusal(SDP, TinyGPTSpec(use_distributed_optimizer=False))
+
+
+def _plain_ddp_with_quantization_off(rank, world_size):
+    """Without the distributed optimizer megatron all-reduces: the layer, installed with
+    quantization off (as the driver always installs it), leaves that to megatron."""
     from megatron_harness import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
 
-    patch.install(SDP)
+    spec = TinyGPTSpec(dtype="fp32", use_distributed_optimizer=False)
+    stock = [r.weights_sha256 for r in TinyGPTTrainer(spec).train_steps(3)]
+    patch.install(preset("baseline", ranks_per_node=RANKS_PER_NODE))
     try:
-        TinyGPTTrainer(TinyGPTSpec(use_distributed_optimizer=False))
-    except RuntimeError as exc:
-        return str(exc)
+        patched = [r.weights_sha256 for r in TinyGPTTrainer(spec).train_steps(3)]
     finally:
         patch.uninstall()
-    return None
+    return stock, patched
+
+
+def test_plain_ddp_with_quantization_off_is_megatrons_own():
+    for stock, patched in spawn_ranks(_plain_ddp_with_quantization_off, 2, timeout_s=180):
+        assert patched == stock
 
 
 def test_plain_ddp_is_refused_with_a_clear_error():
