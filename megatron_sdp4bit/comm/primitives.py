@@ -17,7 +17,7 @@ and picks the path from them, so nothing above has to know the backend:
 
 ``runs_on_host_staged_gloo`` is that test; the patch layer also uses it to keep
 megatron's coalesced bucket collectives, which torch's gloo cannot run on CUDA
-tensors, off that path (``megatron/exact_sync.py``).
+tensors, off that path (``megatron/grad_sync.py``, ``megatron/param_sync.py``).
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def check_alltoall_ddp_config(adapter, ddp_config) -> None:
 
 def check_host_staged_ddp(ddp_config) -> None:
     """gloo on CUDA tensors: the layer runs the exact bucket collectives itself, the
-    distributed optimizer's reduce-scatter and all-gather (``exact_sync`` paths)."""
+    distributed optimizer's reduce-scatter and all-gather, per bucket (grad_sync, param_sync)."""
     if not ddp_config.use_distributed_optimizer:
         raise RuntimeError(
             "--distributed-backend gloo on GPUs needs the distributed optimizer "
