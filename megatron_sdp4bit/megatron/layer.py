@@ -25,7 +25,7 @@ from megatron_sdp4bit import comm, quant
 from megatron_sdp4bit.comm.kernel_specs import all_gather_specs, reduce_scatter_specs
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import grad_sync, param_sync
-from megatron_sdp4bit.comm.primitives import runs_on_host_staged_gloo
+from megatron_sdp4bit.comm.primitives import all_gather_flat, runs_on_host_staged_gloo
 from megatron_sdp4bit.megatron.checks import (
     check_alltoall_ddp_config,
     check_ddp_config,
@@ -122,11 +122,33 @@ class SDP4BitLayer:
         self.state.iteration = saved["iteration"]
         self.state.noise.set_states(saved["rng"])
         for opt in self.adapter.sub_optimizers(optimizer):
+            rank, size = self.adapter.optimizer_group(opt)
+            group = self.adapter.optimizer_process_group(opt)
             for key, bucket in self.adapter.buffer_buckets(opt):
                 main = saved["main_shards"].get(key)
-                if main is not None:
-                    self.state.bucket(bucket).main_shard = main.to(
-                        self.adapter.bucket_param_data(bucket).device)
+                if main is None:
+                    continue
+                params = self.adapter.bucket_param_data(bucket)
+                main = main.to(params.device)
+                if self.state.config.quantize_weights and size > 1:
+                    self.state.bucket(bucket).main_shard = main  # qWD's next difference
+                else:  # nothing will gather differences: the weights are the exact ones
+                    _put_exact_weights(self.adapter.param_shard(bucket, size, rank), main,
+                                       params, group, size)
+
+
+def _put_exact_weights(own, main, params, group, size: int) -> None:
+    """A qWD run with fp32 params saved the reconstructed weights as megatron's (its main
+    weights are the param buffer) and the exact ones beside them: resumed without weight
+    quantization, each rank writes its exact shard back and every rank gathers them all,
+    so training continues from the exact weights on identical replicas."""
+    if own.numel() != main.numel():
+        raise ValueError(f"the checkpoint's exact main shard has {main.numel()} elements, this "
+                         f"rank's shard {own.numel()}: it was saved with another data-parallel size")
+    own.copy_(main)
+    if size > 1:
+        flat = params.view(-1)
+        all_gather_flat(flat, own.contiguous().clone(), group, async_op=False)
 
 
 def _megatron_collectives_cannot_run(adapter, ddp) -> bool:

@@ -236,3 +236,39 @@ def test_unsupported_megatron_version_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=f"supports megatron-core {', '.join(supported_minors())}"):
         compat.check_version()
     assert compat.check_version(force=True) == "0.99.0"
+
+
+def _resume_without_weight_quantization(rank, world_size):
+    """fp32 params, qWD for 3 steps, its layer state saved; then the same model resumed
+    with the exact collectives: the weights must be the exact main weights, not the
+    shared reconstruction (which is what megatron's own state holds with fp32 params)."""
+    import torch
+
+    from megatron_harness import TinyGPTTrainer
+    from megatron_sdp4bit.megatron import patch
+
+    patch.uninstall()
+    layer = patch.install(SDP.replace(ranks_per_node=1))
+    trainer = TinyGPTTrainer(TinyGPTSpec(dtype="fp32"))
+    trainer.train_steps(3)
+    saved = patch.state_dict(trainer.optimizer)
+    keyed = [kb for opt in layer.adapter.sub_optimizers(trainer.optimizer)
+             for kb in layer.adapter.buffer_buckets(opt)]
+    before = [layer.adapter.bucket_param_data(b).clone() for _, b in keyed]
+    patch.uninstall()
+    layer = patch.install(preset("baseline"))
+    patch.load_state_dict(saved, trainer.optimizer)
+    result = []
+    for (key, bucket), old in zip(keyed, before):
+        params = layer.adapter.bucket_param_data(bucket)
+        mains = [torch.empty_like(saved["main_shards"][key]) for _ in range(world_size)]
+        torch.distributed.all_gather(mains, saved["main_shards"][key])
+        result.append({"exact": torch.equal(params, torch.cat(mains)),
+                       "was_reconstructed": not torch.equal(old, torch.cat(mains))})
+    patch.uninstall()
+    return result
+
+
+def test_a_qwd_checkpoint_resumed_without_weight_quantization_continues_from_exact_weights():
+    for rank_result in spawn_ranks(_resume_without_weight_quantization, 2, timeout_s=300):
+        assert rank_result and all(b == {"exact": True, "was_reconstructed": True} for b in rank_result)
