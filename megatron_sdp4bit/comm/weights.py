@@ -18,7 +18,7 @@ optimizer just updated. The all-gather brings every rank's buffer up to date.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,9 +78,9 @@ def quantized_all_gather_weights(
     if dp_size == 1 or shard == 0:
         return finish_or_handle(lambda: flat.copy_(main_shard.view(-1)), async_op)
     if not config.quantize_weights:
-        staged = main_shard.view(-1).to(model_buffer.dtype, copy=True)
         record_peer_sends(_COLLECTIVE, same, other,
                           values=shard * model_buffer.element_size(), elements=shard)
+        staged = main_shard.view(-1).to(model_buffer.dtype, copy=True)
         work = all_gather_flat(flat, staged, group, async_op)
         return work if async_op else None
 
@@ -113,17 +113,22 @@ def quantized_all_gather_weights(
         everyone = wire_view(incoming, dp_size, n, config.weight_bits, config.weight_group_size)
         return _Gather(targets[:, start:stop], everyone, work)
 
-    # Async: every rank's codes of the whole shard in flight at once. Sync: slice by
-    # slice, the next slice's gather in flight while this one is applied: a bucket of
-    # every parameter (megatron's without overlap) needs a few slices' codes at a time,
-    # not the whole bucket's. Two slots: slice i + 2 reuses slice i's buffers, applied
-    # (so waited for) before slice i + 2 is quantized.
+    # Async: every rank's codes of the whole shard in flight at once. Sync: slice by slice
+    # (``_gather_in_slices``), so a bucket of every parameter (megatron's without overlap)
+    # needs a few slices' codes at a time, not the whole bucket's.
     slices = weight_slices(shard, dp_size, config.weight_group_size, whole=async_op,
                            max_chunk_elements=MAX_CHUNK_ELEMENTS,
                            min_slice_elements=MIN_SLICE_ELEMENTS)
     if async_op:
         pending = gather(0, shard, 0)
         return finish_or_handle(lambda: pending.apply(add), True)
+    _gather_in_slices(gather, slices, add)
+    return None
+
+
+def _gather_in_slices(gather: Callable[[int, int, int], "_Gather"], slices, add: bool) -> None:
+    """Slice i + 1's gather in flight while slice i is applied. Two slots: slice i + 2
+    reuses slice i's buffers, applied (so waited for) before slice i + 2 is quantized."""
     previous = None
     for index, (start, n) in enumerate(slices):
         current = gather(start, start + n, index % 2)
@@ -131,7 +136,6 @@ def quantized_all_gather_weights(
             previous.apply(add)
         previous = current
     previous.apply(add)
-    return None
 
 
 class _Gather:

@@ -59,18 +59,8 @@ from megatron_sdp4bit.quant.reference_stream import (
     read_fp32,
     sum_chunks_into,
 )
-from megatron_sdp4bit.quant.types import (
-    QuantizedTensor,
-    check_format,
-    check_hadamard_block,
-    check_hadamard_chunks,
-    check_out,
-    check_out_chunks_whole,
-    check_quantized,
-    check_rows,
-    check_same_numel,
-    chunks_to_sum,
-)
+from megatron_sdp4bit.quant.arguments import api_op
+from megatron_sdp4bit.quant.types import QuantizedTensor
 
 __all__ = [
     "quantize", "dequantize", "quantize_weight_diff", "dequantize_add_", "hadamard_quantize",
@@ -81,13 +71,11 @@ __all__ = [
 
 def _output(out: Optional[QuantizedTensor], numel: int, bits: int, group_size: int,
             dtype: torch.dtype, device: torch.device) -> QuantizedTensor:
-    """``out`` checked, or a new flat QuantizedTensor."""
-    if out is None:
-        return empty_quantized(bits, group_size, numel, dtype, device)
-    check_out(out, numel, bits, group_size, device)
-    return out
+    """``out`` (checked by the contract), or a new flat QuantizedTensor."""
+    return empty_quantized(bits, group_size, numel, dtype, device) if out is None else out
 
 
+@api_op()
 def quantize(
     x: torch.Tensor,
     bits: int = 4,
@@ -97,16 +85,15 @@ def quantize(
     out: Optional[QuantizedTensor] = None,
 ) -> QuantizedTensor:
     """Group-wise symmetric quantization of ``x`` (flattened), into ``out`` if given."""
-    check_format(bits, group_size, rounding)
     flat = x.reshape(-1)
     result = _output(out, flat.numel(), bits, group_size, x.dtype, x.device)
     return quantize_stream(lambda start, stop, limit, s: read_fp32(flat, start, stop, limit, s.work),
                            result, rounding, generator)
 
 
+@api_op()
 def dequantize(q: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Values of ``q`` as a flat tensor of ``q.numel`` elements in ``dtype`` (default q.dtype)."""
-    check_quantized(q)
     out_dtype = dtype or q.dtype
     out = torch.empty(q.numel, dtype=out_dtype, device=q.device)
     if q.numel == 0:
@@ -128,6 +115,7 @@ def dequantize(q: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torch
 
 # --- fused operations the collectives use ------------------------------------------
 
+@api_op()
 def quantize_weight_diff(
     main_shard: torch.Tensor,
     model_shard: torch.Tensor,
@@ -138,8 +126,6 @@ def quantize_weight_diff(
     out: Optional[QuantizedTensor] = None,
 ) -> QuantizedTensor:
     """Quantize ``main_shard (fp32) - model_shard (bf16/fp32)``: the qWD payload."""
-    check_format(bits, group_size, rounding)
-    check_same_numel("main shard", main_shard, "model shard", model_shard.numel())
     main, model = main_shard.reshape(-1), model_shard.reshape(-1)
     result = _output(out, main.numel(), bits, group_size, torch.float32, main.device)
 
@@ -151,14 +137,13 @@ def quantize_weight_diff(
     return quantize_stream(fill, result, rounding, generator)
 
 
+@api_op()
 def dequantize_add_(base: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     """``base += dequantize(q)`` in place, summed in fp32 and rounded once to base's dtype.
 
     ``base``: ``q.numel`` elements, or for k-chunk ``q`` also a [k, n] tensor
     (any row stride): chunk c is added into base[c] (= flat base[c*n:(c+1)*n]).
     """
-    check_quantized(q)
-    check_same_numel("base", base, "the quantized tensor", q.numel)
     if q.numel == 0:
         return base
     n, size = q.chunk_numel, q.group_size
@@ -190,6 +175,7 @@ def _hadamard_fill(flat: torch.Tensor, block: Optional[int], scale: float) -> S.
     return fill
 
 
+@api_op()
 def hadamard_quantize(
     x: torch.Tensor,
     bits: int = 8,
@@ -206,10 +192,8 @@ def hadamard_quantize(
     (fp32(x) * scale is rounded once, then transformed).
     ``x.numel()`` (each chunk of a k-chunk ``out``) must be a multiple of the block.
     """
-    check_format(bits, group_size, rounding)
     flat = x.reshape(-1)
     result = _output(out, flat.numel(), bits, group_size, x.dtype, x.device)
-    check_hadamard_chunks(result.chunk_numel, group_size, hadamard_block)
     return quantize_stream(_hadamard_fill(flat, hadamard_block, scale), result, rounding, generator)
 
 
@@ -223,6 +207,7 @@ def stage_rows(rows: torch.Tensor, order: Optional[torch.Tensor], start: int, va
     return staged.view(-1)
 
 
+@api_op()
 def hadamard_quantize_rows(
     rows: torch.Tensor,
     order: Optional[torch.Tensor],
@@ -247,16 +232,12 @@ def hadamard_quantize_rows(
     k-chunk ``out`` must have chunks of whole groups. Defined as
     ``hadamard_quantize(stage_rows(...), ...)``, which is what this reference does.
     """
-    check_format(bits, group_size, rounding)
-    check_rows(rows, order, start, valid, padded, group_size, hadamard_block)
-    if out is not None:
-        check_out(out, rows.shape[0] * padded, bits, group_size, rows.device)
-        check_out_chunks_whole(out, group_size)
     staged = stage_rows(rows, order, start, valid, padded)
     return hadamard_quantize(staged, bits, group_size, hadamard_block, rounding, generator,
                              scale, out)
 
 
+@api_op()
 def dequantize_sum_requantize(
     q: QuantizedTensor,
     num_chunks: int,
@@ -273,11 +254,8 @@ def dequantize_sum_requantize(
     (``num_chunks`` = k); a k-chunk ``out`` must have chunks of whole groups of
     both formats.
     """
-    check_format(bits, group_size, rounding)
-    check_quantized(q)
-    chunk = chunks_to_sum(q, num_chunks)
+    chunk = q.numel // num_chunks
     result = _output(out, chunk, bits, group_size, q.dtype, q.device)
-    check_out_chunks_whole(result, group_size, q.group_size)
     sources = flat_chunks(q, num_chunks)
 
     def fill(start: int, stop: int, limit: int, scratch: Scratch) -> torch.Tensor:
@@ -287,6 +265,7 @@ def dequantize_sum_requantize(
     return quantize_stream(fill, result, rounding, generator, align=q.group_size)
 
 
+@api_op()
 def dequantize_sum(
     q: QuantizedTensor,
     num_chunks: int,
@@ -298,18 +277,8 @@ def dequantize_sum(
     ``q`` flat (k concatenated chunks) or k-chunk (``num_chunks`` = k).
     Returns fp32, or writes (cast) into ``out`` and returns it.
     """
-    check_quantized(q)
-    chunk = chunks_to_sum(q, num_chunks)
+    chunk = q.numel // num_chunks
     block = inverse_hadamard_block
-    if block is not None:
-        check_hadamard_block(block)
-        if chunk % block:
-            raise ValueError(
-                f"hadamard_transform: {chunk} elements is not a multiple of block={block}; "
-                "pad the input to a multiple of the block"
-            )
-    if out is not None and out.numel() != chunk:
-        raise ValueError(f"out has {out.numel()} elements, the sum has {chunk}")
     result = torch.empty(chunk, dtype=torch.float32, device=q.device) if out is None else out
     flat = result.view(-1)
     if chunk == 0:

@@ -37,19 +37,9 @@ from megatron_sdp4bit.quant.triton_kernels.quantize_kernel import (
     quantize_kernel,
 )
 from megatron_sdp4bit.quant.triton_kernels.tile_math import INTERPRETED
-from megatron_sdp4bit.quant.types import (
-    QuantizedTensor,
-    check_format,
-    check_hadamard_block,
-    check_hadamard_chunks,
-    check_out,
-    check_out_chunks_whole,
-    check_quantized,
-    check_rows,
-    check_same_numel,
-    chunks_to_sum,
-    codes_per_byte,
-)
+from megatron_sdp4bit.quant import reference
+from megatron_sdp4bit.quant.arguments import api_op
+from megatron_sdp4bit.quant.types import QuantizedTensor, codes_per_byte
 
 __all__ = [
     "quantize", "dequantize", "quantize_weight_diff", "dequantize_add_",
@@ -60,34 +50,21 @@ __all__ = [
 _EXACT = launch.exact_fp_options()
 
 
-# --- argument checks -----------------------------------------------------------------
+# --- what only this backend needs (the API's contract is quant/arguments.py) ---------------
 
-def _check_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    for t in tensors[1:]:
-        if t.device != device:
-            raise ValueError(f"tensors are on different devices: {device} and {t.device}")
-    if device.type != "cuda" and not INTERPRETED and not launch_record.active():
+def _check_cuda(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not INTERPRETED and not launch_record.active():
         raise ValueError(
-            f"the Triton kernels run on CUDA tensors, got a {device.type} tensor: call "
+            f"the Triton kernels run on CUDA tensors, got a {t.device.type} tensor: call "
             "megatron_sdp4bit.quant (it dispatches by device), or set TRITON_INTERPRET=1 "
             "before the first import of triton_ops to run the kernels on the CPU"
         )
 
 
-def _check_quantized(q: QuantizedTensor) -> None:
-    check_quantized(q)
-    _check_device(q.codes, q.scales)
-
-
 def _output(out: Optional[QuantizedTensor], numel: int, bits: int, group_size: int,
             dtype: torch.dtype, device: torch.device) -> QuantizedTensor:
-    """``out`` checked, or a new flat QuantizedTensor."""
-    if out is None:
-        return empty_quantized(bits, group_size, numel, dtype, device)
-    check_out(out, numel, bits, group_size, device)
-    _check_device(out.codes, out.scales)
-    return out
+    """``out`` (checked by the contract), or a new flat QuantizedTensor."""
+    return empty_quantized(bits, group_size, numel, dtype, device) if out is None else out
 
 
 # --- launches ----------------------------------------------------------------------
@@ -209,27 +186,21 @@ def _launch_dequantize(q: QuantizedTensor, out: torch.Tensor, out_stride: int,
     return out
 
 
-# --- the API (same as reference.py) --------------------------------------------------
+# --- the API: reference.py's signatures and contract (quant/arguments.py), fused ---------
 
-def quantize(
-    x: torch.Tensor,
-    bits: int = 4,
-    group_size: int = 2048,
-    rounding: str = "stochastic",
-    generator: Optional[torch.Generator] = None,
-    out: Optional[QuantizedTensor] = None,
-) -> QuantizedTensor:
+@api_op(reference.quantize)
+def quantize(x, bits, group_size, rounding, generator, out) -> QuantizedTensor:
     """Group-wise symmetric quantization of ``x`` (flattened), into ``out`` if given."""
-    check_format(bits, group_size, rounding)
-    _check_device(x)
+    _check_cuda(x)
     flat = launch.flat_input(x)
     result = _output(out, flat.numel(), bits, group_size, x.dtype, x.device)
     return _launch_quantize(result, rounding, generator, x=flat)
 
 
-def dequantize(q: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+@api_op(reference.dequantize)
+def dequantize(q, dtype) -> torch.Tensor:
     """Values of ``q`` as a flat tensor of ``q.numel`` elements in ``dtype`` (default q.dtype)."""
-    _check_quantized(q)
+    _check_cuda(q.codes)
     out_dtype = dtype or q.dtype
     if out_dtype not in launch.NATIVE_FLOATS and out_dtype != torch.bfloat16:
         return dequantize(q, torch.float32).to(out_dtype)  # e.g. an integer dtype: as the reference
@@ -237,33 +208,24 @@ def dequantize(q: QuantizedTensor, dtype: Optional[torch.dtype] = None) -> torch
     return _launch_dequantize(q, out, q.chunk_numel if q.num_chunks > 1 else 0)
 
 
-def quantize_weight_diff(
-    main_shard: torch.Tensor,
-    model_shard: torch.Tensor,
-    bits: int = 4,
-    group_size: int = 2048,
-    rounding: str = "stochastic",
-    generator: Optional[torch.Generator] = None,
-    out: Optional[QuantizedTensor] = None,
-) -> QuantizedTensor:
+@api_op(reference.quantize_weight_diff)
+def quantize_weight_diff(main_shard, model_shard, bits, group_size, rounding, generator,
+                         out) -> QuantizedTensor:
     """Quantize ``main_shard (fp32) - model_shard (bf16/fp32)``: the qWD payload."""
-    check_format(bits, group_size, rounding)
-    check_same_numel("main shard", main_shard, "model shard", model_shard.numel())
-    _check_device(main_shard, model_shard)
+    _check_cuda(main_shard)
     main, model = launch.flat_input(main_shard), launch.flat_input(model_shard)
     result = _output(out, main.numel(), bits, group_size, torch.float32, main.device)
     return _launch_quantize(result, rounding, generator, x=main, y=model)
 
 
-def dequantize_add_(base: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
+@api_op(reference.dequantize_add_)
+def dequantize_add_(base, q) -> torch.Tensor:
     """``base += dequantize(q)`` in place, summed in fp32 and rounded once to base's dtype.
 
     ``base``: ``q.numel`` elements, or for k-chunk ``q`` also a [k, n] tensor
     (any row stride): chunk c is added into base[c] (= flat base[c*n:(c+1)*n]).
     """
-    _check_quantized(q)
-    check_same_numel("base", base, "the quantized tensor", q.numel)
-    _check_device(base, q.codes)
+    _check_cuda(base)
     if q.numel == 0:
         return base
     n = q.chunk_numel
@@ -282,44 +244,24 @@ def dequantize_add_(base: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
     return base
 
 
-def hadamard_quantize(
-    x: torch.Tensor,
-    bits: int = 8,
-    group_size: int = 128,
-    hadamard_block: Optional[int] = 32,
-    rounding: str = "stochastic",
-    generator: Optional[torch.Generator] = None,
-    scale: float = 1.0,
-    out: Optional[QuantizedTensor] = None,
-) -> QuantizedTensor:
+@api_op(reference.hadamard_quantize)
+def hadamard_quantize(x, bits, group_size, hadamard_block, rounding, generator, scale,
+                      out) -> QuantizedTensor:
     """Quantize ``H(scale * x)`` (no transform when ``hadamard_block`` is None).
 
     ``scale`` folds the 1/DP of an averaging reduce-scatter into the same pass.
     ``x.numel()`` (each chunk of a k-chunk ``out``) must be a multiple of the block.
     """
-    check_format(bits, group_size, rounding)
-    _check_device(x)
+    _check_cuda(x)
     flat = launch.flat_input(x)
     result = _output(out, flat.numel(), bits, group_size, x.dtype, x.device)
-    check_hadamard_chunks(result.chunk_numel, group_size, hadamard_block)
     return _launch_quantize(result, rounding, generator, x=flat, multiplier=scale,
                             hadamard_block=hadamard_block)
 
 
-def hadamard_quantize_rows(
-    rows: torch.Tensor,
-    order: Optional[torch.Tensor],
-    start: int,
-    valid: int,
-    padded: int,
-    bits: int = 8,
-    group_size: int = 128,
-    hadamard_block: Optional[int] = 32,
-    rounding: str = "stochastic",
-    generator: Optional[torch.Generator] = None,
-    scale: float = 1.0,
-    out: Optional[QuantizedTensor] = None,
-) -> QuantizedTensor:
+@api_op(reference.hadamard_quantize_rows)
+def hadamard_quantize_rows(rows, order, start, valid, padded, bits, group_size, hadamard_block,
+                           rounding, generator, scale, out) -> QuantizedTensor:
     """``hadamard_quantize`` of the send-order staging of a pipeline chunk, without staging it.
 
     ``rows``: [P, shard], each row contiguous. The quantized tensor has P *
@@ -328,60 +270,34 @@ def hadamard_quantize_rows(
     reads each group straight from its source row; a k-chunk ``out`` must have
     chunks of whole groups.
     """
-    check_format(bits, group_size, rounding)
-    check_rows(rows, order, start, valid, padded, group_size, hadamard_block)
-    _check_device(rows, *(() if order is None else (order,)))
+    _check_cuda(rows)
     result = _output(out, rows.shape[0] * padded, bits, group_size, rows.dtype, rows.device)
-    check_out_chunks_whole(result, group_size)
     return _launch_quantize(result, rounding, generator, x=rows, multiplier=scale,
                             rows=(order, start, valid, padded), hadamard_block=hadamard_block)
 
 
-def dequantize_sum_requantize(
-    q: QuantizedTensor,
-    num_chunks: int,
-    bits: int = 4,
-    group_size: int = 128,
-    rounding: str = "stochastic",
-    generator: Optional[torch.Generator] = None,
-    out: Optional[QuantizedTensor] = None,
-) -> QuantizedTensor:
+@api_op(reference.dequantize_sum_requantize)
+def dequantize_sum_requantize(q, num_chunks, bits, group_size, rounding, generator,
+                              out) -> QuantizedTensor:
     """Dequantize k received chunks, sum them in fp32, quantize the sum again.
 
     The step between the two all-to-all hops; bits and group size may differ
     from the input's. One kernel: the sum never goes to memory.
     """
-    check_format(bits, group_size, rounding)
-    _check_quantized(q)
-    chunk = chunks_to_sum(q, num_chunks)
+    _check_cuda(q.codes)
+    chunk = q.numel // num_chunks
     result = _output(out, chunk, bits, group_size, q.dtype, q.device)
-    check_out_chunks_whole(result, group_size, q.group_size)
     return _launch_quantize(result, rounding, generator, source=q, num_chunks=num_chunks)
 
 
-def dequantize_sum(
-    q: QuantizedTensor,
-    num_chunks: int,
-    inverse_hadamard_block: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+@api_op(reference.dequantize_sum)
+def dequantize_sum(q, num_chunks, inverse_hadamard_block, out) -> torch.Tensor:
     """Dequantize k chunks, sum in fp32, then H^-1 per block if asked.
 
     Returns fp32, or writes (cast) into ``out`` and returns it.
     """
-    _check_quantized(q)
-    chunk = chunks_to_sum(q, num_chunks)
-    if inverse_hadamard_block is not None:
-        check_hadamard_block(inverse_hadamard_block)
-        if chunk % inverse_hadamard_block:
-            raise ValueError(
-                f"hadamard_transform: {chunk} elements is not a multiple of "
-                f"block={inverse_hadamard_block}; pad the input to a multiple of the block"
-            )
-    if out is not None:
-        if out.numel() != chunk:
-            raise ValueError(f"out has {out.numel()} elements, the sum has {chunk}")
-        _check_device(out, q.codes)
+    _check_cuda(q.codes)
+    chunk = q.numel // num_chunks
     # The kernel writes straight into a contiguous float ``out``; any other ``out``
     # gets an fp32 result that copy_ casts and strides (one extra pass).
     direct = out is not None and out.is_contiguous() and (

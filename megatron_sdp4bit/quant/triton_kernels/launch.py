@@ -168,8 +168,6 @@ def seed_tensor(generator: Optional[torch.Generator], device: torch.device) -> t
     re-seeding the generator reproduces them. The seed stays a tensor so that
     on CUDA no host synchronisation is needed (the kernel loads it).
     """
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator or None, not {type(generator).__name__}")
     source_device = generator.device if generator is not None else device
     seed = torch.randint(2**31 - 1, (1,), generator=generator, device=source_device, dtype=torch.int64)
     return seed.to(device)
