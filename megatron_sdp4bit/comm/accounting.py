@@ -18,8 +18,11 @@ implies, so an all-gather or reduce-scatter of shards of ``s`` elements sends
 ``(P - 1) * s`` elements per rank, split intra/inter by where each peer lives.
 Bytes a rank keeps (its own chunk of an all-to-all) are not counted.
 
-Counters are per process; ``get_wire_stats`` returns a snapshot and
-``reset_wire_stats`` zeroes them.
+The counters live in a ``WireRecorder``. Each collective takes ``recorder=``:
+the installed layer passes its own (``megatron/state.py``), so what a run reads
+(``patch.wire_stats()``) is that layer's alone; direct callers that pass none
+count into ``DEFAULT_RECORDER``, which ``get_wire_stats`` / ``reset_wire_stats``
+read and zero.
 """
 from __future__ import annotations
 
@@ -90,8 +93,8 @@ class WireStats:
         return "\n".join(rows)
 
 
-class _Recorder:
-    """The process-wide counters; a lock keeps concurrent recorders consistent."""
+class WireRecorder:
+    """Counters of one owner's collectives; a lock keeps concurrent recorders consistent."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -109,7 +112,13 @@ class _Recorder:
                 if value:
                     self._counters[(collective, level, name)] += int(value)
 
-    def count_call(self, collective: str) -> None:
+    def peer_sends(self, collective: str, intra_peers: int, inter_peers: int, **per_peer: int) -> None:
+        """Record sending the same per-peer amounts to ``intra_peers`` + ``inter_peers`` peers."""
+        for level, peers in (("intra", intra_peers), ("inter", inter_peers)):
+            if peers:
+                self.add(collective, level, **{k: v * peers for k, v in per_peer.items()})
+
+    def call(self, collective: str) -> None:
         with self._lock:
             self._calls[collective] += 1
 
@@ -123,25 +132,19 @@ class _Recorder:
             self._calls.clear()
 
 
-_RECORDER = _Recorder()
+DEFAULT_RECORDER = WireRecorder()
+"""Where collectives called without a ``recorder`` count (direct callers, benchmarks)."""
+
+
+def recorder_or_default(recorder: Optional[WireRecorder]) -> WireRecorder:
+    return DEFAULT_RECORDER if recorder is None else recorder
 
 
 def get_wire_stats() -> WireStats:
-    """Running totals of this process's collectives since the last reset."""
-    return _RECORDER.snapshot()
+    """Running totals of the collectives called without a recorder, since the last reset."""
+    return DEFAULT_RECORDER.snapshot()
 
 
 def reset_wire_stats() -> None:
-    """Zero the counters (e.g. at the start of a measured window)."""
-    _RECORDER.reset()
-
-
-def record_peer_sends(collective: str, intra_peers: int, inter_peers: int, **per_peer: int) -> None:
-    """Record sending the same per-peer amounts to ``intra_peers`` + ``inter_peers`` peers."""
-    for level, peers in (("intra", intra_peers), ("inter", inter_peers)):
-        if peers:
-            _RECORDER.add(collective, level, **{k: v * peers for k, v in per_peer.items()})
-
-
-def record_call(collective: str) -> None:
-    _RECORDER.count_call(collective)
+    """Zero ``DEFAULT_RECORDER`` (e.g. at the start of a measured window)."""
+    DEFAULT_RECORDER.reset()

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
+from megatron_sdp4bit.comm.accounting import WireRecorder, recorder_or_default
 from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
 from megatron_sdp4bit.comm.layout import (
@@ -74,6 +74,7 @@ def quantized_reduce_scatter(
     async_op: bool = False,
     generator: Optional[torch.Generator] = None,
     workspace: Optional[Workspace] = None,
+    recorder: Optional[WireRecorder] = None,
 ) -> Optional[PendingCollective]:
     """Reduce-scatter ``input`` into ``output`` over ``group`` as ``config.grad_mode`` says.
 
@@ -83,8 +84,9 @@ def quantized_reduce_scatter(
     of the output, and chunks do not share columns. ``generator``
     overrides this rank's stochastic-rounding stream. ``workspace`` keeps the send
     and receive buffers for the next call (see ``comm/workspace.py`` for when one
-    may be shared); without one they are allocated for this call. Returns None, or
-    with ``async_op`` a handle whose ``wait()`` finishes the collective.
+    may be shared); without one they are allocated for this call. The bytes sent
+    count into ``recorder`` (default ``comm.accounting.DEFAULT_RECORDER``). Returns
+    None, or with ``async_op`` a handle whose ``wait()`` finishes the collective.
     """
     config = config if config is not None else SDP4BitConfig()
     group = group if group is not None else dist.group.WORLD
@@ -93,18 +95,20 @@ def quantized_reduce_scatter(
     shard = output.numel()
     element_size = input.element_size()
     same, other = peer_split(group, config.ranks_per_node)
-    record_call(_COLLECTIVE)
-    record_peer_sends(_COLLECTIVE, same, other, exact=shard * element_size)
+    wire = recorder_or_default(recorder)
+    wire.call(_COLLECTIVE)
+    wire.peer_sends(_COLLECTIVE, same, other, exact=shard * element_size)
     if dp_size == 1 or shard == 0:
         return finish_or_handle(lambda: output.copy_(input.view(-1)[:shard].view_as(output)),
                                 async_op)
     if not config.quantize_grads:
-        record_peer_sends(_COLLECTIVE, same, other, values=shard * element_size, elements=shard)
+        wire.peer_sends(_COLLECTIVE, same, other, values=shard * element_size, elements=shard)
         return reduce_scatter_flat(output, input, op, group, async_op,
                                    as_alltoall=config.exact_reduce_scatter == "alltoall")
     topology = get_topology(group, config.ranks_per_node)
     run = _QuantizedReduceScatter(output, input, op == dist.ReduceOp.AVG, topology, config,
-                                  generator, workspace if workspace is not None else Workspace())
+                                  generator, workspace if workspace is not None else Workspace(),
+                                  wire)
     if async_op:
         run.launch()  # the first chunk's hop now, in flight while the caller goes on
         return PendingCollective(run.finish)
@@ -138,11 +142,12 @@ class _QuantizedReduceScatter:
     """
 
     def __init__(self, output, input, average, topology: Topology, config, generator,
-                 workspace: Workspace):
+                 workspace: Workspace, recorder: WireRecorder):
         self.output = output.view(-1)
         self.topology = topology
         self.config = config
         self.workspace = workspace
+        self.recorder = recorder
         self.levels = topology.levels
         self.formats = [config.grad_hop_format(level.name) for level in self.levels]
         self.block = config.grad_hadamard_block
@@ -235,9 +240,9 @@ class _QuantizedReduceScatter:
         else:
             intra, inter = (level.size - 1, 0) if level.name == "intra" else (0, level.size - 1)
         scales = 4 * layout.groups
-        record_peer_sends(_COLLECTIVE, intra, inter, codes=layout.codes_nbytes, scales=scales,
-                          padding=layout.nbytes - layout.codes_nbytes - scales,
-                          elements=chunk_numel)
+        self.recorder.peer_sends(_COLLECTIVE, intra, inter, codes=layout.codes_nbytes,
+                                 scales=scales, padding=layout.nbytes - layout.codes_nbytes - scales,
+                                 elements=chunk_numel)
 
     @staticmethod
     def _arrived(state) -> QuantizedTensor:

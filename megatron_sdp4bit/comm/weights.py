@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
+from megatron_sdp4bit.comm.accounting import WireRecorder, recorder_or_default
 from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_gather_flat
@@ -53,6 +53,7 @@ def quantized_all_gather_weights(
     async_op: bool = False,
     generator: Optional[torch.Generator] = None,
     workspace: Optional[Workspace] = None,
+    recorder: Optional[WireRecorder] = None,
 ) -> Optional[PendingCollective]:
     """Update ``model_buffer`` on every rank of ``group`` from all ranks' ``main_shard``.
 
@@ -63,7 +64,8 @@ def quantized_all_gather_weights(
     stochastic rounding). Like ``all_gather_into_tensor``: returns None, or with
     ``async_op`` a handle whose ``wait()`` applies the update. Do not touch
     ``model_buffer`` between the call and ``wait()``. ``workspace`` keeps the send
-    and gather buffers for the next call (``comm/workspace.py``).
+    and gather buffers for the next call (``comm/workspace.py``); the bytes sent count
+    into ``recorder`` (default ``comm.accounting.DEFAULT_RECORDER``).
     """
     config = config if config is not None else SDP4BitConfig()
     group = group if group is not None else dist.group.WORLD
@@ -72,14 +74,15 @@ def quantized_all_gather_weights(
     _validate(model_buffer, main_shard, dp_size)
     shard = main_shard.numel()
     same, other = peer_split(group, config.ranks_per_node)
-    record_call(_COLLECTIVE)
-    record_peer_sends(_COLLECTIVE, same, other, exact=shard * model_buffer.element_size())
+    wire = recorder_or_default(recorder)
+    wire.call(_COLLECTIVE)
+    wire.peer_sends(_COLLECTIVE, same, other, exact=shard * model_buffer.element_size())
     flat = model_buffer.view(-1)
     if dp_size == 1 or shard == 0:
         return finish_or_handle(lambda: flat.copy_(main_shard.view(-1)), async_op)
     if not config.quantize_weights:
-        record_peer_sends(_COLLECTIVE, same, other,
-                          values=shard * model_buffer.element_size(), elements=shard)
+        wire.peer_sends(_COLLECTIVE, same, other,
+                        values=shard * model_buffer.element_size(), elements=shard)
         staged = main_shard.view(-1).to(model_buffer.dtype, copy=True)
         work = all_gather_flat(flat, staged, group, async_op)
         return work if async_op else None
@@ -107,9 +110,9 @@ def quantized_all_gather_weights(
         incoming = space.buffer(f"weights gather {slot}", dp_size * layout.nbytes, flat.device)
         work = all_gather_flat(incoming, outgoing, group, True)
         scales = 4 * layout.groups
-        record_peer_sends(_COLLECTIVE, same, other, codes=layout.codes_nbytes, scales=scales,
-                          padding=layout.nbytes - layout.codes_nbytes - scales,
-                          elements=layout.groups * config.weight_group_size)
+        wire.peer_sends(_COLLECTIVE, same, other, codes=layout.codes_nbytes, scales=scales,
+                        padding=layout.nbytes - layout.codes_nbytes - scales,
+                        elements=layout.groups * config.weight_group_size)
         everyone = wire_view(incoming, dp_size, n, config.weight_bits, config.weight_group_size)
         return _Gather(targets[:, start:stop], everyone, work)
 

@@ -87,7 +87,7 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
             local_view, grad_data, op=op, group=group, config=config, async_op=async_op,
             generator=state.generator(grad_data.device, "grads") if quantize else None,
             # in flight together: a workspace each; one after another: one for all
-            workspace=state.grad_workspace(position if async_op else 0)))
+            workspace=state.grad_workspace(position if async_op else 0), recorder=state.wire))
     handle = Handles(handles) if async_op else None
     state.grad_reduce_in_flight = handle
     adapter.set_grad_reduce_handle(bucket_group, handle)

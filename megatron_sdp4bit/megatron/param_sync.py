@@ -154,7 +154,8 @@ def start_param_sync(layer, bucket_group, force_sync: bool = False):
         handles.append(comm.quantized_all_gather_weights(
             param_data, bucket_state.main_shard, group=group, config=state.config,
             async_op=async_op, generator=state.generator(bucket_state.main_shard.device, "weights"),
-            workspace=_weight_workspace(layer, bucket_group, bucket_state, async_op)))
+            workspace=_weight_workspace(layer, bucket_group, bucket_state, async_op),
+            recorder=state.wire))
         bucket_state.fresh = False
     first_bucket, first = buckets[0], kept[0]
 

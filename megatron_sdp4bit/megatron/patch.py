@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron_sdp4bit.comm.accounting import WireStats
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import adapters
 from megatron_sdp4bit.megatron.checks import check_same_config_on_all_ranks
@@ -101,6 +102,20 @@ def quantization_errors() -> Dict[str, float]:
     on a slice of the local gradients). Empty until a sampled step ran."""
     layer = installed_layer()
     return {} if layer is None else layer.state.metrics.read()
+
+
+def wire_stats() -> WireStats:
+    """Bytes the installed layer's bucket collectives sent (and the exact ones would
+    have) since install or the last ``reset_wire_stats``; empty without a layer."""
+    layer = installed_layer()
+    return WireStats() if layer is None else layer.state.wire.snapshot()
+
+
+def reset_wire_stats() -> None:
+    """Zero the installed layer's byte counters (e.g. at the start of a log window)."""
+    layer = installed_layer()
+    if layer is not None:
+        layer.state.wire.reset()
 
 
 def replica_checks_passed() -> int:

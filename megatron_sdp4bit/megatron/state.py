@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from megatron_sdp4bit.comm.accounting import WireRecorder
 from megatron_sdp4bit.comm.rng import NoiseStreams
 from megatron_sdp4bit.comm.topology import default_ranks_per_node
 from megatron_sdp4bit.comm.workspace import Workspace
@@ -63,6 +64,8 @@ class LayerState:
     metrics: QuantErrorMetrics = field(default_factory=QuantErrorMetrics)
     noise: NoiseStreams = field(default_factory=NoiseStreams)
     """This rank's stochastic-rounding streams (saved with the layer's checkpoint state)."""
+    wire: WireRecorder = field(default_factory=WireRecorder)
+    """The bytes of every bucket collective this layer ran or saw megatron run."""
     grad_workspaces: dict = field(default_factory=dict)
     """Reduce-scatter buffers by a bucket's position in its bucket group: the buckets of
     one group are in flight together, groups one after another (``comm/workspace.py``)."""

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from megatron_sdp4bit import comm
+from megatron_sdp4bit.megatron import patch
 
 
 class WireMeter:
@@ -21,12 +21,12 @@ class WireMeter:
 
     def __init__(self):
         self.totals = {"sent": 0, "exact": 0, "sent_intra": 0, "sent_inter": 0}
-        comm.reset_wire_stats()
+        patch.reset_wire_stats()
 
     def read(self) -> dict:
         """The bytes since the last read (added to ``totals``)."""
-        stats = comm.get_wire_stats()
-        comm.reset_wire_stats()
+        stats = patch.wire_stats()
+        patch.reset_wire_stats()
         window = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes(),
                   "sent_intra": stats.sent_bytes(level="intra"),
                   "sent_inter": stats.sent_bytes(level="inter")}

@@ -5,15 +5,15 @@ import pytest
 import torch
 
 from megatron_sdp4bit.comm import get_wire_stats, reset_wire_stats
-from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
+from megatron_sdp4bit.comm.accounting import DEFAULT_RECORDER, WireRecorder
 from megatron_sdp4bit.comm.rng import generator_for, reset_generators, stream_seed
 
 
 def test_counters_sum_per_level_and_kind_and_reset():
     reset_wire_stats()
-    record_call("reduce_scatter")
-    record_peer_sends("reduce_scatter", 1, 2, codes=100, scales=4, elements=200, exact=800)
-    record_peer_sends("all_gather", 3, 0, values=10, elements=5, exact=10)
+    DEFAULT_RECORDER.call("reduce_scatter")
+    DEFAULT_RECORDER.peer_sends("reduce_scatter", 1, 2, codes=100, scales=4, elements=200, exact=800)
+    DEFAULT_RECORDER.peer_sends("all_gather", 3, 0, values=10, elements=5, exact=10)
     stats = get_wire_stats()
     assert stats.sent_bytes("reduce_scatter", "intra") == 104
     assert stats.sent_bytes("reduce_scatter", "inter", "codes") == 200
@@ -28,11 +28,24 @@ def test_counters_sum_per_level_and_kind_and_reset():
     assert get_wire_stats().sent_bytes() == 0 and stats.sent_bytes() == 342  # a snapshot
 
 
+def test_a_recorder_counts_apart_from_the_default():
+    # The installed layer passes its own recorder to every collective: a run's figures
+    # are its layer's alone, whatever else in the process calls the collectives.
+    reset_wire_stats()
+    mine = WireRecorder()
+    mine.call("all_gather")
+    mine.peer_sends("all_gather", 1, 1, codes=8, exact=32)
+    assert mine.snapshot().sent_bytes() == 16 and mine.snapshot().exact_bytes() == 64
+    assert get_wire_stats().sent_bytes() == 0 and get_wire_stats().calls == {}
+    mine.reset()
+    assert mine.snapshot().counters == {}
+
+
 def test_unknown_counters_are_rejected():
     with pytest.raises(ValueError):
-        record_peer_sends("broadcast", 1, 0, codes=1)
+        WireRecorder().peer_sends("broadcast", 1, 0, codes=1)
     with pytest.raises(ValueError):
-        record_peer_sends("all_gather", 1, 0, bytes=1)
+        WireRecorder().peer_sends("all_gather", 1, 0, bytes=1)
 
 
 def test_streams_differ_per_rank_purpose_and_seed():

@@ -98,7 +98,6 @@ SCRIPT = textwrap.dedent('''
     import megatron.training.training as training
     from megatron.core.rerun_state_machine import RerunStateMachine
 
-    from megatron_sdp4bit import comm
     from megatron_sdp4bit import cpu_backend
     from megatron_sdp4bit.megatron import consistency, patch
 
@@ -211,7 +210,7 @@ SCRIPT = textwrap.dedent('''
                  ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
 
         config = patch.current_config()
-        stats = comm.get_wire_stats()
+        stats = patch.wire_stats()
         report = {
             "installed": patch.is_installed(), "weight_mode": config.weight_mode,
             "grad_mode": config.grad_mode, "ranks_per_node": config.ranks_per_node,

@@ -46,13 +46,13 @@ def _count_collectives_per_chunk(counts: dict):
     """A ``prepare(parts)`` that makes every bucket group of every DDP chunk report into
     ``counts``, per call, whether the collective it ran sent 4/8-bit codes (quantized)
     or plain values (exact), read from the wire accounting around the call."""
-    from megatron_sdp4bit import comm
+    from megatron_sdp4bit.megatron import patch
 
     def counted(method, chunk_counts, collective):
         def wrapper(*args, **kwargs):
-            before = comm.get_wire_stats()
+            before = patch.wire_stats()
             result = method(*args, **kwargs)
-            after = comm.get_wire_stats()
+            after = patch.wire_stats()
             codes = after.sent_bytes(collective, kind="codes") - before.sent_bytes(collective, kind="codes")
             values = after.sent_bytes(collective, kind="values") - before.sent_bytes(collective, kind="values")
             if codes > 0:

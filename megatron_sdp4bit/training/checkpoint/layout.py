@@ -108,25 +108,27 @@ def _refuse_other_buckets(where: str, saved: dict, current: dict) -> None:
         f"the model's shape or the bucketing differ{hint}")
 
 
+def _refuse_changed(where: str, saved: dict, current: dict, key: str, advice: str) -> None:
+    """A run setting the checkpoint recorded (when both know it) must be the same."""
+    then, now = saved.get(key), current.get(key)
+    if then is not None and now is not None and then != now:
+        raise CheckpointError(f"{where} {advice.format(then=then, now=now)}")
+
+
 def _refuse_other_global_batch(where: str, saved: dict, current: dict) -> None:
-    batch = saved.get("global_batch_size")
-    if batch is not None and current.get("global_batch_size") is not None and batch != current["global_batch_size"]:
-        # Its default is micro-batch x data-parallel size, so it changes silently with
-        # the number of ranks; the schedule and the data position count its samples.
-        raise CheckpointError(
-            f"{where} global batch size {batch}, this run has {current['global_batch_size']} (without "
-            f"--global-batch-size it is --micro-batch-size x data-parallel size): resume with "
-            f"--global-batch-size {batch}")
+    # Its default is micro-batch x data-parallel size, so it changes silently with
+    # the number of ranks; the schedule and the data position count its samples.
+    _refuse_changed(where, saved, current, "global_batch_size",
+                    "global batch size {then}, this run has {now} (without --global-batch-size it "
+                    "is --micro-batch-size x data-parallel size): resume with --global-batch-size {then}")
 
 
 def _refuse_other_seed(where: str, saved: dict, current: dict) -> None:
-    seed = saved.get("seed")
-    if seed is not None and current.get("seed") is not None and seed != current["seed"]:
-        # The random states are restored from the checkpoint, but the datasets are
-        # shuffled with this run's seed: the resume would read other samples.
-        raise CheckpointError(
-            f"{where} --seed {seed}, this run has {current['seed']}: resume with --seed {seed} (the data "
-            "order and the random states a resume continues come from it)")
+    # The random states are restored from the checkpoint, but the datasets are
+    # shuffled with this run's seed: the resume would read other samples.
+    _refuse_changed(where, saved, current, "seed",
+                    "--seed {then}, this run has {now}: resume with --seed {then} (the data order "
+                    "and the random states a resume continues come from it)")
 
 
 def _warnings(where: str, saved: dict, current: dict) -> List[str]:
