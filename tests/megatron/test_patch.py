@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_sdp4bit.config import preset
-from megatron_harness import TinyGPTSpec, spawn_ranks
+from harness import spawn_ranks
+from harness.tiny_gpt import TinyGPTSpec
 
 WORLD = 4
 STEPS = 20
@@ -24,7 +25,7 @@ LOSS_TOLERANCE = 0.05
 
 def _train(spec: TinyGPTSpec, config, steps: int):
     from megatron_sdp4bit import comm
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
 
     patch.uninstall()
@@ -205,7 +206,7 @@ def test_mismatched_configs_raise_on_every_rank():
 
 
 def _no_distributed_optimizer(rank, world_size):
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
 
     patch.install(SDP)

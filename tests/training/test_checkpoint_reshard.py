@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from driver_runs import forked_ranks
+from driver_runs import corpus_cache, driver_ranks
 from megatron_sdp4bit.training.checkpoint import CheckpointError, compare_layouts
 from megatron_sdp4bit.training.metrics import read_metrics
 
@@ -56,38 +56,21 @@ def _world(rank, world_size, root, runs):
     return out
 
 
-def _import_the_driver():
-    """What the driver imports lazily, imported here once (forked ranks inherit it)."""
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-
-    import megatron_sdp4bit.megatron.cpu  # noqa: F401
-    import megatron_sdp4bit.pretrain  # noqa: F401
-    from megatron_sdp4bit.training import checkpoint, fusions, metrics, model  # noqa: F401
-
-
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("reshard"))
     ck = {k: os.path.join(root, k) for k in ("A", "B", "C")}
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        _import_the_driver()
-        four = forked_ranks(_world, 4, root, [
+    with corpus_cache(root):
+        four = driver_ranks(_world, 4, root, [
             ("first4", ["--train-iters", str(SAVED_AT), "--save", ck["A"]]),
             ("straight4", ["--train-iters", str(STEPS), "--load", ck["A"]]),
         ], timeout_s=300)
-        two = forked_ranks(_world, 2, root, [
+        two = driver_ranks(_world, 2, root, [
             ("to2", ["--train-iters", str(SAVED_AT), "--load", ck["A"], "--save", ck["B"]]),
             ("cont2", ["--train-iters", str(STEPS), "--load", ck["A"]]),
             ("other_model", ["--train-iters", str(STEPS), "--load", ck["A"], "--hidden-size", "64"]),
         ], timeout_s=300)
-        back = forked_ranks(_world, 4, root, [
+        back = driver_ranks(_world, 4, root, [
             ("back4", ["--train-iters", str(SAVED_AT), "--load", ck["B"], "--save", ck["C"]]),
         ], timeout_s=300)
     return root, ck, four, two, back

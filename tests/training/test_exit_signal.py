@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from driver_runs import forked_ranks
+from driver_runs import driver_world
 from megatron_sdp4bit.training.checkpoint import LATEST, check_files, read_manifest
 from megatron_sdp4bit.training.metrics import read_metrics
 from megatron_sdp4bit.training.signals import StoppedBySignal
@@ -83,16 +83,7 @@ def _world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("signals"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        import megatron_sdp4bit.training.run  # noqa: F401  (the forked ranks inherit it)
-
-        return root, forked_ranks(_world, 2, root, timeout_s=600)
+    return driver_world(tmp_path_factory, "signals", _world, 2, timeout_s=600)
 
 
 def _losses(root, name):

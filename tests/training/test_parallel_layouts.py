@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import pytest
 
-from megatron_harness import spawn_ranks
+from driver_runs import driver_world
 from megatron_sdp4bit.training.metrics import read_metrics
 
 STEPS, SAVED_AT = 6, 3
@@ -122,14 +122,7 @@ def _layouts_world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("layouts"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:  # the ranks inherit it; later tests do not
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        prepare_default_corpus(max_mb=1)  # once, before the ranks start
-        results = spawn_ranks(_layouts_world, 4, root, timeout_s=900)
-    return root, results
+    return driver_world(tmp_path_factory, "layouts", _layouts_world, 4, timeout_s=900, start="spawn")
 
 
 def _losses(root, name):

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_harness import spawn_ranks
+from driver_runs import driver_world
 from megatron_sdp4bit.training.metrics import TRAIN_FIELDS, read_metrics
 
 STEPS = 20
@@ -45,14 +45,7 @@ def _driver_world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("driver"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:  # the ranks inherit it; later tests do not
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        prepare_default_corpus(max_mb=1)  # once, before the ranks start
-        results = spawn_ranks(_driver_world, 4, root, timeout_s=900)
-    return root, results
+    return driver_world(tmp_path_factory, "driver", _driver_world, 4, timeout_s=900, start="spawn")
 
 
 def _losses(root, name):

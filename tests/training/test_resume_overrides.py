@@ -22,7 +22,7 @@ import pytest
 from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
 from megatron_sdp4bit.training.checkpoint import CheckpointError
 from megatron_sdp4bit.training.metrics import read_metrics
-from driver_runs import forked_ranks
+from driver_runs import driver_world
 
 TINY = [
     "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -70,16 +70,7 @@ def _world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("overrides"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        import megatron_sdp4bit.training.run  # noqa: F401  (the forked ranks inherit it)
-
-        return root, forked_ranks(_world, 2, root, timeout_s=600)
+    return driver_world(tmp_path_factory, "overrides", _world, 2, timeout_s=600)
 
 
 def _lrs(root, name):

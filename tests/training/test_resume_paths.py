@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from driver_runs import forked_ranks
+from driver_runs import driver_world
 from megatron_sdp4bit.training.checkpoint import LATEST, CheckpointError
 from megatron_sdp4bit.training.metrics import read_metrics
 
@@ -78,16 +78,7 @@ def _world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("paths"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        import megatron_sdp4bit.pretrain  # noqa: F401  (the forked ranks inherit it)
-
-        return root, forked_ranks(_world, 2, root, timeout_s=600)
+    return driver_world(tmp_path_factory, "paths", _world, 2, timeout_s=600)
 
 
 def _losses(root, name):
