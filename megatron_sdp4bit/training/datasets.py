@@ -8,7 +8,7 @@ from megatron.core import parallel_state
 from megatron_sdp4bit.data.batches import iterate_micro_batches
 from megatron_sdp4bit.data.corpus import load_default_corpus_tokenizer, prepare_default_corpus
 from megatron_sdp4bit.data.gpt_datasets import build_gpt_datasets, check_data_path, check_gpt_data
-from megatron_sdp4bit.data.tokenizer import build_tokenizer
+from megatron_sdp4bit.data.tokenizer_types import build_tokenizer
 from megatron_sdp4bit.training.agreement import on_every_rank
 from megatron_sdp4bit.training.arguments import ArgumentError
 from megatron_sdp4bit.training.console import log0
