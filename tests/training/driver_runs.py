@@ -7,6 +7,9 @@ bucket groups), trains, and returns the driver's summary plus
 ``weights_sha256_per_step`` (after each iteration, through the run's per-step
 callback) and ``weights_sha256`` (at the end).
 
+``TINY_GPT``: the driver flags of the tests' model. ``train_records(root, name)`` / ``train_log(root, name, field)``: the training log
+lines of the run written to ``root/name`` (its ``--run-dir``).
+
 ``driver_world(tmp_path_factory, name, fn, world_size, *args, timeout_s)`` runs
 ``fn(rank, world_size, root, *args)`` on gloo ranks (``harness.spawn_ranks``, forked
 by default: the ranks inherit the driver's imports, which take most of a rank's
@@ -23,8 +26,20 @@ import pytest
 
 from harness import spawn_ranks
 from megatron_sdp4bit.megatron.consistency import weights_sha256
+from megatron_sdp4bit.training.metrics import read_metrics
 from megatron_sdp4bit.training.run import TrainingRun
 from megatron_sdp4bit.training.setup import RunParts, set_up
+
+
+TINY_GPT = [
+    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "3e-3", "--lr-warmup-iters", "1",
+    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
+]
+"""The driver tests' model: a 1-layer, 32-wide GPT on 1 MiB of the embedded corpus,
+every step logged, no evaluation; each test adds its schedule and presets."""
 
 
 def run_with_hashes(args, prepare: Optional[Callable[[RunParts], None]] = None,
@@ -39,6 +54,17 @@ def run_with_hashes(args, prepare: Optional[Callable[[RunParts], None]] = None,
     summary = training.summary()
     summary.update(weights_sha256=weights_sha256(training.ddp), weights_sha256_per_step=hashes)
     return summary
+
+
+def train_records(root, name: str) -> list:
+    """The training log lines (``kind == "train"``) of the run in ``root/name``."""
+    path = os.path.join(os.fspath(root), name, "metrics.jsonl")
+    return [r for r in read_metrics(path) if r["kind"] == "train"]
+
+
+def train_log(root, name: str, field: str = "loss") -> dict:
+    """``{iteration: field}`` of the run in ``root/name``'s training log lines."""
+    return {r["iteration"]: r[field] for r in train_records(root, name)}
 
 
 @contextlib.contextmanager

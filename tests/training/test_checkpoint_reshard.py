@@ -23,18 +23,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from driver_runs import corpus_cache, driver_ranks
+from driver_runs import TINY_GPT, corpus_cache, driver_ranks, train_log
 from megatron_sdp4bit.training.checkpoint import CheckpointError, compare_layouts
-from megatron_sdp4bit.training.metrics import read_metrics
 
 SAVED_AT, STEPS = 3, 6
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", str(STEPS),
-    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar", "--sdp4bit",
-]
+TINY = TINY_GPT + ["--lr-decay-iters", str(STEPS), "--sdp4bit"]
 
 
 def _world(rank, world_size, root, runs):
@@ -111,11 +104,6 @@ def _world_main_shards(files):
     return out
 
 
-def _losses(root, name):
-    return {r["iteration"]: r["loss"] for r in read_metrics(os.path.join(root, name, "metrics.jsonl"))
-            if r["kind"] == "train"}
-
-
 def test_4_to_2_reshards_the_optimizer_and_layer_state_exactly(worlds):
     root, ck, four, two, _ = worlds
     assert two[0]["to2"]["error"] is None, two[0]["to2"]["error"]
@@ -166,7 +154,7 @@ def test_2_to_4_gives_back_the_original_shards(worlds):
 def test_the_resharded_run_continues_the_curve(worlds):
     root, ck, four, two, _ = worlds
     assert two[0]["cont2"]["error"] is None, two[0]["cont2"]["error"]
-    straight, resharded = _losses(root, "straight4"), _losses(root, "cont2")
+    straight, resharded = train_log(root, "straight4"), train_log(root, "cont2")
     assert sorted(resharded) == list(range(SAVED_AT + 1, STEPS + 1))
     # The first step's loss comes from the loaded weights: equal but for the order of
     # the sums. After that not bit for bit: 2 ranks sum and quantize the gradients

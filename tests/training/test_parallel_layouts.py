@@ -17,8 +17,7 @@ from collections import defaultdict
 
 import pytest
 
-from driver_runs import driver_world
-from megatron_sdp4bit.training.metrics import read_metrics
+from driver_runs import driver_world, train_log
 
 STEPS, SAVED_AT = 6, 3
 COMMON = [
@@ -125,11 +124,6 @@ def runs(tmp_path_factory):
     return driver_world(tmp_path_factory, "layouts", _layouts_world, 4, timeout_s=900, start="spawn")
 
 
-def _losses(root, name):
-    records = read_metrics(os.path.join(root, name, "metrics.jsonl"))
-    return {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_is_what_was_asked(runs, layout):
     _, results = runs
@@ -144,7 +138,7 @@ def test_layout_is_what_was_asked(runs, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_loss_close_to_the_exact_run(runs, layout):
     root, _ = runs
-    exact, sdp = _losses(root, f"{layout}-exact"), _losses(root, f"{layout}-sdp")
+    exact, sdp = train_log(root, f"{layout}-exact"), train_log(root, f"{layout}-sdp")
     assert sorted(sdp) == list(range(1, STEPS + 1))
     differences = [abs(sdp[i] - exact[i]) for i in range(1, STEPS + 1)]
     print(f"{layout}: exact {exact[STEPS]:.4f}, sdp4bit {sdp[STEPS]:.4f}, "
@@ -176,8 +170,8 @@ def test_resume_is_bit_identical(runs, layout):
     root, results = runs
     for r in results:
         assert "error" not in r[layout]["second_half"], r[layout]["second_half"]["error"]
-    straight = _losses(root, f"{layout}-sdp")
-    resumed = {**_losses(root, f"{layout}-first_half"), **_losses(root, f"{layout}-second_half")}
+    straight = train_log(root, f"{layout}-sdp")
+    resumed = {**train_log(root, f"{layout}-first_half"), **train_log(root, f"{layout}-second_half")}
     assert [resumed[i] for i in range(1, STEPS + 1)] == [straight[i] for i in range(1, STEPS + 1)]
     for r in results:
         assert r[layout]["second_half"]["weights_sha256"] == r[layout]["sdp"]["weights_sha256"]

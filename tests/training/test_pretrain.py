@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from driver_runs import driver_world
+from driver_runs import driver_world, train_log
 from megatron_sdp4bit.training.metrics import TRAIN_FIELDS, read_metrics
 
 STEPS = 20
@@ -48,17 +48,12 @@ def runs(tmp_path_factory):
     return driver_world(tmp_path_factory, "driver", _driver_world, 4, timeout_s=900, start="spawn")
 
 
-def _losses(root, name):
-    records = read_metrics(os.path.join(root, name, "metrics.jsonl"))
-    return {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
-
-
 def test_loss_decreases_with_and_without_sdp4bit(runs):
     root, _ = runs
     for name in ("exact", "sdp"):
-        losses = _losses(root, name)
+        losses = train_log(root, name)
         assert losses[STEPS] < 0.9 * losses[1], f"{name}: {losses[1]:.3f} -> {losses[STEPS]:.3f}"
-    exact, sdp = _losses(root, "exact")[STEPS], _losses(root, "sdp")[STEPS]
+    exact, sdp = train_log(root, "exact")[STEPS], train_log(root, "sdp")[STEPS]
     assert abs(sdp - exact) < 0.05 * exact
 
 
@@ -86,8 +81,8 @@ def test_metrics_file_has_every_field(runs):
 
 def test_resume_continues_the_same_curve_bit_for_bit(runs):
     root, results = runs
-    straight = _losses(root, "sdp")
-    resumed = {**_losses(root, "first_half"), **_losses(root, "second_half")}
+    straight = train_log(root, "sdp")
+    resumed = {**train_log(root, "first_half"), **train_log(root, "second_half")}
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert [resumed[i] for i in range(1, STEPS + 1)] == [straight[i] for i in range(1, STEPS + 1)]
     assert results[0]["second_half"]["weights_sha256"] == results[0]["sdp"]["weights_sha256"]

@@ -25,18 +25,12 @@ import subprocess
 
 import pytest
 
-from driver_runs import corpus_cache, driver_ranks
+from driver_runs import TINY_GPT, corpus_cache, driver_ranks
 from megatron_sdp4bit.training.checkpoint import LATEST, MANIFEST, CheckpointError, check_files, read_manifest
 from megatron_sdp4bit.training.metrics import read_metrics
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "3", "--bf16",
-    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
-    "--sdp4bit", "--sdp4bit-ranks-per-node", "1",
-]
+TINY = TINY_GPT + ["--lr-decay-iters", "3", "--bf16",
+                   "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
 
 
 def _mount(where: str, *options: str) -> str:
