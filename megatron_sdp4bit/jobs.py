@@ -7,7 +7,7 @@ ranks) through these, so a command line is written in one place:
   (``--standalone``) or one node of several (``NodeRendezvous``);
 - ``driver_command`` / ``run_driver``: the pre-training driver as such a job, its
   console output in a log file next to its metrics (``Job``);
-- ``job_env``: one thread per rank, the package importable from a checkout;
+- ``job_env``: one thread per rank, Python's warnings off;
 - ``free_port``, ``checkout_commit``.
 
 Only the standard library is imported here.
@@ -22,8 +22,6 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-"""The folder holding ``megatron_sdp4bit`` (a checkout, with ``pip install -e``)."""
 DRIVER = ("-m", "megatron_sdp4bit.pretrain")
 
 
@@ -69,13 +67,11 @@ def driver_command(flags: Sequence, ranks: int, python: str = sys.executable) ->
 
 def job_env(**changes: str) -> dict:
     """This process's environment for a job's ranks: one thread per rank and Python's
-    warnings off unless set already, the package importable (``PACKAGE_PARENT`` first
-    on ``PYTHONPATH``), then ``changes``."""
+    warnings off unless set already, then ``changes``. (The ranks import the package
+    as this process does: installed, ``pip install -e`` in a checkout by ``make setup``.)"""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
     env["PYTHONWARNINGS"] = os.environ.get("PYTHONWARNINGS", "ignore")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH"))
-                                        if p)
     env.update(changes)
     return env
 
