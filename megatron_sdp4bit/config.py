@@ -19,6 +19,7 @@ from megatron_sdp4bit.quant.types import MAX_HADAMARD_BLOCK, SUPPORTED_BITS, cod
 WEIGHT_MODES = ("diff", "direct", "off")
 GRAD_MODES = ("tlq-hs", "tlq", "ulq", "off")
 ROUNDINGS = ("stochastic", "nearest")
+EXACT_REDUCE_SCATTERS = ("native", "alltoall")
 
 
 def _is_bool(value) -> bool:
@@ -55,6 +56,7 @@ ALLOWED = {
     "seed": "an integer >= 0",
     "grad_start_iter": "an integer >= 0",
     "check_interval": "an integer >= 0 (0 = never)",
+    "exact_reduce_scatter": f"one of {', '.join(EXACT_REDUCE_SCATTERS)}",
 }
 """What each field may be, in words: for error messages and ``--help``. The rules
 themselves are in ``SDP4BitConfig.__post_init__``."""
@@ -120,12 +122,21 @@ class SDP4BitConfig:
     """Every this many optimizer steps, check that all data-parallel replicas hold
     bit-identical weights (one small all-reduce and one host read; 0 = never)."""
 
+    exact_reduce_scatter: str = "native"
+    """How an unquantized gradient reduce-scatter runs (``grad_mode`` off, or before
+    ``grad_start_iter``): ``native`` = the backend's own (NCCL's ring; gloo's is a ring
+    all-reduce, twice the bytes), ``alltoall`` = one all-to-all plus a local fp32 sum
+    (``comm/exact_alltoall.py``), a ring reduce-scatter's bytes on any backend: the
+    like-for-like exact baseline on gloo (``scripts/bench_slow_link.py``'s
+    ``baseline-a2a``). Needs the distributed optimizer."""
+
     def __post_init__(self) -> None:
         """Every rule about a field lives here, and only here: a bad value fails where
         the config is made, with the field's name and what it may be."""
         self._check_choice("weight_mode", WEIGHT_MODES)
         self._check_choice("grad_mode", GRAD_MODES)
         self._check_choice("rounding", ROUNDINGS)
+        self._check_choice("exact_reduce_scatter", EXACT_REDUCE_SCATTERS)
         for name in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
             value = getattr(self, name)
             if _is_bool(value) or value not in SUPPORTED_BITS:

@@ -23,8 +23,8 @@ and the command that produced it.
 Presets: ``baseline`` (exact collectives; gloo's reduce_scatter is a ring
 *all-reduce*, twice a ring reduce-scatter's bytes), ``baseline-a2a`` (exact,
 with the reduce-scatter as an all-to-all plus local sum,
-``comm/exact_alltoall.py`` via ``scripts/pretrain_exact_alltoall.py``: the
-bytes per rank of a ring reduce-scatter), ``sdp4bit``, ``zeropp``.
+``comm/exact_alltoall.py``, the driver's ``--sdp4bit-exact-reduce-scatter alltoall``:
+the bytes per rank of a ring reduce-scatter), ``sdp4bit``, ``zeropp``.
 
 Before the runs of each rate, a single TCP stream measures the goodput of the
 inter-node link (node 0 -> node 1) and of a node's loopback, and a 1-byte

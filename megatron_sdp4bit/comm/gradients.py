@@ -39,7 +39,13 @@ import torch.distributed as dist
 from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
 from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, Chunk, chunk_count, chunk_plan
+from megatron_sdp4bit.comm.layout import (
+    MAX_CHUNK_ELEMENTS,
+    MIN_CHUNK_SHARD_ELEMENTS,
+    Chunk,
+    chunk_count,
+    chunk_plan,
+)
 from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import Level, Topology, get_topology, peer_split
@@ -94,7 +100,8 @@ def quantized_reduce_scatter(
                                 async_op)
     if not config.quantize_grads:
         record_peer_sends(_COLLECTIVE, same, other, values=shard * element_size, elements=shard)
-        return reduce_scatter_flat(output, input, op, group, async_op)
+        return reduce_scatter_flat(output, input, op, group, async_op,
+                                   as_alltoall=config.exact_reduce_scatter == "alltoall")
     topology = get_topology(group, config.ranks_per_node)
     run = _QuantizedReduceScatter(output, input, op == dist.ReduceOp.AVG, topology, config,
                                   generator, workspace if workspace is not None else Workspace())
@@ -142,7 +149,7 @@ class _QuantizedReduceScatter:
         align = config.grad_alignment([level.name for level in self.levels])
         self.shard = output.numel()
         chunks = chunk_count(self.shard, topology.dp_size, config.pipeline_chunks,
-                             MAX_CHUNK_ELEMENTS)
+                             MAX_CHUNK_ELEMENTS, MIN_CHUNK_SHARD_ELEMENTS)
         self.unlaunched = deque(enumerate(chunk_plan(self.shard, align, chunks)))
         self.rows = input.view(topology.dp_size, self.shard)
         self.order = topology.send_order_index(input.device)

@@ -17,7 +17,7 @@ and picks the path from them, so nothing above has to know the backend:
 
 ``runs_on_host_staged_gloo`` is that test; the patch layer also uses it to keep
 megatron's coalesced bucket collectives, which torch's gloo cannot run on CUDA
-tensors, off that path (``megatron/exact_sync.py``).
+tensors, off that path (``megatron/grad_sync.py``, ``megatron/param_sync.py``).
 """
 from __future__ import annotations
 
@@ -45,9 +45,12 @@ def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group, async_op: 
     return _all_gather_flat(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op, group, async_op: bool):
-    """The exact reduce-scatter (rank r gets shard r of the reduction)."""
-    if runs_on_host_staged_gloo(group, input.device):
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op, group, async_op: bool,
+                        as_alltoall: bool = False):
+    """The exact reduce-scatter (rank r gets shard r of the reduction); with
+    ``as_alltoall`` (the config's ``exact_reduce_scatter="alltoall"``) an all-to-all
+    plus a local sum on any backend, as it always is on gloo with CUDA tensors."""
+    if as_alltoall or runs_on_host_staged_gloo(group, input.device):
         return alltoall_reduce_scatter(output, input, op=op, group=group, async_op=async_op)
     return _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op)
 

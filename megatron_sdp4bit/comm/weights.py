@@ -27,7 +27,7 @@ from megatron_sdp4bit.comm.accounting import record_call, record_peer_sends
 from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_gather_flat
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, weight_slices
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, weight_slices
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.topology import peer_split
 from megatron_sdp4bit.comm.workspace import Workspace
@@ -119,7 +119,8 @@ def quantized_all_gather_weights(
     # not the whole bucket's. Two slots: slice i + 2 reuses slice i's buffers, applied
     # (so waited for) before slice i + 2 is quantized.
     slices = weight_slices(shard, dp_size, config.weight_group_size, whole=async_op,
-                           max_chunk_elements=MAX_CHUNK_ELEMENTS)
+                           max_chunk_elements=MAX_CHUNK_ELEMENTS,
+                           min_slice_elements=MIN_SLICE_ELEMENTS)
     if async_op:
         pending = gather(0, shard, 0)
         return finish_or_handle(lambda: pending.apply(add), True)

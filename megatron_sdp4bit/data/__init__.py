@@ -29,7 +29,7 @@ _EXPORTS = {
     "build_tokenizer": "tokenizer_types",
     "build_gpt_datasets": "gpt_datasets",
     "parse_data_path": "gpt_datasets",
-    "ensure_dataset_helpers": "gpt_datasets",
+    "dataset_helpers_in_place": "gpt_datasets",
 }
 __all__ = list(_EXPORTS)
 

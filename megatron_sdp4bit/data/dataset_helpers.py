@@ -6,7 +6,7 @@ compiled, but a source install on a machine without a C++ compiler (or an
 interpreter the wheel was not built for) has none, and then every GPTDataset
 fails to import ``helpers``. These functions have the same signatures and give
 bit-identical results (``tests/data`` compares them with the compiled ones on
-random inputs), so ``gpt_datasets.ensure_dataset_helpers`` can register them
+random inputs), so ``gpt_datasets.dataset_helpers_in_place`` can register them
 under that module name when the extension is missing. Only the four functions
 GPT pre-training uses are provided (not the BERT/T5 ``build_mapping`` ones).
 

@@ -25,6 +25,7 @@ writes its cache, which fails outside a process group.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -44,6 +45,7 @@ from megatron.core.datasets.utils import Split
 from megatron_sdp4bit.data import dataset_helpers
 from megatron_sdp4bit.data.cache import default_cache_dir
 from megatron_sdp4bit.data.indexed_files import check_indexed_prefix, missing_files
+from megatron_sdp4bit.patching import Patches
 
 logger = logging.getLogger(__name__)
 
@@ -66,32 +68,45 @@ _CPP_MODULE, _HELPER_NAMES, _HELPERS_IMPORTER = _helpers_of_this_release()
 Blend = Tuple[List[str], Optional[List[float]]]
 
 
-def ensure_dataset_helpers(force_numpy: Optional[bool] = None) -> str:
-    """Make megatron's ``datasets.helpers`` importable; return ``"cpp"`` or ``"numpy"``.
+def _compiled_helpers_import() -> bool:
+    try:
+        importlib.import_module(_CPP_MODULE)
+        return True
+    except ImportError as error:
+        logger.warning("megatron-core's compiled dataset helpers are missing (%s); "
+                       "using the equivalent NumPy helpers.", error)
+        return False
+
+
+@contextlib.contextmanager
+def dataset_helpers_in_place(force_numpy: Optional[bool] = None) -> Iterator[str]:
+    """Inside: megatron's ``datasets.helpers`` importable; yields ``"cpp"`` or ``"numpy"``.
 
     Uses the compiled extension when it imports, else (or when ``force_numpy``,
-    default from ``$SDP4BIT_DATASET_HELPERS == "numpy"``) registers the NumPy
-    twins under its module name before megatron imports it.
+    default from ``$SDP4BIT_DATASET_HELPERS == "numpy"``) puts the NumPy twins under
+    its module name, and into ``helpers`` if megatron imported that already. On exit
+    all of it is taken back (``megatron_sdp4bit.patching``): megatron uses the helpers
+    while it builds the indices only, and the process is left as it was found.
     """
     if force_numpy is None:
         force_numpy = os.environ.get(HELPERS_ENV, "").lower() == "numpy"
-    cpp_module, helper_names = _CPP_MODULE, _HELPER_NAMES
-    if not force_numpy:
-        try:
-            __import__(cpp_module)
-            return "cpp"
-        except ImportError as error:
-            logger.warning("megatron-core's compiled dataset helpers are missing (%s); "
-                           "using the equivalent NumPy helpers.", error)
-    module = types.ModuleType(cpp_module, "NumPy twins of helpers_cpp (megatron_sdp4bit)")
-    for name in helper_names:
-        setattr(module, name, getattr(dataset_helpers, name))
-    sys.modules[cpp_module] = module
-    helpers = sys.modules.get(_HELPERS_IMPORTER)
-    if helpers is not None:  # imported earlier: rebind the names it copied
-        for name in helper_names:
-            setattr(helpers, name, getattr(dataset_helpers, name))
-    return "numpy"
+    if not force_numpy and _compiled_helpers_import():
+        yield "cpp"
+        return
+    twins = types.ModuleType(_CPP_MODULE, "NumPy twins of helpers_cpp (megatron_sdp4bit)")
+    for name in _HELPER_NAMES:
+        setattr(twins, name, getattr(dataset_helpers, name))
+    with Patches("dataset helpers") as patches:
+        patches.set_item(sys.modules, _CPP_MODULE, twins)
+        helpers = sys.modules.get(_HELPERS_IMPORTER)
+        if helpers is not None:  # imported earlier: rebind the names it copied
+            for name in _HELPER_NAMES:
+                patches.set(helpers, name, getattr(dataset_helpers, name))
+        else:  # imported from the twins inside; forgotten after, so a later import starts afresh
+            package, _, leaf = _HELPERS_IMPORTER.rpartition(".")
+            patches.keep_item(sys.modules, _HELPERS_IMPORTER)
+            patches.keep(importlib.import_module(package), leaf)
+        yield "numpy"
 
 
 def parse_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
@@ -240,7 +255,6 @@ def build_gpt_datasets(
     sizes = [train_samples, valid_samples, test_samples]
     prefixes, weights = check_gpt_data(data_path, split, sizes)
 
-    ensure_dataset_helpers()
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -258,4 +272,5 @@ def build_gpt_datasets(
     # the split's bounds stay those of its weights.
     config.split_matrix = [None if size == 0 else bounds for bounds, size in zip(config.split_matrix, sizes)]
     with _process_group():
-        return BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank, config).build()
+        with dataset_helpers_in_place():
+            return BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank, config).build()

@@ -10,6 +10,7 @@ all-gathers each. The exact collectives are one NCCL call each.
 from __future__ import annotations
 
 from megatron_sdp4bit.comm.layout import NodeLayout
+from megatron_sdp4bit.comm.layout import weight_slices as layout_weight_slices
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.estimate import volume
 from megatron_sdp4bit.estimate.implementation import Implementation
@@ -48,13 +49,12 @@ def reduce_scatter_calls(shard: int, layout: NodeLayout, config: SDP4BitConfig,
 
 def weight_slices(shard: int, layout: NodeLayout, config: SDP4BitConfig,
                   impl: Implementation, whole_bucket: bool) -> int:
-    """Slices a quantized all-gather of this shard runs in (``comm/weights.py``: a
-    synchronous gather takes whole groups, at most ``max_chunk_elements`` over all ranks)."""
+    """Slices a quantized all-gather of this shard runs in (``comm.layout.weight_slices``,
+    what ``comm/weights.py`` runs: a synchronous gather in slices of whole groups)."""
     if whole_bucket or not impl.sliced_weight_gather or impl.max_chunk_elements is None:
         return 1
-    groups = max(1, impl.max_chunk_elements // (layout.dp_size * config.weight_group_size))
-    step = min(shard, groups * config.weight_group_size)
-    return -(-shard // step)
+    return len(layout_weight_slices(shard, layout.dp_size, config.weight_group_size, False,
+                                    impl.max_chunk_elements, impl.min_slice_elements))
 
 
 def all_gather_calls(shard: int, layout: NodeLayout, config: SDP4BitConfig,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_CHUNK_SHARD_ELEMENTS, MIN_SLICE_ELEMENTS
 
 #: Messages one quantized all-to-all hop, or one quantized all-gather, sends each peer.
 #: 1: codes and scales in one buffer (comm/gradients.py, comm/weights.py: quant.wire_view).
@@ -44,6 +44,11 @@ class Implementation:
     ranks (comm/weights.py); False: one gather per bucket."""
     staging_copy: bool
     """The reduce-scatter's send-order copy is a pass of its own (see ``STAGING_COPY``)."""
+    min_chunk_shard_elements: int = MIN_CHUNK_SHARD_ELEMENTS
+    """Reduce-scatter chunks hold at least this many elements of each shard
+    (``comm.layout.chunk_count``); 1 for none."""
+    min_slice_elements: int = MIN_SLICE_ELEMENTS
+    """A synchronous all-gather's slices hold at least this many elements per rank."""
 
 
 THIS_PROJECT = Implementation(

@@ -81,11 +81,11 @@ def load_model_shape(config_path: Optional[str], vocab_size: Optional[int] = Non
 
     Raises ``ModelError`` (flag ``--config``) for a missing file or unknown key.
     """
-    from megatron_sdp4bit.training.arguments import ArgumentError, _yaml_to_argv, build_parser
+    from megatron_sdp4bit.training.arguments import ArgumentError, build_parser, yaml_to_argv
 
     parser = build_parser()
     try:
-        argv = _yaml_to_argv(config_path, parser) if config_path else []
+        argv = yaml_to_argv(config_path, parser) if config_path else []
         args = parser.parse_args(argv + list(driver_argv))
     except ArgumentError as exc:
         message = str(exc)

@@ -110,7 +110,8 @@ def grad_chunks(shard: int, layout: NodeLayout, config: SDP4BitConfig,
     align = config.grad_alignment([level for level, _ in hop_levels(layout)])
     chunks = config.pipeline_chunks
     if impl.max_chunk_elements is not None:
-        chunks = chunk_count(shard, layout.dp_size, chunks, impl.max_chunk_elements)
+        chunks = chunk_count(shard, layout.dp_size, chunks, impl.max_chunk_elements,
+                             impl.min_chunk_shard_elements)
     return chunk_plan(shard, align, chunks)
 
 
@@ -157,7 +158,7 @@ def all_gather_chunk(shard: int, element_size: int, config: SDP4BitConfig, dp: i
         return shard * element_size
     whole = whole or not impl.sliced_weight_gather
     slices = weight_slices(shard, dp, config.weight_group_size, whole, impl.max_chunk_elements
-                           or MAX_CHUNK_ELEMENTS)
+                           or MAX_CHUNK_ELEMENTS, impl.min_slice_elements)
     return sum(_segment_nbytes(n, config.weight_bits, config.weight_group_size) for _, n in slices)
 
 

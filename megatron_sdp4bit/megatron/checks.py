@@ -37,9 +37,24 @@ def check_ddp_config(adapter, ddp_config) -> None:
             f"{'it' if len(unsupported) == 1 else 'them'} off, or drop the --sdp4bit flags")
 
 
+def check_alltoall_ddp_config(adapter, ddp_config) -> None:
+    """``exact_reduce_scatter="alltoall"`` replaces the distributed optimizer's
+    reduce-scatter; without that optimizer megatron all-reduces, and the option would
+    change nothing."""
+    if not ddp_config.use_distributed_optimizer:
+        raise RuntimeError(
+            "--sdp4bit-exact-reduce-scatter alltoall (exact_reduce_scatter='alltoall') replaces the "
+            "distributed optimizer's reduce-scatter: add --use-distributed-optimizer, or drop it")
+    unsupported = adapter.unsupported_ddp_features(ddp_config)
+    if unsupported:
+        raise RuntimeError(
+            f"--sdp4bit-exact-reduce-scatter alltoall does not support {', '.join(unsupported)}: "
+            f"turn {'it' if len(unsupported) == 1 else 'them'} off, or drop it")
+
+
 def check_host_staged_ddp(ddp_config) -> None:
     """gloo on CUDA tensors: the layer runs the exact bucket collectives itself, the
-    distributed optimizer's reduce-scatter and all-gather (``exact_sync`` paths)."""
+    distributed optimizer's reduce-scatter and all-gather, per bucket (grad_sync, param_sync)."""
     if not ddp_config.use_distributed_optimizer:
         raise RuntimeError(
             "--distributed-backend gloo on GPUs needs the distributed optimizer "

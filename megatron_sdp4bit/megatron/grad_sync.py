@@ -6,8 +6,9 @@ forced all-reduce, or a one-rank group, where a reduce-scatter is a copy), excep
 where its collectives cannot run: on gloo with CUDA tensors
 (``LayerState.own_exact_collectives``) megatron's coalesced reduce-scatter is not
 staged through host memory, so the layer issues the exact one per bucket itself,
-through ``comm``. The version-specific work megatron does before its collective
-comes from the adapter.
+through ``comm``. It does the same where the config asks for the exact reduce-scatter
+as an all-to-all (``exact_reduce_scatter="alltoall"``). The version-specific work
+megatron does before its collective comes from the adapter.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm.primitives import all_reduce_flat
 from megatron_sdp4bit.megatron import quant_metrics
 from megatron_sdp4bit.megatron.accounting import record_exact
-from megatron_sdp4bit.megatron.checks import check_ddp_config
+from megatron_sdp4bit.megatron.checks import check_alltoall_ddp_config, check_ddp_config
 from megatron_sdp4bit.megatron.handles import Handles
 
 
@@ -33,14 +34,28 @@ def _megatron(layer, bucket_group, force_all_reduce):
         bucket_group, force_all_reduce=force_all_reduce)
 
 
+def _exact_is_the_layers(state, size: int) -> bool:
+    """The exact reduce-scatter goes through ``comm`` rather than megatron: where
+    megatron's coalesced one cannot run (gloo on CUDA), or as the all-to-all the config
+    asks for (``exact_reduce_scatter``; a one-rank group has nothing to send)."""
+    return state.own_exact_collectives or (size > 1 and state.config.exact_reduce_scatter == "alltoall")
+
+
 def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = False):
     state, adapter = layer.state, layer.adapter
     quantize = state.grads_quantized_now() and not force_all_reduce
+    if not adapter.ddp_config(bucket_group).use_distributed_optimizer:
+        # megatron all-reduces (its bucket group has no reduce-scatter group to ask for)
+        if quantize:
+            check_ddp_config(adapter, adapter.ddp_config(bucket_group))  # refuses, naming the flag
+        return _megatron(layer, bucket_group, force_all_reduce)
     group, size, rank = adapter.collective_group(bucket_group)
-    if not (quantize and size > 1) and not state.own_exact_collectives:
+    if not (quantize and size > 1) and not _exact_is_the_layers(state, size):
         return _megatron(layer, bucket_group, force_all_reduce)
     if quantize:
         check_ddp_config(adapter, adapter.ddp_config(bucket_group))
+    elif not state.own_exact_collectives:
+        check_alltoall_ddp_config(adapter, adapter.ddp_config(bucket_group))
     if adapter.grad_sync_already_dispatched(bucket_group):
         return  # already dispatched during the first batch (as megatron does)
     adapter.before_grad_reduce(bucket_group)

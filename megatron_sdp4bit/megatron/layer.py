@@ -1,8 +1,9 @@
 """The installed patch layer: its state, its adapter, and the methods it swaps.
 
-``SDP4BitLayer.install(config)`` puts five replacements onto megatron-core's
-classes (see ``adapters.base.SWAPPED_METHODS``); each is a thin function that
-hands the call, with this layer, to the module of its concern:
+``SDP4BitLayer.install()`` puts five replacements onto megatron-core's classes
+(see ``adapters.base.SWAPPED_METHODS``) through ``megatron_sdp4bit.patching``, which
+puts megatron's own back on ``uninstall()``; each is a thin function that hands the
+call, with this layer, to the module of its concern:
 
 - gradient sync (``grad_sync.py``): ``start_grad_sync``;
 - parameter sync (``param_sync.py``): ``start_param_sync``,
@@ -24,14 +25,16 @@ from megatron_sdp4bit import comm, quant
 from megatron_sdp4bit.comm.kernel_specs import all_gather_specs, reduce_scatter_specs
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import grad_sync, param_sync
-from megatron_sdp4bit.comm.primitives import runs_on_host_staged_gloo
+from megatron_sdp4bit.comm.primitives import all_gather_flat, runs_on_host_staged_gloo
 from megatron_sdp4bit.megatron.checks import (
+    check_alltoall_ddp_config,
     check_ddp_config,
     check_host_staged_ddp,
     check_model_config,
     check_same_config_on_all_ranks,
 )
 from megatron_sdp4bit.megatron.state import LayerState
+from megatron_sdp4bit.patching import Patches
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,10 @@ class SDP4BitLayer:
     def __init__(self, config: SDP4BitConfig, adapter):
         self.adapter = adapter
         self.state = LayerState(config=config)
+        self._patches = Patches("SDP4Bit", f"the megatron-core {adapter.minor} adapter does not fit "
+                                "the installed release")
         self._originals: dict = {}
+        """megatron's methods the swapped ones call, by (owner key, name)."""
 
     # ---------------------------------------------------------------- swapping
 
@@ -67,14 +73,21 @@ class SDP4BitLayer:
         return method
 
     def install(self) -> None:
-        self._originals = self.adapter.swap_methods({
-            ("bucket_group", "start_grad_sync"): self._bound(grad_sync.start_grad_sync),
-            ("bucket_group", "start_param_sync"): self._bound(param_sync.start_param_sync),
-            ("optimizer", "_copy_main_params_to_model_params"):
-                self._bound(param_sync.copy_main_params_to_model_params),
-            ("optimizer", "step_with_ready_grads"): self._bound(param_sync.step_with_ready_grads),
-            ("ddp", "__init__"): self._bound(_ddp_init),
-        })
+        """Put the swapped methods onto megatron's classes (``adapter.patch_targets()``)."""
+        targets = self.adapter.patch_targets()
+        swaps = {
+            ("bucket_group", "start_grad_sync"): grad_sync.start_grad_sync,
+            ("bucket_group", "start_param_sync"): param_sync.start_param_sync,
+            ("optimizer", "_copy_main_params_to_model_params"): param_sync.copy_main_params_to_model_params,
+            ("optimizer", "step_with_ready_grads"): param_sync.step_with_ready_grads,
+            ("ddp", "__init__"): _ddp_init,
+        }
+        try:
+            for (owner, name), function in swaps.items():
+                self._originals[(owner, name)] = self._patches.set(targets[owner], name, self._bound(function))
+        except BaseException:
+            self.uninstall()
+            raise
         logger.info("SDP4Bit installed (megatron-core %s adapter): %s",
                     self.adapter.minor, self.state.config.to_dict())
 
@@ -83,7 +96,8 @@ class SDP4BitLayer:
         return bool(self._originals)
 
     def uninstall(self) -> None:
-        self.adapter.restore_methods(self._originals)
+        """Put megatron's own methods back."""
+        self._patches.restore()
         self._originals = {}
 
     # -------------------------------------------------------------- checkpoints
@@ -108,11 +122,33 @@ class SDP4BitLayer:
         self.state.iteration = saved["iteration"]
         self.state.noise.set_states(saved["rng"])
         for opt in self.adapter.sub_optimizers(optimizer):
+            rank, size = self.adapter.optimizer_group(opt)
+            group = self.adapter.optimizer_process_group(opt)
             for key, bucket in self.adapter.buffer_buckets(opt):
                 main = saved["main_shards"].get(key)
-                if main is not None:
-                    self.state.bucket(bucket).main_shard = main.to(
-                        self.adapter.bucket_param_data(bucket).device)
+                if main is None:
+                    continue
+                params = self.adapter.bucket_param_data(bucket)
+                main = main.to(params.device)
+                if self.state.config.quantize_weights and size > 1:
+                    self.state.bucket(bucket).main_shard = main  # qWD's next difference
+                else:  # nothing will gather differences: the weights are the exact ones
+                    _put_exact_weights(self.adapter.param_shard(bucket, size, rank), main,
+                                       params, group, size)
+
+
+def _put_exact_weights(own, main, params, group, size: int) -> None:
+    """A qWD run with fp32 params saved the reconstructed weights as megatron's (its main
+    weights are the param buffer) and the exact ones beside them: resumed without weight
+    quantization, each rank writes its exact shard back and every rank gathers them all,
+    so training continues from the exact weights on identical replicas."""
+    if own.numel() != main.numel():
+        raise ValueError(f"the checkpoint's exact main shard has {main.numel()} elements, this "
+                         f"rank's shard {own.numel()}: it was saved with another data-parallel size")
+    own.copy_(main)
+    if size > 1:
+        flat = params.view(-1)
+        all_gather_flat(flat, own.contiguous().clone(), group, async_op=False)
 
 
 def _megatron_collectives_cannot_run(adapter, ddp) -> bool:
@@ -131,6 +167,8 @@ def _ddp_init(layer, ddp, *args, **kwargs):
     if _megatron_collectives_cannot_run(adapter, ddp):
         check_host_staged_ddp(adapter.ddp_config(ddp))
         state.own_exact_collectives = True
+    if state.config.exact_reduce_scatter == "alltoall":
+        check_alltoall_ddp_config(adapter, adapter.ddp_config(ddp))
     if not state.config.enabled:
         return
     check_ddp_config(adapter, adapter.ddp_config(ddp))

@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
+def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     import yaml
 
     if not os.path.isfile(path):
@@ -265,6 +265,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     pre, _ = parser.parse_known_args(argv)
-    file_argv = _yaml_to_argv(pre.config, parser) if pre.config else []
+    file_argv = yaml_to_argv(pre.config, parser) if pre.config else []
     args = parser.parse_args(file_argv + argv)
     return _fill_defaults_and_validate(args)

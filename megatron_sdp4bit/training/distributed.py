@@ -90,7 +90,7 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.
     if placement.device == "cuda":
         torch.cuda.set_device(placement.gpu)
     else:
-        from megatron_sdp4bit.megatron.cpu import enable_cpu_backend
+        from megatron_sdp4bit.cpu_backend import enable_cpu_backend
 
         enable_cpu_backend()
     if not torch.distributed.is_initialized():

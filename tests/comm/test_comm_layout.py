@@ -6,7 +6,14 @@ import random
 import pytest
 import torch
 
-from megatron_sdp4bit.comm.layout import chunk_count, chunk_plan, plan_node_layout, two_level_send_order
+from megatron_sdp4bit.comm.layout import (
+    MAX_CHUNK_ELEMENTS,
+    MIN_CHUNK_SHARD_ELEMENTS,
+    chunk_count,
+    chunk_plan,
+    plan_node_layout,
+    two_level_send_order,
+)
 
 
 def test_nodes_are_built_from_the_groups_own_ranks():
@@ -110,11 +117,20 @@ def test_chunk_plan_edge_cases():
     (100, 4, 1, 64, 7),
 ])
 def test_chunk_count_caps_the_elements_of_a_chunk(shard, dp, chunks, cap, expected):
-    count = chunk_count(shard, dp, chunks, cap)
+    count = chunk_count(shard, dp, chunks, cap, min_shard_elements=1)
     assert count == expected
     # What the cap promises: no chunk (over all shards) exceeds it unless alignment does.
     largest = max(c.valid for c in chunk_plan(shard, 1, count))
     assert largest * dp <= max(cap, dp) or count == chunks
+
+
+def test_chunks_keep_a_useful_size_at_many_ranks():
+    """At DP 128, 4 M elements over all shards is 32 K per shard: a 6.7B bucket would be
+    1,600 chunks of two all-to-alls each. A chunk keeps 256 K elements of a shard."""
+    shard = 52_000_000  # a 6.7B model's shard at DP 128, one bucket
+    assert chunk_count(shard, 128, 1, MAX_CHUNK_ELEMENTS) == -(-shard // MIN_CHUNK_SHARD_ELEMENTS)
+    assert chunk_count(shard, 8, 1, MAX_CHUNK_ELEMENTS) == -(-shard * 8 // MAX_CHUNK_ELEMENTS)
+    assert chunk_count(1000, 128, 3, MAX_CHUNK_ELEMENTS) == 3  # pipeline_chunks still rules
 
 
 def test_chunk_count_rejects_non_positive_sizes():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, weight_slices
 from megatron_sdp4bit.comm.memory import (
     grad_buffer_demand,
     held_bytes,
@@ -107,7 +107,21 @@ def test_sync_weight_gather_works_in_slices():
     huge = dp * 100 * MAX_CHUNK_ELEMENTS
     sliced = weight_buffer_demand(huge, dp, SDP, whole_bucket=False)
     assert sliced == weight_buffer_demand(dp * 10 * MAX_CHUNK_ELEMENTS, dp, SDP, whole_bucket=False)
-    # two slices of every rank's 4-bit codes (and its own again) and their scales
-    assert sum(sliced.values()) < 1.2 * MAX_CHUNK_ELEMENTS
+    # two slots of every rank's 4-bit codes (and its own again) and their scales, slices
+    # of MAX_CHUNK_ELEMENTS over all ranks but at least MIN_SLICE_ELEMENTS per rank
+    per_rank = max(MAX_CHUNK_ELEMENTS // dp, MIN_SLICE_ELEMENTS)
+    assert sum(sliced.values()) == 2 * (dp + 1) * segment_nbytes(per_rank, 4, 2048)
     small = dp * 4096
     assert weight_buffer_demand(small, dp, SDP, False) == weight_buffer_demand(small, dp, SDP, True)
+
+
+def test_synchronous_gathers_keep_useful_calls_at_many_ranks():
+    """Slices of MAX_CHUNK_ELEMENTS over all ranks would be 32 K elements per rank at DP
+    128 (300 all-gather calls for a 1.3B shard, each paying a 128-rank ring's latency);
+    a slice keeps at least MIN_SLICE_ELEMENTS per rank, in whole groups."""
+    shard = 10_300_000  # a 1.3B model's shard at DP 128
+    slices = weight_slices(shard, 128, 2048, False, MAX_CHUNK_ELEMENTS)
+    assert len(slices) == 10 and all(n >= MIN_SLICE_ELEMENTS for _, n in slices[:-1])
+    assert all(start % 2048 == 0 for start, _ in slices) and sum(n for _, n in slices) == shard
+    assert len(weight_slices(shard, 8, 2048, False, MAX_CHUNK_ELEMENTS)) == 10  # the floor at DP 8 too
+    assert weight_slices(shard, 128, 2048, True, MAX_CHUNK_ELEMENTS) == [(0, shard)]

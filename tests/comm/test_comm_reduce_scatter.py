@@ -128,7 +128,8 @@ def _capped_chunks(rank: int, world: int, config, x) -> dict:
     from megatron_sdp4bit.comm import gradients
 
     avg, shard = dist.ReduceOp.AVG, x.numel() // world
-    cap, gradients.MAX_CHUNK_ELEMENTS = gradients.MAX_CHUNK_ELEMENTS, world * 256
+    caps = gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS
+    gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS = world * 256, 1
     try:
         capped_sync = x.clone()
         capped_view = capped_sync[rank * shard:(rank + 1) * shard]
@@ -139,7 +140,7 @@ def _capped_chunks(rank: int, world: int, config, x) -> dict:
                                       generator=torch.Generator().manual_seed(5 + rank))
                    for async_op in (False, True)]
     finally:
-        gradients.MAX_CHUNK_ELEMENTS = cap
+        gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS = caps
     return {"sync": capped_view, "async": capped_async, "rounded": rounded}
 
 

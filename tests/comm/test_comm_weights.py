@@ -115,12 +115,13 @@ def sliced(rank: int, world: int) -> dict:
                 shard, generator=torch.Generator().manual_seed(70 + rank))
             whole = model.clone()
             quantized_all_gather_weights(whole, main, config=config, async_op=True).wait()
-            cap = weights.MAX_CHUNK_ELEMENTS
+            caps = weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS
             weights.MAX_CHUNK_ELEMENTS = world * config.weight_group_size
+            weights.MIN_SLICE_ELEMENTS = config.weight_group_size
             try:
                 quantized_all_gather_weights(model, main, config=config)
             finally:
-                weights.MAX_CHUNK_ELEMENTS = cap
+                weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS = caps
             out[(rpn, mode)] = {"same_as_whole": torch.equal(model, whole),
                                 "identical": identical_on_all_ranks(model)}
     return out

@@ -91,7 +91,8 @@ def reuse(rank, world):
                 same.append(torch.equal(fresh, reused))
                 allocations.append(counter.count)
             results[f"grads rpn={rpn} chunks={chunks} async={async_op}"] = (same, allocations)
-    cap, weights.MAX_CHUNK_ELEMENTS = weights.MAX_CHUNK_ELEMENTS, world * 2048  # 3 slices
+    caps = weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS
+    weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS = world * 2048, 2048  # 3 slices
     try:
         for async_op in (False, True):
             space = Workspace()
@@ -104,7 +105,7 @@ def reuse(rank, world):
                 allocations.append(counter.count)
             results[f"weights async={async_op}"] = (same, allocations)
     finally:
-        weights.MAX_CHUNK_ELEMENTS = cap
+        weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS = caps
     dist.barrier()
     return results
 

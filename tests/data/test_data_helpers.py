@@ -7,7 +7,8 @@ import torch
 
 from megatron_sdp4bit.data import dataset_helpers as numpy_helpers
 from megatron_sdp4bit.data import load_default_corpus_tokenizer
-from megatron_sdp4bit.data.gpt_datasets import _CPP_MODULE, _HELPER_NAMES, build_gpt_datasets, ensure_dataset_helpers
+from megatron_sdp4bit.data.gpt_datasets import (_CPP_MODULE, _HELPER_NAMES, HELPERS_ENV, build_gpt_datasets,
+                                                dataset_helpers_in_place)
 
 cpp = pytest.importorskip("megatron.core.datasets.helpers_cpp")
 
@@ -78,30 +79,41 @@ def test_build_exhaustive_blending_indices(seed):
     numpy.testing.assert_array_equal(results[0][1], results[1][1])
 
 
-@pytest.fixture
-def restore_helpers():
-    """Undo ensure_dataset_helpers' module swap after the test."""
+def test_missing_extension_falls_back_inside_and_everything_is_back_after(monkeypatch):
     import megatron.core.datasets.helpers as helpers
 
-    saved_module = sys.modules[_CPP_MODULE]
-    saved = {name: getattr(helpers, name) for name in _HELPER_NAMES}
-    yield
-    sys.modules[_CPP_MODULE] = saved_module
-    for name, function in saved.items():
-        setattr(helpers, name, function)
+    monkeypatch.delenv(HELPERS_ENV, raising=False)
+    with dataset_helpers_in_place() as kind:
+        assert kind == "cpp" and helpers.build_sample_idx_int32 is cpp.build_sample_idx_int32
+    monkeypatch.setitem(sys.modules, _CPP_MODULE, None)  # makes `import helpers_cpp` raise ImportError
+    with dataset_helpers_in_place() as kind:
+        assert kind == "numpy"
+        for name in _HELPER_NAMES:
+            assert getattr(helpers, name) is getattr(numpy_helpers, name)
+            assert getattr(sys.modules[_CPP_MODULE], name) is getattr(numpy_helpers, name)
+    assert sys.modules[_CPP_MODULE] is None
+    for name in _HELPER_NAMES:
+        assert getattr(helpers, name) is getattr(cpp, name)
 
 
-def test_missing_extension_falls_back(restore_helpers, monkeypatch):
-    monkeypatch.delenv("SDP4BIT_DATASET_HELPERS", raising=False)
-    assert ensure_dataset_helpers() == "cpp"
-    sys.modules[_CPP_MODULE] = None  # makes `import helpers_cpp` raise ImportError
-    assert ensure_dataset_helpers() == "numpy"
-    import megatron.core.datasets.helpers as helpers
+def test_helpers_first_imported_from_the_twins_are_forgotten_after(monkeypatch):
+    """Without the extension, megatron's ``helpers`` can only be imported from the twins:
+    inside, it is; after, neither it nor the twins are left in ``sys.modules``."""
+    import megatron.core.datasets as datasets
 
-    assert helpers.build_sample_idx_int32 is numpy_helpers.build_sample_idx_int32
+    importer = "megatron.core.datasets.helpers"
+    monkeypatch.delitem(sys.modules, importer)
+    monkeypatch.delattr(datasets, "helpers")
+    monkeypatch.setitem(sys.modules, _CPP_MODULE, None)  # the extension does not import
+    with dataset_helpers_in_place() as kind:
+        from megatron.core.datasets import helpers
+
+        assert kind == "numpy" and helpers.build_sample_idx_int32 is numpy_helpers.build_sample_idx_int32
+    assert importer not in sys.modules and not hasattr(datasets, "helpers")
+    assert sys.modules[_CPP_MODULE] is None
 
 
-def test_gpt_datasets_identical_with_numpy_helpers(small_corpus_prefix, tmp_path, restore_helpers):
+def test_gpt_datasets_identical_with_numpy_helpers(small_corpus_prefix, tmp_path, monkeypatch):
     tokenizer = load_default_corpus_tokenizer(small_corpus_prefix)
     blend = ["1", small_corpus_prefix, "2", small_corpus_prefix]
 
@@ -110,7 +122,7 @@ def test_gpt_datasets_identical_with_numpy_helpers(small_corpus_prefix, tmp_path
                                   path_to_cache=str(tmp_path / cache), seed=3)
 
     compiled = build("cpp")
-    assert ensure_dataset_helpers(force_numpy=True) == "numpy"
+    monkeypatch.setenv(HELPERS_ENV, "numpy")
     ported = build("numpy")
     for a, b in zip(compiled, ported):
         if a is None:

@@ -57,6 +57,7 @@ def measure(rank: int, world: int) -> dict:
 # cap of 4096 elements splits a 4 x 4101 reduce-scatter into 5 chunks, the gather into 3.
 CALL_CASES = [(rpn, shard, cap) for rpn in (1, 2, 4) for shard in (37, 4101)
               for cap in (4096, 1 << 22)]
+FLOORS = (1, 2048)  # the chunk and slice floors lowered with the cap, so that caps bite
 
 
 def count_calls(rank: int, world: int) -> dict:
@@ -66,7 +67,8 @@ def count_calls(rank: int, world: int) -> dict:
 
     counts = {"a2a": 0, "ag": 0}
     a2a, ag, caps = gradients.all_to_all_equal, weights.all_gather_flat, (
-        gradients.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS)
+        gradients.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS,
+        gradients.MIN_CHUNK_SHARD_ELEMENTS, weights.MIN_SLICE_ELEMENTS)
 
     def counting(key, fn):
         def wrapped(*args, **kwargs):
@@ -78,6 +80,7 @@ def count_calls(rank: int, world: int) -> dict:
     try:
         for rpn, shard, cap in CALL_CASES:
             gradients.MAX_CHUNK_ELEMENTS = weights.MAX_CHUNK_ELEMENTS = cap
+            gradients.MIN_CHUNK_SHARD_ELEMENTS, weights.MIN_SLICE_ELEMENTS = FLOORS
             config = preset("sdp4bit", ranks_per_node=rpn)
             counts.update(a2a=0, ag=0)
             quantized_reduce_scatter(torch.empty(shard), torch.randn(world * shard),
@@ -88,5 +91,6 @@ def count_calls(rank: int, world: int) -> dict:
             out[(rpn, shard, cap)] = (rs, counts["ag"])
     finally:
         gradients.all_to_all_equal, weights.all_gather_flat = a2a, ag
-        gradients.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS = caps
+        (gradients.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS,
+         gradients.MIN_CHUNK_SHARD_ELEMENTS, weights.MIN_SLICE_ELEMENTS) = caps
     return out

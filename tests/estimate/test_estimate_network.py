@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from estimate_cases import CALL_CASES, count_calls
+from estimate_cases import CALL_CASES, FLOORS, count_calls
 from harness import spawn_ranks
 from megatron_sdp4bit.comm.layout import plan_node_layout
 from megatron_sdp4bit.config import preset
@@ -77,7 +77,8 @@ def test_chunks_and_slices_are_the_real_collectives_calls(recorded_calls):
     for rpn, shard, cap in CALL_CASES:
         layout = plan_node_layout(range(WORLD), rpn)
         config = preset("sdp4bit", ranks_per_node=rpn)
-        impl = dataclasses.replace(THIS_PROJECT, max_chunk_elements=cap, messages_per_peer=1)
+        impl = dataclasses.replace(THIS_PROJECT, max_chunk_elements=cap, messages_per_peer=1,
+                                   min_chunk_shard_elements=FLOORS[0], min_slice_elements=FLOORS[1])
         model = calls.reduce_scatter_calls(shard, layout, config, "ring", impl)
         a2a, ag = real[(rpn, shard, cap)]
         assert a2a % model.calls == 0, (rpn, shard, cap, a2a, model.calls)
@@ -86,7 +87,8 @@ def test_chunks_and_slices_are_the_real_collectives_calls(recorded_calls):
         assert ag % slices == 0, (rpn, shard, cap, ag, slices)
         per_slice.add(ag // slices)
     assert len(per_hop) == 1 and len(per_slice) == 1  # chunk and slice counts match everywhere
-    capped = dataclasses.replace(THIS_PROJECT, max_chunk_elements=4096)  # the cases exercise caps
+    capped = dataclasses.replace(THIS_PROJECT, max_chunk_elements=4096,  # the cases exercise caps
+                                 min_chunk_shard_elements=FLOORS[0])
     assert len(volume.grad_chunks(4101, plan_node_layout(range(WORLD), 2), preset("sdp4bit"),
                                   capped)) == 5
 
@@ -134,7 +136,7 @@ def test_tensor_parallel_and_embedding_allreduces():
 
 def test_latency_adds_to_the_collectives_and_more_chunks_cost_more():
     def run(latency, cap):
-        impl = dataclasses.replace(THIS_PROJECT, max_chunk_elements=cap)
+        impl = dataclasses.replace(THIS_PROJECT, max_chunk_elements=cap, min_chunk_shard_elements=1)
         cluster = Cluster(4, 8, 1, 1, 1000.0, 100.0, None, latency)
         work = Workload(shape=_shape(), global_batch=64, micro_batch=2, tflops=10.0,
                         implementation=impl)

@@ -8,6 +8,9 @@ wraps it in megatron's ``DistributedDataParallel`` and builds
 deterministic token batches (each rank its own) and ``optimizer.step()``, and
 returns per step the rank's loss and a SHA-256 of the model weights.
 
+``refusal(config, spec)``: the one-line error with which installing the layer and
+building a trainer is refused, if it is.
+
 ``reference_train(spec, world_size, steps)`` trains the same model (same init) in
 one process with plain autograd and ``torch.optim.AdamW`` on the concatenation of all
 ranks' batches; ``assemble_reduced_grads`` rebuilds full gradients from the
@@ -29,6 +32,7 @@ __all__ = [
     "synthetic_batch",
     "reference_train",
     "assemble_reduced_grads",
+    "refusal",
     "weights_sha256",
 ]
 
@@ -192,7 +196,8 @@ class TinyGPTTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer.module import Float16Module
 
-        from megatron_sdp4bit.megatron.cpu import check_gloo_collectives, enable_cpu_backend
+        from megatron_sdp4bit.cpu_backend import enable_cpu_backend
+        from megatron_sdp4bit.diagnostics.gloo_collectives import check_gloo_collectives
 
         if not torch.distributed.is_initialized():
             raise RuntimeError("TinyGPTTrainer needs torch.distributed initialised with gloo "
@@ -325,6 +330,23 @@ class TinyGPTTrainer:
             self.model.start_param_sync(force_sync=True)
             self._hash_pending_after_forward(None, None, None)
         return records
+
+
+def refusal(config, spec: Optional[TinyGPTSpec] = None) -> Optional[str]:
+    """The message of the ``RuntimeError`` with which installing the patch layer with
+    ``config`` (and, with ``spec``, building that trainer) is refused; None when nothing
+    is. The layer is uninstalled after, either way."""
+    from megatron_sdp4bit.megatron import patch
+
+    try:
+        patch.install(config)
+        if spec is not None:
+            TinyGPTTrainer(spec)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        patch.uninstall()
+    return None
 
 
 # ------------------------------------------------------------------------ the reference

@@ -50,7 +50,7 @@ BF16_STEPS, REPEAT_STEPS = 15, 4
 
 
 def _patch_points():
-    """Every (owner, attribute) the backend must swap, named independently of cpu.py."""
+    """Every (owner, attribute) the backend must swap, named independently of cpu_backend/."""
     import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.tensor_parallel as tensor_parallel
     from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
@@ -81,7 +81,7 @@ def _patch_points():
 
 def _check_enable_disable():
     """Enable twice, disable twice: report what changed and what came back."""
-    from megatron_sdp4bit.megatron import cpu
+    from megatron_sdp4bit import cpu_backend as cpu
 
     points = _patch_points()
     before = [getattr(owner, name) for owner, name in points]

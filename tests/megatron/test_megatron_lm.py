@@ -75,7 +75,7 @@ def test_apply_patches_picks_the_patch_of_the_checkouts_version(tmp_path, versio
     assert first.returncode == 0, first.stderr
     assert f"applied: megatron-lm-{tag}-pretrain_gpt.patch" in first.stdout
     patched = (tree / "pretrain_gpt.py").read_text()
-    assert "from megatron_sdp4bit.megatron.megatron_lm import extend_args_provider" in patched
+    assert "from megatron_sdp4bit.megatron_lm import extend_args_provider" in patched
     again = _run(["bash", APPLY, str(tree)])
     assert again.returncode == 0 and "already applied" in again.stdout
     assert (tree / "pretrain_gpt.py").read_text() == patched

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from megatron_sdp4bit.megatron import megatron_lm, patch
+from megatron_sdp4bit import megatron_lm
+from megatron_sdp4bit.megatron import patch
 
 
 def fake_megatron_parse_args(extra_args_provider=None, ignore_unknown_args=False):

@@ -7,7 +7,7 @@ A minimal pre-training script in the style of Megatron-LM's ``pretrain_gpt.py``
     SDP4BIT_CPU=1 torchrun --nproc-per-node 4 -m megatron_sdp4bit.launch script.py \
         <Megatron-LM args> --use-distributed-optimizer --sdp4bit ...
 
-``SDP4BIT_CPU=1`` makes the launcher enable ``megatron_sdp4bit.megatron.cpu_training``
+``SDP4BIT_CPU=1`` makes the launcher enable ``megatron_sdp4bit.cpu_backend``'s CPU training
 (megatron-core's CPU backend plus the redirects ``megatron.training`` needs), so
 ``pretrain`` initializes, builds the model, DDP and the distributed optimizer,
 the data loaders, and trains on gloo: 4 ranks, data-parallel 4 as 2 emulated
@@ -100,9 +100,10 @@ SCRIPT = textwrap.dedent('''
     from megatron.core.rerun_state_machine import RerunStateMachine
 
     from megatron_sdp4bit import comm
-    from megatron_sdp4bit.megatron import consistency, cpu, cpu_training, patch
+    from megatron_sdp4bit import cpu_backend
+    from megatron_sdp4bit.megatron import consistency, patch
 
-    # What the CPU mode replaces, listed independently of cpu_training.py and the adapter.
+    # What the CPU mode replaces, listed independently of cpu_backend/ and the adapter.
     SITES = [(megatron.training, "pretrain"), (training, "pretrain"),
              (megatron.training, "initialize_megatron"), (initialize, "initialize_megatron"),
              (training, "initialize_megatron"), (initialize, "_initialize_distributed"),
@@ -121,9 +122,9 @@ SCRIPT = textwrap.dedent('''
                    for value in site_values())
 
 
-    ENABLED_BY_LAUNCHER = cpu_training.is_cpu_training_enabled()  # SDP4BIT_CPU=1
+    ENABLED_BY_LAUNCHER = cpu_backend.is_cpu_training_enabled()  # SDP4BIT_CPU=1
     REPLACED = site_values()
-    cpu_training.enable_cpu_training()  # a second call changes nothing
+    cpu_backend.enable_cpu_training()  # a second call changes nothing
     SECOND_ENABLE_IDEMPOTENT = site_values() == REPLACED and not all_megatron_originals()
 
     MODELS = []
@@ -223,8 +224,8 @@ SCRIPT = textwrap.dedent('''
             "enabled_by_launcher": ENABLED_BY_LAUNCHER,
             "second_enable_idempotent": SECOND_ENABLE_IDEMPOTENT,
         }
-        cpu_training.disable_cpu_training()
-        report["restored"] = (all_megatron_originals() and not cpu.is_cpu_backend_enabled()
+        cpu_backend.disable_cpu_training()
+        report["restored"] = (all_megatron_originals() and not cpu_backend.is_cpu_backend_enabled()
                               and torch.cuda.current_device.__module__ == "torch.cuda")
         rank = torch.distributed.get_rank()
         with open(os.path.join(os.environ["REPORT_DIR"], f"rank{rank}.json"), "w") as f:
@@ -254,7 +255,7 @@ def _train(tmp_path, extra_args):
     reports = tmp_path / "reports"
     reports.mkdir()
     # CUDA_DEVICE_MAX_CONNECTIONS: validate_args demands it for TP on a pre-Blackwell
-    # device, which is what the CPU reports (cpu_training.py, site 6).
+    # device, which is what the CPU reports (cpu_backend/megatron_training.py, site 6).
     env = dict(os.environ, SDP4BIT_CPU="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                CUDA_DEVICE_MAX_CONNECTIONS="1", REPORT_DIR=str(reports),
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))

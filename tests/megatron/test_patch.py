@@ -15,7 +15,7 @@ import pytest
 
 from megatron_sdp4bit.config import preset
 from harness import spawn_ranks
-from harness.tiny_gpt import TinyGPTSpec
+from harness.tiny_gpt import TinyGPTSpec, refusal
 
 WORLD = 4
 STEPS = 20
@@ -189,15 +189,7 @@ def test_install_rejects_non_config():
 
 
 def _mismatch(rank, world_size):
-    from megatron_sdp4bit.megatron import patch
-
-    try:
-        patch.install(SDP.replace(seed=rank))
-    except RuntimeError as exc:
-        return str(exc)
-    finally:
-        patch.uninstall()
-    return None
+    return refusal(SDP.replace(seed=rank))
 
 
 def test_mismatched_configs_raise_on_every_rank():
@@ -206,17 +198,28 @@ def test_mismatched_configs_raise_on_every_rank():
 
 
 def _no_distributed_optimizer(rank, world_size):
+    return refusal(SDP, TinyGPTSpec(use_distributed_optimizer=False))
+
+
+def _plain_ddp_with_quantization_off(rank, world_size):
+    """Without the distributed optimizer megatron all-reduces: the layer, installed with
+    quantization off (as the driver always installs it), leaves that to megatron."""
     from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
 
-    patch.install(SDP)
+    spec = TinyGPTSpec(dtype="fp32", use_distributed_optimizer=False)
+    stock = [r.weights_sha256 for r in TinyGPTTrainer(spec).train_steps(3)]
+    patch.install(preset("baseline", ranks_per_node=RANKS_PER_NODE))
     try:
-        TinyGPTTrainer(TinyGPTSpec(use_distributed_optimizer=False))
-    except RuntimeError as exc:
-        return str(exc)
+        patched = [r.weights_sha256 for r in TinyGPTTrainer(spec).train_steps(3)]
     finally:
         patch.uninstall()
-    return None
+    return stock, patched
+
+
+def test_plain_ddp_with_quantization_off_is_megatrons_own():
+    for stock, patched in spawn_ranks(_plain_ddp_with_quantization_off, 2, timeout_s=180):
+        assert patched == stock
 
 
 def test_plain_ddp_is_refused_with_a_clear_error():
@@ -234,3 +237,39 @@ def test_unsupported_megatron_version_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match=f"supports megatron-core {', '.join(supported_minors())}"):
         compat.check_version()
     assert compat.check_version(force=True) == "0.99.0"
+
+
+def _resume_without_weight_quantization(rank, world_size):
+    """fp32 params, qWD for 3 steps, its layer state saved; then the same model resumed
+    with the exact collectives: the weights must be the exact main weights, not the
+    shared reconstruction (which is what megatron's own state holds with fp32 params)."""
+    import torch
+
+    from harness.tiny_gpt import TinyGPTTrainer
+    from megatron_sdp4bit.megatron import patch
+
+    patch.uninstall()
+    layer = patch.install(SDP.replace(ranks_per_node=1))
+    trainer = TinyGPTTrainer(TinyGPTSpec(dtype="fp32"))
+    trainer.train_steps(3)
+    saved = patch.state_dict(trainer.optimizer)
+    keyed = [kb for opt in layer.adapter.sub_optimizers(trainer.optimizer)
+             for kb in layer.adapter.buffer_buckets(opt)]
+    before = [layer.adapter.bucket_param_data(b).clone() for _, b in keyed]
+    patch.uninstall()
+    layer = patch.install(preset("baseline"))
+    patch.load_state_dict(saved, trainer.optimizer)
+    result = []
+    for (key, bucket), old in zip(keyed, before):
+        params = layer.adapter.bucket_param_data(bucket)
+        mains = [torch.empty_like(saved["main_shards"][key]) for _ in range(world_size)]
+        torch.distributed.all_gather(mains, saved["main_shards"][key])
+        result.append({"exact": torch.equal(params, torch.cat(mains)),
+                       "was_reconstructed": not torch.equal(old, torch.cat(mains))})
+    patch.uninstall()
+    return result
+
+
+def test_a_qwd_checkpoint_resumed_without_weight_quantization_continues_from_exact_weights():
+    for rank_result in spawn_ranks(_resume_without_weight_quantization, 2, timeout_s=300):
+        assert rank_result and all(b == {"exact": True, "was_reconstructed": True} for b in rank_result)

@@ -2,8 +2,8 @@
 
 CUDA graphs (the model config DDP is built with), the optimizer's
 ``overlap_param_gather_with_optimizer_step`` (checked at the first optimizer step,
-before any weight is gathered) and, for gloo on GPUs, a DDP the layer's own exact
-collectives cannot serve. The checks read plain config objects, so they are tested
+before any weight is gathered), and, for gloo on GPUs or the exact reduce-scatter as
+an all-to-all, a DDP the layer's own exact collectives cannot serve. The checks read plain config objects, so they are tested
 on stand-ins with the same fields; the DDP-construction hook that calls them runs
 in every multi-rank test.
 """
@@ -13,7 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron_sdp4bit.megatron.adapters import v0_19
 from megatron_sdp4bit.megatron.checks import (
+    check_alltoall_ddp_config,
     check_host_staged_ddp,
     check_model_config,
     check_optimizer_config,
@@ -52,3 +54,15 @@ def test_gloo_on_gpus_needs_the_distributed_optimizer():
                                               num_distributed_optimizer_instances=2))
     check_host_staged_ddp(SimpleNamespace(use_distributed_optimizer=True,
                                           num_distributed_optimizer_instances=1))
+
+
+def test_the_exact_alltoall_needs_the_distributed_optimizer_and_supported_features():
+    adapter = v0_19.Adapter()
+    plain = SimpleNamespace(use_distributed_optimizer=False, num_distributed_optimizer_instances=1)
+    with pytest.raises(RuntimeError, match="--sdp4bit-exact-reduce-scatter alltoall .*--use-distributed-optimizer"):
+        check_alltoall_ddp_config(adapter, plain)
+    two = SimpleNamespace(use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
+    with pytest.raises(RuntimeError, match="does not support num_distributed_optimizer_instances > 1"):
+        check_alltoall_ddp_config(adapter, two)
+    check_alltoall_ddp_config(adapter, SimpleNamespace(use_distributed_optimizer=True,
+                                                       num_distributed_optimizer_instances=1))

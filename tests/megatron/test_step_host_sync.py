@@ -9,7 +9,7 @@ and attributing each call to the nearest caller outside torch:
 calls from ``megatron_sdp4bit/megatron`` or ``megatron_sdp4bit/comm`` (the code on
 a GPU step's path) fail the test. megatron's own syncs (grad norm, loss) and the
 quant package's torch reference (CPU only: CUDA tensors go to the Triton kernels)
-are not the layer's, nor is the CPU backend (``cpu.py``), which only exists to run
+are not the layer's, nor is the CPU backend (``cpu_backend/``), which only exists to run
 megatron on a machine without a GPU.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 from harness import spawn_ranks
 from harness.tiny_gpt import TinyGPTSpec
 from megatron_sdp4bit.config import preset
+from megatron_sdp4bit.patching import Patches
 
 SYNC_METHODS = ("item", "tolist", "cpu", "__float__", "__int__", "__bool__")
 FROM_PYTHON = ("tensor", "as_tensor")
@@ -39,17 +40,17 @@ class SyncCounter:
     def __init__(self):
         import torch
 
-        from megatron_sdp4bit.megatron import consistency, cpu
+        from megatron_sdp4bit import cpu_backend
+        from megatron_sdp4bit.megatron import consistency
 
         # Looked through, to the code that asked: torch itself, the CPU backend's
         # wrappers (a test-environment shim, not on a GPU's path) and the weight
         # digest (which the harness, not the step, calls).
-        self.transparent = (os.path.dirname(torch.__file__) + os.sep, cpu.__file__,
-                            consistency.__file__)
+        self.transparent = (os.path.dirname(torch.__file__) + os.sep,
+                            os.path.dirname(cpu_backend.__file__) + os.sep, consistency.__file__)
         self.calls = []
         self.active = False
-        self.saved = {}
-        self.saved_factories = {}
+        self.patches = Patches("SyncCounter")
 
     def _caller(self) -> str:
         frame = sys._getframe(2)
@@ -57,37 +58,23 @@ class SyncCounter:
             frame = frame.f_back
         return "?" if frame is None else f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
+    def _counting(self, label: str, original):
+        def counted(*args, **kwargs):
+            if self.active:
+                self.calls.append((label, self._caller()))
+            return original(*args, **kwargs)
+        return counted
+
     def install(self):
         import torch
 
         for name in SYNC_METHODS:
-            original = getattr(torch.Tensor, name)
-            self.saved[name] = original
-
-            def wrapper(tensor, *args, __original=original, __name=name, **kwargs):
-                if self.active:
-                    self.calls.append((__name, self._caller()))
-                return __original(tensor, *args, **kwargs)
-
-            setattr(torch.Tensor, name, wrapper)
+            self.patches.set(torch.Tensor, name, self._counting(name, getattr(torch.Tensor, name)))
         for name in FROM_PYTHON:
-            original = getattr(torch, name)
-            self.saved_factories[name] = original
-
-            def factory(*args, __original=original, __name=name, **kwargs):
-                if self.active:
-                    self.calls.append((f"torch.{__name}", self._caller()))
-                return __original(*args, **kwargs)
-
-            setattr(torch, name, factory)
+            self.patches.set(torch, name, self._counting(f"torch.{name}", getattr(torch, name)))
 
     def uninstall(self):
-        import torch
-
-        for name, original in self.saved.items():
-            setattr(torch.Tensor, name, original)
-        for name, original in self.saved_factories.items():
-            setattr(torch, name, original)
+        self.patches.restore()
 
     def layer_calls(self):
         return [(name, where) for name, where in self.calls if any(d in where for d in LAYER_DIRS)]
@@ -152,20 +139,17 @@ def _one_rank(rank, world_size):
             return original(*args, **kwargs)
         return wrapper
 
-    saved = {}
-    for module, name in ((comm, "quantized_reduce_scatter"), (comm, "quantized_all_gather_weights"),
-                         (quant, "backend_for")):  # every quant op dispatches through it
-        saved[(module, name)] = getattr(module, name)
-        setattr(module, name, forbid(name, getattr(module, name)))
-    try:
-        comm.reset_generators()
-        patch.install(preset("sdp4bit", ranks_per_node=1))
-        patch.set_metrics_interval(1)
-        patched = [r.weights_sha256 for r in TinyGPTTrainer(spec).train_steps(4)]
-    finally:
-        patch.uninstall()
-        for (module, name), original in saved.items():
-            setattr(module, name, original)
+    with Patches("test") as counters:
+        for module, name in ((comm, "quantized_reduce_scatter"), (comm, "quantized_all_gather_weights"),
+                             (quant, "backend_for")):  # every quant op dispatches through it
+            counters.set(module, name, forbid(name, getattr(module, name)))
+        try:
+            comm.reset_generators()
+            patch.install(preset("sdp4bit", ranks_per_node=1))
+            patch.set_metrics_interval(1)
+            patched = [r.weights_sha256 for r in TinyGPTTrainer(spec).train_steps(4)]
+        finally:
+            patch.uninstall()
     return stock, patched, calls
 
 

@@ -87,7 +87,7 @@ def import_the_driver() -> None:
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
 
-    import megatron_sdp4bit.megatron.cpu  # noqa: F401
+    import megatron_sdp4bit.cpu_backend  # noqa: F401
     import megatron_sdp4bit.pretrain  # noqa: F401
     from megatron_sdp4bit.training import checkpoint, fusions, metrics, model  # noqa: F401
 

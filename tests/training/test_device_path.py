@@ -36,7 +36,7 @@ def _cpu_batch(batch: int, seq: int) -> dict:
 
 
 def _start_megatron_on_cpu():
-    from megatron_sdp4bit.megatron.cpu import enable_cpu_backend
+    from megatron_sdp4bit.cpu_backend import enable_cpu_backend
     from megatron_sdp4bit.training.distributed import init_model_parallel
 
     enable_cpu_backend()

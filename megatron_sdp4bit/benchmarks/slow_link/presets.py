@@ -2,8 +2,8 @@
 
 Presets: ``baseline`` (exact collectives; gloo's reduce_scatter is a ring
 *all-reduce*, twice a ring reduce-scatter's bytes), ``baseline-a2a`` (exact, with
-the reduce-scatter as an all-to-all plus local sum, ``comm/exact_alltoall.py`` via
-``scripts/pretrain_exact_alltoall.py``: the bytes per rank of a ring
+the reduce-scatter as an all-to-all plus local sum, ``comm/exact_alltoall.py``, the
+driver's ``--sdp4bit-exact-reduce-scatter alltoall``: the bytes per rank of a ring
 reduce-scatter), ``sdp4bit``, ``zeropp``.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ LR_WARMUP_ITERS = SLOW_LINK.lr_warmup_iters  # megatron's scheduler needs more i
 MODEL_FLAGS = SLOW_LINK.flags()
 PRESET_FLAGS = {
     "baseline": ["--sdp4bit-preset", "baseline", "--use-distributed-optimizer"],
-    "baseline-a2a": ["--sdp4bit-preset", "baseline", "--use-distributed-optimizer"],
+    "baseline-a2a": ["--sdp4bit-preset", "baseline", "--use-distributed-optimizer",
+                     "--sdp4bit-exact-reduce-scatter", "alltoall"],
     "sdp4bit": ["--sdp4bit"],
     "zeropp": ["--sdp4bit-preset", "zeropp"],
 }
@@ -28,9 +29,7 @@ PRESET_LABELS = {"baseline": "exact (gloo reduce_scatter, fp32)",
                  "baseline-a2a": "exact, reduce-scatter as all-to-all (fp32)",
                  "sdp4bit": "SDP4Bit (qWD 4-bit, TLq-HS 8/4)",
                  "zeropp": "ZeRO++ (qW 4-bit, ULq 4/4)"}
-# What each rank runs: the driver, or the driver with the all-to-all exact reduce-scatter.
-PRESET_ENTRY = {"baseline-a2a": ["scripts/pretrain_exact_alltoall.py"]}
-DRIVER_ENTRY = ["-m", "megatron_sdp4bit.pretrain"]
+DRIVER_ENTRY = ["-m", "megatron_sdp4bit.pretrain"]  # what each rank runs
 # How the estimator sees each preset: (variant, exact reduce-scatter algorithm).
 PRESET_ESTIMATE = {"baseline": ("baseline", "allreduce"), "baseline-a2a": ("baseline", "alltoall"),
                    "sdp4bit": ("sdp4bit", "ring"), "zeropp": ("zeropp", "ring")}

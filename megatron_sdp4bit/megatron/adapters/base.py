@@ -1,13 +1,14 @@
-"""The one interface between the patch layer and megatron-core's internals.
+"""The one interface between this package and megatron-core's internals.
 
-Everything the layer needs to know about a megatron-core release -- which
-classes and methods it replaces, the fields of bucket groups, buckets and the
-distributed optimizer, the work megatron does around its own collectives, the
-checkpoint quirks, the CPU-backend sites and the dataset helpers -- is a method
+Everything the package needs to know about a megatron-core release -- which
+classes and methods the layer replaces, the fields of bucket groups, buckets and
+the distributed optimizer, the work megatron does around its own collectives, the
+checkpoint quirks (for ``training/``), the CPU-backend sites (for ``cpu_backend/``,
+typed in ``cpu_sites.py``) and the dataset helpers (for ``data/``) -- is a method
 or attribute of a ``MegatronAdapter``. One subclass per supported minor release
 lives next to this file (``v0_16.py`` ... ``v0_19.py``), each written as the
-difference to the release before it. The rest of ``megatron_sdp4bit.megatron``
-talks to megatron only through this interface.
+difference to the release before it. The rest of the package talks to megatron's
+internals only through this interface.
 
 Adding a release = one new module with a subclass of the newest adapter, its
 entry in ``adapters/__init__.py`` and its tests (see docs/megatron.md).
@@ -17,6 +18,8 @@ from __future__ import annotations
 from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
+
+from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, TrainingSites
 
 # Methods the layer swaps: (owner key, attribute name). The owner keys name the
 # classes ``patch_targets`` returns.
@@ -44,22 +47,6 @@ class MegatronAdapter:
         """``{"bucket_group": cls, "optimizer": cls, "ddp": cls}``: the classes whose
         methods are swapped (see ``SWAPPED_METHODS``)."""
         raise NotImplementedError
-
-    def swap_methods(self, replacements: dict) -> dict:
-        """Put ``{(owner key, name): function}`` onto megatron's classes; return the
-        originals, as found in each class's own ``__dict__``, for ``restore_methods``."""
-        targets = self.patch_targets()
-        originals = {}
-        for (owner, name), function in replacements.items():
-            cls = targets[owner]
-            originals[(owner, name)] = vars(cls)[name]
-            setattr(cls, name, function)
-        return originals
-
-    def restore_methods(self, originals: dict) -> None:
-        targets = self.patch_targets()
-        for (owner, name), function in originals.items():
-            setattr(targets[owner], name, function)
 
     def installed_layer(self):
         """The layer whose methods are on megatron's classes now, or None.
@@ -199,13 +186,14 @@ class MegatronAdapter:
 
     # ----------------------------------------------------------------- CPU backend
 
-    def cpu_backend_sites(self) -> dict:
-        """What the CPU backend redirects in this release (see ``cpu.py``)."""
+    def cpu_backend_sites(self) -> CoreSites:
+        """What the CPU backend redirects in this release (``cpu_backend/core.py``)."""
         raise NotImplementedError
 
-    def cpu_training_sites(self) -> Optional[dict]:
-        """What ``cpu_training.py`` redirects in ``megatron.training``; None where that is
-        not worked out for the release (then CPU training is refused, changing nothing)."""
+    def cpu_training_sites(self) -> Optional[TrainingSites]:
+        """What the CPU mode redirects in ``megatron.training``
+        (``cpu_backend/megatron_training.py``); None where that is not worked out for the
+        release (then CPU training is refused, changing nothing)."""
         return None
 
     # ------------------------------------------------------------ dataset helpers

@@ -6,6 +6,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 
 from megatron_sdp4bit.megatron.adapters.base import MegatronAdapter
+from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, RngSites
 
 
 class Adapter(MegatronAdapter):
@@ -248,18 +249,8 @@ class Adapter(MegatronAdapter):
 
     # ----------------------------------------------------------------- CPU backend
 
-    def cpu_backend_sites(self) -> dict:
-        """Every place megatron-core names CUDA on the path the CPU backend runs.
-
-        ``type_named_inits``: classes whose ``__init__`` compares ``param.type()`` with
-        CUDA type names (and holds ``device='cuda'`` literals); ``inits``: literals only;
-        ``type_named_functions`` / ``functions``: module functions, rebound wherever
-        loaded ``megatron.core`` modules hold them; ``methods``: (class, name) pairs of
-        methods with literals (later releases). ``rng``: the tensor-parallel random
-        module, with the names of its CUDA RNG-state functions (``rng_state_functions``:
-        get, set), its tracker class (``rng_tracker``), the tracker's model-parallel
-        state name (``rng_tracker_name``) and the seeding function (``rng_seed_function``).
-        """
+    def cpu_backend_sites(self) -> CoreSites:
+        """Every place megatron-core 0.16 names CUDA on the path the CPU backend runs."""
         import megatron.core.fusions.fused_softmax  # noqa: F401  (binds the causal masks)
         from megatron.core import tensor_parallel  # noqa: F401
         from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -268,27 +259,25 @@ class Adapter(MegatronAdapter):
         from megatron.core.tensor_parallel import random
         from megatron.core.transformer import utils as transformer_utils
 
-        return {
-            "rng": random,
-            "rng_state_functions": ("_get_cuda_rng_state", "_set_cuda_rng_state"),
-            "rng_tracker": random.CudaRNGStatesTracker,
-            "rng_tracker_name": random._MODEL_PARALLEL_RNG_TRACKER_NAME,
-            "rng_seed_function": random.model_parallel_cuda_manual_seed,
-            "type_named_inits": [distrib_optimizer.DistributedOptimizer,
-                                 optimizer.Float16OptimizerWithFloat16Params],
+        return CoreSites(
+            rng=RngSites(module=random, get_state="_get_cuda_rng_state", set_state="_set_cuda_rng_state",
+                         tracker=random.CudaRNGStatesTracker,
+                         tracker_default_name=random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                         seed_function=random.model_parallel_cuda_manual_seed),
+            type_named_inits=(distrib_optimizer.DistributedOptimizer,
+                              optimizer.Float16OptimizerWithFloat16Params),
             # The grad scalers' tensors (a loss scale, also a constant 1.0, turns on
             # megatron's Inf/NaN step skipping).
-            "inits": [optimizer.FP32Optimizer, grad_scaler.MegatronGradScaler,
-                      grad_scaler.DynamicGradScaler],
-            "type_named_functions": [clip_grads.clip_grad_by_total_norm_fp32],
-            "functions": [clip_grads.get_grad_norm_fp32, clip_grads.count_zeros_fp32,
-                          schedules.forward_backward_no_pipelining,
-                          schedules.forward_backward_pipelining_with_interleaving,
-                          schedules.forward_backward_pipelining_without_interleaving,
-                          transformer_utils.get_default_causal_mask,
-                          transformer_utils.get_sliding_window_causal_mask],
+            inits=(optimizer.FP32Optimizer, grad_scaler.MegatronGradScaler, grad_scaler.DynamicGradScaler),
+            type_named_functions=(clip_grads.clip_grad_by_total_norm_fp32,),
+            functions=(clip_grads.get_grad_norm_fp32, clip_grads.count_zeros_fp32,
+                       schedules.forward_backward_no_pipelining,
+                       schedules.forward_backward_pipelining_with_interleaving,
+                       schedules.forward_backward_pipelining_without_interleaving,
+                       transformer_utils.get_default_causal_mask,
+                       transformer_utils.get_sliding_window_causal_mask),
             # Pipeline stages with tied embeddings: the last stage's copy of the word
             # embeddings is all-reduced from the first at construction, after
             # ``weight.data.cuda()``.
-            "methods": [(LanguageModule, "setup_embeddings_and_output_layer")],
-        }
+            methods=((LanguageModule, "setup_embeddings_and_output_layer"),),
+        )

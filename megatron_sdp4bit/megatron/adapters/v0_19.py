@@ -5,15 +5,18 @@
 - CPU backend: ``MegatronOptimizer.has_grad_norm_group`` (new) allocates its
   flag with a ``device='cuda'`` literal on every optimizer step.
 - CPU mode for ``megatron.training`` (shipped in this release's wheel):
-  ``cpu_training_sites()`` names what ``cpu_training.py`` redirects there.
+  ``cpu_training_sites()`` names what ``cpu_backend/megatron_training.py`` redirects there.
 - DDP's ``reset_param_sync_dispatch_state()`` asserts that no parameter all-gather
   is in flight: the layer's gather handle lives where megatron's does
   (``param_gather_handle``) and is cleared when waited, so the check holds.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, TrainingSites
 from megatron_sdp4bit.megatron.adapters.v0_18 import Adapter as Adapter018
 
 
@@ -38,29 +41,26 @@ class Adapter(Adapter018):
                     torch.cuda.current_stream().wait_event(event)
                     waited.add(id(event))
 
-    def cpu_backend_sites(self) -> dict:
+    def cpu_backend_sites(self) -> CoreSites:
         from megatron.core.optimizer.optimizer import MegatronOptimizer
 
         sites = super().cpu_backend_sites()
-        sites["methods"] = sites.get("methods", []) + [(MegatronOptimizer, "has_grad_norm_group")]
-        return sites
+        return dataclasses.replace(sites, methods=sites.methods + ((MegatronOptimizer, "has_grad_norm_group"),))
 
-    def cpu_training_sites(self) -> dict:
-        """What ``cpu_training.py`` redirects in ``megatron.training`` (see its docstring)."""
+    def cpu_training_sites(self) -> TrainingSites:
+        """What the CPU mode of ``megatron.training`` redirects (``cpu_backend/megatron_training.py``)."""
         import megatron.core.datasets.utils as datasets_utils
         import megatron.training.initialize as initialize
         import megatron.training.training as training
         from megatron.core.rerun_state_machine import RerunStateMachine
         from megatron.training.utils import common_utils
 
-        return {
-            "initialize_megatron": initialize.initialize_megatron,
-            "one_device": [(initialize, "_initialize_distributed"),
-                           (initialize, "_set_random_seed")],
-            "jit_warmup": (initialize, "_warmup_jit_function"),
-            "compile_helpers": (datasets_utils, "compile_helpers"),
-            "rng_save_restore": [(RerunStateMachine, "_save_state"),
-                                 (RerunStateMachine, "_restore_state")],
-            "device_arch": common_utils.get_device_arch_version,
-            "pretrain": training.pretrain,
-        }
+        return TrainingSites(
+            initialize_megatron=initialize.initialize_megatron,
+            one_device=((initialize, "_initialize_distributed"), (initialize, "_set_random_seed")),
+            jit_warmup=(initialize, "_warmup_jit_function"),
+            compile_helpers=(datasets_utils, "compile_helpers"),
+            rng_save_restore=((RerunStateMachine, "_save_state"), (RerunStateMachine, "_restore_state")),
+            device_arch=common_utils.get_device_arch_version,
+            pretrain=training.pretrain,
+        )

@@ -14,13 +14,17 @@ import os
 import runpy
 import sys
 
+from megatron_sdp4bit.patching import Patches
+
 USAGE = (
     "usage: python -m megatron_sdp4bit.launch PATH/TO/pretrain_gpt.py [Megatron-LM args] "
     "[--sdp4bit | --sdp4bit-* ...]"
 )
 
 
-def _patch_megatron_lm_parser() -> None:
+def _teach_megatron_lm_parser() -> Patches:
+    """Megatron-LM's ``parse_args`` wrapped to know and act on the SDP4Bit flags, until
+    the returned ``Patches`` is restored."""
     try:
         import megatron.training.arguments as arguments
         import megatron.training.initialize as initialize
@@ -33,13 +37,15 @@ def _patch_megatron_lm_parser() -> None:
             f"(megatron-core {', '.join(supported_minors())}), and install that checkout's "
             "requirements."
         ) from exc
-    from megatron_sdp4bit.megatron.megatron_lm import wrap_parse_args
+    from megatron_sdp4bit.megatron_lm.glue import wrap_parse_args
 
     # initialize.py bound parse_args by name at import, so both names are wrapped
     # (up to 0.17; from 0.18 on initialize.py no longer imports it).
-    arguments.parse_args = wrap_parse_args(arguments.parse_args)
+    patches = Patches("megatron_sdp4bit.launch")
+    patches.set(arguments, "parse_args", wrap_parse_args(arguments.parse_args))
     if hasattr(initialize, "parse_args"):
-        initialize.parse_args = wrap_parse_args(initialize.parse_args)
+        patches.set(initialize, "parse_args", wrap_parse_args(initialize.parse_args))
+    return patches
 
 
 def _help() -> str:
@@ -66,12 +72,13 @@ def main(argv=None) -> None:
         raise SystemExit(f"megatron_sdp4bit.launch: no such script: {argv[0]}\n{USAGE}")
     sys.argv = [script] + argv[1:]
     sys.path.insert(0, os.path.dirname(script))
-    _patch_megatron_lm_parser()
+    taught = _teach_megatron_lm_parser()
     if os.environ.get("SDP4BIT_CPU", "0") not in ("", "0"):  # docs/cpu_backend.md
-        from megatron_sdp4bit.megatron.cpu_training import enable_cpu_training
+        from megatron_sdp4bit.cpu_backend import enable_cpu_training
 
         try:
             enable_cpu_training()
         except RuntimeError as error:
             raise SystemExit(f"megatron_sdp4bit.launch: SDP4BIT_CPU=1: {error}") from None
-    runpy.run_path(script, run_name="__main__")
+    with taught:
+        runpy.run_path(script, run_name="__main__")

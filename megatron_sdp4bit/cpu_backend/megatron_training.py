@@ -1,0 +1,279 @@
+"""CPU mode for Megatron-LM's training loop (``megatron.training.pretrain``), on gloo.
+
+``core.py`` makes megatron-core's model, DDP, distributed optimizer and schedules run
+on CPU tensors. ``megatron.training`` (Megatron-LM's loop: argument validation,
+``initialize_megatron``, ``pretrain``/``train``/``train_step``, logging, data
+loaders) names CUDA in more places. ``enable_cpu_training()`` turns on ``core.py``'s
+backend and redirects those, so that an unedited Megatron-LM style script
+(``pretrain(...)`` with a model provider, a dataset provider and a forward step)
+trains on CPU ranks over gloo. Switch it on explicitly: call it before the script
+imports ``megatron.training``, or set ``SDP4BIT_CPU=1`` for the launcher
+(``python -m megatron_sdp4bit.launch script.py ...`` calls it before it runs the
+script). Only for releases whose adapter lists the sites
+(``cpu_training_sites()``, a ``TrainingSites``: megatron-core 0.19, whose wheel ships
+``megatron/training``). The state is one ``CpuTraining`` object per process, ``TRAINING``.
+
+Every redirect, where and why (paths relative to ``megatron/``); each is the
+narrowest that reached the site, and only the pretrain-wide device mode (7) spans
+more than one function. All are hit by ``tests/megatron/test_megatron_training_loop.py``
+except where noted.
+
+1. ``training/initialize.py`` ``initialize_megatron`` (rebound in every loaded
+   ``megatron.training`` module): called with ``allow_no_cuda=True``, which skips its
+   ``assert torch.cuda.is_available(), "Megatron requires CUDA."``, and with
+   ``args.distributed_backend = "gloo"`` (the flag defaults to ``nccl``, which has no
+   CPU tensors; it is read only by ``_initialize_distributed``).
+2. ``training/initialize.py`` ``_initialize_distributed`` and ``_set_random_seed``:
+   while each runs, ``torch.cuda.device_count()`` answers 1 and
+   ``torch.cuda.set_device`` does nothing. Both gate their work on
+   ``device_count() > 0``: without a device, ``initialize_model_parallel`` (TP/PP/DP
+   groups) and ``model_parallel_cuda_manual_seed`` (the RNG tracker, made CPU by
+   ``core.py``) would be skipped silently. ``torch.cuda`` is put back when they return.
+3. ``training/initialize.py`` ``_warmup_jit_function`` -> nothing. It runs the fused
+   bias-GeLU / bias-dropout-add kernels on ``device="cuda"`` tensors to compile them
+   for the GPU; on CPU there is nothing to warm up (and the CPU run uses the unfused
+   paths, ``--no-bias-gelu-fusion --no-bias-dropout-fusion``).
+4. ``core/datasets/utils.py`` ``compile_helpers`` -> nothing when
+   ``megatron.core.datasets.helpers_cpp`` already imports. ``initialize`` runs ``make``
+   in the installed package to build it, but the wheel ships the extension compiled and
+   no Makefile, so ``make`` fails and megatron exits. (Not CUDA; any wheel install hits
+   it.) Without a compiled extension the original runs.
+5. ``core/rerun_state_machine.py`` ``RerunStateMachine._save_state`` /
+   ``_restore_state``: while each runs, ``torch.cuda.get_rng_state`` /
+   ``set_rng_state`` are the CPU generator's. The state machine saves the CUDA
+   generator before every step (``should_run_forward_backward``); on CPU the "CUDA
+   generator" is the CPU one (as in ``core.py``), already saved beside it, so this only
+   turns a crash into a second copy. ``_restore_state`` runs only on a rerun (not hit).
+6. ``training/utils/common_utils.py`` ``get_device_arch_version`` (rebound in every
+   ``megatron.training`` module) -> 0, no CUDA architecture. ``validate_args`` asks it
+   for tensor/context parallelism (and FSDP, GTP), through
+   ``torch.cuda.get_device_properties``. 0 is "before Blackwell", so with TP > 1
+   ``validate_args`` requires ``CUDA_DEVICE_MAX_CONNECTIONS=1`` in the environment,
+   as on a Hopper GPU (set it; it means nothing on CPU).
+7. ``training/training.py`` ``pretrain`` (rebound in every ``megatron.training``
+   module): runs under ``cuda_twins.CudaNamesOnCpu``, the backend's device mode, which turns a CUDA
+   ``device=`` keyword into CPU and makes ``Tensor.cuda()`` return the tensor.
+   ``pretrain`` itself all-reduces its start time from ``device='cuda'`` literals,
+   and everything the loop calls names CUDA the same way: ``get_model``
+   (``model_module.cuda(...)``), ``build_train_valid_test_data_loaders`` /
+   ``_get_iterator`` (flags tensors), ``training_log`` / ``evaluate`` (loss
+   accumulators), ``checkpoint_and_decide_exit`` (exit flags), the user's
+   ``get_batch`` (``.cuda(non_blocking=True)``); 13 ``device='cuda'`` literals and
+   two ``.cuda()`` calls in ``training.py`` alone. A literal cannot be patched and
+   every one of them runs inside ``pretrain``, so the mode is on for its duration (as
+   ``core.py`` does for the schedules). Code the loop calls that truly wants CUDA would
+   be redirected too; on CPU there is none.
+
+Needs nothing more, because ``core.py`` already replaces them process-wide:
+``torch.cuda.current_device`` (every allocation, the timers' tensors),
+``synchronize`` (``core/timers.py`` with ``--timing-log-level``, barriers in
+``train``), ``Stream`` / ``stream`` / ``current_stream`` (``get_model`` builds DDP
+inside a side stream). ``torch.cuda.memory_allocated`` and friends
+(``report_memory`` after the first iteration, ``training_log``) and
+``empty_cache`` do not raise on CPU-only torch: the memory report reads 0 MB.
+
+Not covered (each fails as it did): ``--profile`` (``torch.cuda.cudart()``), CUDA
+graphs, Transformer Engine, FP8/FP4, Megatron-FSDP / torch FSDP2, optimizer CPU
+offload, ``--inprocess-restart``, checkpoint save/load (``get_rng_state`` stores
+``torch.cuda.get_rng_state()``, not redirected; untested), ``--use-persistent-ckpt-worker``,
+the MoE aux-loss scaler, pipeline parallelism (untested).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any, Callable, Dict, Iterator
+
+import torch
+
+from megatron_sdp4bit.cpu_backend.core import BACKEND, CoreBackend
+from megatron_sdp4bit.cpu_backend.cuda_twins import CudaNamesOnCpu
+from megatron_sdp4bit.cpu_backend.switch import Redirects
+from megatron_sdp4bit.megatron.adapters.cpu_sites import TrainingSites
+from megatron_sdp4bit.patching import Patches
+
+__all__ = ["ENV_VAR", "TRAINING", "CpuTraining", "enable_cpu_training", "disable_cpu_training",
+           "is_cpu_training_enabled", "cpu_training"]
+
+ENV_VAR = "SDP4BIT_CPU"
+"""``SDP4BIT_CPU=1``: the launcher calls ``enable_cpu_training()`` before the script runs."""
+
+logger = logging.getLogger(__name__)
+
+
+def _one_device() -> int:
+    return 1
+
+
+def _select_no_device(device: Any) -> None:
+    return None
+
+
+_ONE_CPU_DEVICE = {"device_count": _one_device, "set_device": _select_no_device}
+"""2. initialize: one "device", the CPU; selecting it does nothing."""
+
+
+def _cpu_get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    torch.set_rng_state(new_state)
+
+
+_CPU_RNG_AS_CUDA = {"get_rng_state": _cpu_get_rng_state, "set_rng_state": _cpu_set_rng_state}
+"""5. rerun state machine: the "CUDA generator" is the CPU generator."""
+
+
+def _torch_cuda_as(twins: Dict[str, Any]) -> Patches:
+    """``torch.cuda.<name>`` set to ``twins[name]``; the ``Patches`` returned, used as a
+    ``with`` block around one call, puts the previous values back after it."""
+    during_call = Patches("CPU training")
+    for name, twin in twins.items():
+        during_call.set(torch.cuda, name, twin)
+    return during_call
+
+
+def _skip_jit_warmup(tp_size=None) -> None:
+    """3. Stand-in for ``initialize._warmup_jit_function``: nothing to warm up on CPU."""
+
+
+def _no_cuda_arch() -> int:
+    """6. Stand-in for ``get_device_arch_version``: no CUDA architecture."""
+    return 0
+
+
+class CpuTraining(Redirects):
+    """The redirects above, on top of the core backend (enabled with them, and disabled
+    with them if it was this object that enabled it)."""
+
+    marker = "__wrapped_by_cpu_training__"
+
+    def __init__(self, backend: CoreBackend) -> None:
+        super().__init__("CPU training", "the adapter's cpu_training_sites() is stale")
+        self.backend = backend
+        self.started_backend = False
+        """Whether ``enable`` turned the core backend on (then ``disable`` turns it off)."""
+        self._sites: TrainingSites = None
+        self._helpers_module = ""
+
+    def enable(self) -> None:
+        """Refused, changing nothing, where ``megatron.training`` is missing or the
+        release's adapter has no ``cpu_training_sites()``."""
+        if self.enabled:
+            return
+        try:
+            import megatron.training  # noqa: F401
+        except ImportError as error:
+            raise RuntimeError(
+                f"CPU training: megatron.training (Megatron-LM's training loop) is not importable "
+                f"({error}); it ships in the megatron-core 0.19 wheel or a Megatron-LM checkout"
+            ) from error
+        from megatron_sdp4bit.megatron.adapters import current_adapter
+
+        adapter = current_adapter()
+        self._sites, self._helpers_module = adapter.cpu_training_sites(), adapter.dataset_helpers_module
+        if self._sites is None:
+            raise RuntimeError(
+                f"CPU training: not available for megatron-core {adapter.minor} (the sites in "
+                f"megatron.training are known for 0.19 only); the CPU backend for "
+                f"megatron-core alone is (enable_cpu_backend)")
+        started_backend = not self.backend.enabled
+        self.backend.enable()
+        try:
+            super().enable()
+        except BaseException:
+            if started_backend:
+                self.backend.disable()
+            raise
+        self.started_backend = started_backend
+
+    def disable(self) -> None:
+        super().disable()
+        if self.started_backend:
+            self.backend.disable()
+        self.started_backend = False
+
+    def _apply(self) -> None:
+        sites = self._sites
+        set_everywhere = self.patches.set_everywhere
+        set_everywhere(sites.initialize_megatron, self._initialize_megatron_on_cpu(sites.initialize_megatron),
+                       "megatron.training")
+        for owner, name in sites.one_device:
+            self.patches.set(owner, name, self._with_torch_cuda(vars(owner)[name], _ONE_CPU_DEVICE))
+        self.patches.set(*sites.jit_warmup, _skip_jit_warmup)
+        owner, name = sites.compile_helpers
+        self.patches.set(owner, name, self._compile_helpers_unless_present(vars(owner)[name]))
+        for owner, name in sites.rng_save_restore:
+            self.patches.set(owner, name, self._with_torch_cuda(vars(owner)[name], _CPU_RNG_AS_CUDA))
+        set_everywhere(sites.device_arch, _no_cuda_arch, "megatron.training")
+        set_everywhere(sites.pretrain, self.while_enabled(sites.pretrain, CudaNamesOnCpu), "megatron.training")
+
+    def _with_torch_cuda(self, original: Callable, twins: Dict[str, Any]) -> Callable:
+        return self.while_enabled(original, lambda: _torch_cuda_as(twins))
+
+    def _initialize_megatron_on_cpu(self, original: Callable) -> Callable:
+        """1. ``allow_no_cuda=True`` and the gloo backend."""
+
+        def initialize_megatron(*args, **kwargs):
+            if self.enabled:
+                from megatron.training import get_args
+
+                if args:  # allow_no_cuda is the first parameter
+                    args = (True,) + tuple(args[1:])
+                else:
+                    kwargs["allow_no_cuda"] = True
+                megatron_args = get_args()
+                if megatron_args.distributed_backend != "gloo":
+                    logger.info("CPU training: --distributed-backend %s -> gloo",
+                                megatron_args.distributed_backend)
+                    megatron_args.distributed_backend = "gloo"
+            return original(*args, **kwargs)
+
+        return self.marked(initialize_megatron, original)
+
+    def _compile_helpers_unless_present(self, original: Callable) -> Callable:
+        """4. Skip ``make`` when the compiled dataset helpers already import."""
+
+        def compile_helpers():
+            if self.enabled:
+                try:
+                    importlib.import_module(self._helpers_module)
+                    return None
+                except ImportError:
+                    pass
+            return original()
+
+        return self.marked(compile_helpers, original)
+
+
+TRAINING = CpuTraining(BACKEND)
+"""The process's CPU mode for ``megatron.training``."""
+
+
+def enable_cpu_training() -> None:
+    """Make ``megatron.training.pretrain`` run on CPU over gloo (idempotent).
+
+    Enables the CPU backend for megatron-core too. Call it before the training script
+    imports ``megatron.training`` names (``from megatron.training import pretrain``
+    copies the function), or let the launcher do it (``SDP4BIT_CPU=1``). Refused,
+    changing nothing, where ``megatron.training`` is missing or the release's adapter
+    has no ``cpu_training_sites()``.
+    """
+    TRAINING.enable()
+
+
+def disable_cpu_training() -> None:
+    """Put back everything ``enable_cpu_training`` replaced (idempotent); also disables
+    the CPU backend if it was ``enable_cpu_training`` that enabled it."""
+    TRAINING.disable()
+
+
+def is_cpu_training_enabled() -> bool:
+    """Whether ``enable_cpu_training()`` is in effect."""
+    return TRAINING.enabled
+
+
+def cpu_training() -> "Iterator[None]":
+    """Context manager: CPU training inside, the previous state after."""
+    return TRAINING.enabled_inside()
