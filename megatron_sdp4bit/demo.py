@@ -14,21 +14,14 @@ import sys
 import time
 from typing import Optional
 
-RANKS = 4
-RANKS_PER_NODE = 2
+from megatron_sdp4bit import recipes
+from megatron_sdp4bit.jobs import driver_command, job_env
 
-RECIPE_FLAGS = [
-    "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
-    "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
-    "--train-iters", "200", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "10",
-    "--weight-decay", "0.1", "--clip-grad", "1.0", "--use-distributed-optimizer",
-    "--log-interval", "10", "--eval-interval", "50", "--eval-iters", "4",
-    "--split", "969,30,1",
-]
-"""The model, data and schedule of ``make train``. fp32 parameters: most laptop
-and server CPUs have no bf16 matrix units, and there a bf16 step is ~15x slower
-(a 2-core AMD EPYC: 15 s per step in bf16, 1 s in fp32); add ``--bf16`` through
-ARGS where the CPU has them."""
+RANKS = recipes.MAKE_TRAIN_RANKS
+RANKS_PER_NODE = recipes.MAKE_TRAIN_RANKS_PER_NODE
+RECIPE_FLAGS = recipes.MAKE_TRAIN.flags()
+"""The model, data and schedule of ``make train`` (``recipes.MAKE_TRAIN``: fp32
+parameters, and why)."""
 
 DEFAULT_FLAGS = RECIPE_FLAGS + ["--sdp4bit", "--sdp4bit-ranks-per-node", str(RANKS_PER_NODE)]
 
@@ -83,14 +76,10 @@ def main(argv=None) -> int:
           f"({meta['files']} files, {meta['bytes'] / 2**20:.1f} MiB of text, {meta['tokens']:,} tokens)",
           flush=True)
     run_dir = os.path.join("runs", "make-train-" + time.strftime("%Y%m%d-%H%M%S"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={RANKS}", "-m", "megatron_sdp4bit.pretrain",
-           *DEFAULT_FLAGS, "--run-dir", run_dir, *extra]
+    cmd = driver_command([*DEFAULT_FLAGS, "--run-dir", run_dir, *extra], RANKS)
     print(f"launching {RANKS} CPU ranks as {RANKS // RANKS_PER_NODE} emulated nodes x "
           f"{RANKS_PER_NODE}:\n  {' '.join(cmd[2:])}", flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore"))
-    code = subprocess.call(cmd, env=env)
+    code = subprocess.call(cmd, env=job_env())
     if code == 0:
         png = overlay_on_reference(run_dir, extra)
         if png:

@@ -13,7 +13,7 @@ layer adds (with one rank nothing is quantized, so ideally nothing).
     python scripts/count_step_work.py --presets sdp4bit,baseline,zeropp --iters 6
 
 Counts are per step, over the steps after the first two (warm-up), and exclude
-the steps where the driver logs.
+the steps where the driver logs. Run ``make setup`` first.
 """
 from __future__ import annotations
 
@@ -24,11 +24,10 @@ import os
 import subprocess
 import sys
 
+from megatron_sdp4bit.recipes import STEP_WORK
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
-         "--seq-length", "128", "--micro-batch-size", "2", "--bf16",
-         "--use-distributed-optimizer", "--default-corpus-mb", "1", "--split", "90,10,0",
-         "--eval-interval", "100000", "--eval-iters", "1", "--no-progress-bar"]
+MODEL = STEP_WORK.flags()
 HOST_READS = ("item", "__float__", "__int__", "__bool__", "tolist", "cpu")
 
 

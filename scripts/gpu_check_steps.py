@@ -322,18 +322,15 @@ def corpus_or_fail(report: Report, ctx: dict, step: str) -> Optional[str]:
 
 def train_command(preset_name: str, shape: dict, corpus: str, work: str,
                   launcher: Optional[List[str]] = None, dp: int = 1, run_name: str = "") -> List[str]:
-    """The driver on ``shape``; ``launcher`` (torchrun) for ``dp`` ranks, else one process."""
+    """The driver on ``shape`` (``recipes.gpu_check_recipe``); ``launcher`` (torchrun) for
+    ``dp`` ranks, else one process."""
+    from megatron_sdp4bit.recipes import gpu_check_recipe
+
+    recipe = gpu_check_recipe(shape["layers"], shape["hidden"], shape["heads"], shape["seq"],
+                              shape["micro_batch"], shape["iters"], shape["log_interval"], dp)
     run_dir = os.path.join(work, run_name or f"train-{preset_name}")
     return (launcher or [sys.executable]) + [
-        "-m", "megatron_sdp4bit.pretrain", "--sdp4bit-preset", preset_name,
-        "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
-        "--num-attention-heads", str(shape["heads"]), "--seq-length", str(shape["seq"]),
-        "--max-position-embeddings", str(shape["seq"]),
-        "--micro-batch-size", str(shape["micro_batch"]),
-        "--global-batch-size", str(shape["micro_batch"] * dp),
-        "--bf16", "--use-distributed-optimizer", "--lr", "6e-4",
-        "--train-iters", str(shape["iters"]), "--log-interval", str(shape["log_interval"]),
-        "--eval-interval", str(10 * shape["iters"]), "--eval-iters", "1", "--split", "95,5,0",
+        "-m", "megatron_sdp4bit.pretrain", "--sdp4bit-preset", preset_name, *recipe.flags(),
         "--data-path", os.path.join(corpus, "stdlib_text_document"),
         "--tokenizer-type", "StdlibBPETokenizer",
         "--tokenizer-model", os.path.join(corpus, "tokenizer.json"),
@@ -349,21 +346,16 @@ def steady_step_time(records: List[dict], warmup_iters: int) -> Optional[float]:
     return statistics.median(times) if times else None
 
 
-def read_metrics(path: str) -> List[dict]:
-    if not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def run_training(report: Report, ctx: dict, label: str, cmd: List[str], shape: dict,
                  run_name: str, timeout: float) -> tuple:
     """Run the driver, report ``label`` PASS/FAIL; ``(row of figures, its output)``."""
     start = time.perf_counter()
     rc, output = run_logged(cmd, timeout=time_limit(ctx, timeout), env=python_env())
     seconds = time.perf_counter() - start
+    from megatron_sdp4bit.training.metrics import read_metrics
+
     metrics = os.path.join(ctx["work"], run_name, "metrics.jsonl")
-    records = read_metrics(metrics)
+    records = read_metrics(metrics) if os.path.isfile(metrics) else []
     if records:
         shutil.copy(metrics, os.path.join(ctx["out"], f"{run_name}.jsonl"))
     train = [r for r in records if r.get("kind") == "train"]
@@ -425,8 +417,9 @@ REPLICA_CHECKS = re.compile(r"replica checks\s+(\d+) passed")
 
 
 def torchrun(ranks: int) -> List[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(ranks)]
+    from megatron_sdp4bit.jobs import torchrun_command
+
+    return torchrun_command(ranks)
 
 
 def dp4_collectives(report: Report, ctx: dict, shape: dict) -> None:
@@ -545,11 +538,11 @@ def step_megatron_lm(report: Report, ctx: dict) -> None:
     if ctx["smoke"]:
         report.add("megatron_lm", "SKIP", "CPU self-test: Megatron-LM's pretrain_gpt.py needs CUDA")
         return
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+    one_rank = torchrun(1)
     env = python_env(PYTHONPATH=os.pathsep.join(filter(None, [path, ROOT, os.environ.get("PYTHONPATH")])))
     # (1) the launcher on the unedited script
     start = time.perf_counter()
-    rc, output = run_logged(torchrun + ["-m", "megatron_sdp4bit.launch",
+    rc, output = run_logged(one_rank + ["-m", "megatron_sdp4bit.launch",
                                         os.path.join(path, "pretrain_gpt.py")] + MEGATRON_LM_ARGS,
                             timeout=time_limit(ctx, 180), env=env)
     ok = rc == 0 and MEGATRON_LM_DONE.search(output) is not None
@@ -565,7 +558,7 @@ def step_megatron_lm(report: Report, ctx: dict) -> None:
     if rc != 0:
         report.add("megatron_lm.patch", "FAIL", f"apply_patches.sh exit {rc}", time.perf_counter() - start)
         return
-    rc, output = run_logged(torchrun + [os.path.join(tree, "pretrain_gpt.py")] + MEGATRON_LM_ARGS,
+    rc, output = run_logged(one_rank + [os.path.join(tree, "pretrain_gpt.py")] + MEGATRON_LM_ARGS,
                             timeout=time_limit(ctx, 180), env=env)
     ok = rc == 0 and MEGATRON_LM_DONE.search(output) is not None
     report.add("megatron_lm.patch", "PASS" if ok else "FAIL",

@@ -17,7 +17,9 @@ Steps (each reported PASS/FAIL; the exit status is 0 only if all pass):
   speed (information, never fails; not with --no-bench): median time of each op,
             Triton vs the torch reference on the same GPU.
 
-Needs a CUDA build of torch and Triton. Run from the repository root:
+Needs a CUDA build of torch and Triton, and the package importable (``make setup``,
+or ``PYTHONPATH`` at the checkout as scripts/gpu_check.sh sets it). Run from the
+repository root:
     python scripts/gpu_check_triton.py            # a few minutes, mostly Triton compiling
     python scripts/gpu_check_triton.py --no-bench --steps compile,large --json out.json
 
@@ -74,7 +76,6 @@ if ARGS is not None and ARGS.device == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 else:
     os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
-sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 

@@ -5,7 +5,8 @@ Runs ``make train``'s recipe (megatron_sdp4bit.demo.RECIPE_FLAGS, seed 1234) wit
 the exact collectives on 4 CPU ranks as 2 emulated nodes x 2 and stores its
 training and validation losses in megatron_sdp4bit/reference/make_train_exact.json
 (a few KB, shipped with the package), so that ``make train`` is not slowed by a
-second run. Rerun it whenever RECIPE_FLAGS change (``make train`` says so).
+second run. Rerun it whenever RECIPE_FLAGS change (``make train`` says so). Run
+``make setup`` first.
 
     python scripts/make_train_reference.py
 """
@@ -13,30 +14,28 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from driver_jobs import ROOT, run_driver  # noqa: E402
+from megatron_sdp4bit.demo import RANKS, RANKS_PER_NODE, RECIPE_FLAGS, REFERENCE
+from megatron_sdp4bit.jobs import checkout_commit, run_driver
+from megatron_sdp4bit.training.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> int:
-    from megatron_sdp4bit.demo import RANKS, RANKS_PER_NODE, RECIPE_FLAGS, REFERENCE
-    from megatron_sdp4bit.training.metrics import read_metrics
-
     with tempfile.TemporaryDirectory() as tmp:
         flags = RECIPE_FLAGS + ["--sdp4bit-preset", "baseline",
                                 "--sdp4bit-ranks-per-node", str(RANKS_PER_NODE),
                                 "--run-dir", os.path.join(tmp, "run")]
-        job = run_driver(flags, os.path.join(tmp, "log.txt"), ranks=RANKS)
+        job = run_driver(flags, os.path.join(tmp, "log.txt"), ranks=RANKS, cwd=ROOT)
         if job.returncode != 0:
             print(job.tail(40), file=sys.stderr)
             return job.returncode
         records = read_metrics(os.path.join(tmp, "run", "metrics.jsonl"))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = checkout_commit(ROOT)
     reference = {
         "what": "make train's recipe with the exact collectives (--sdp4bit-preset baseline)",
         "recipe_flags": RECIPE_FLAGS, "ranks": RANKS, "ranks_per_node": RANKS_PER_NODE,

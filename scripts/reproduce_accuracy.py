@@ -33,6 +33,8 @@ Recipes:
               extra driver flags after ``--``; each run checkpoints every
               ``--checkpoint-interval`` steps and resumes after an interruption
 
+Run ``make setup`` first (the driver and the recipes are the installed package's).
+
     python scripts/reproduce_accuracy.py --seeds 1 2 3
     python scripts/reproduce_accuracy.py --analyze
     python scripts/reproduce_accuracy.py --recipe gpu-125m --out runs/accuracy-125m -- \\
@@ -47,13 +49,14 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from driver_jobs import ROOT, run_driver  # noqa: E402
+from megatron_sdp4bit import recipes
+from megatron_sdp4bit.jobs import checkout_commit, run_driver
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name: (flags, the paper's Table 1 final validation loss at 125M)
 CONFIGS = {
@@ -67,23 +70,10 @@ CONFIGS = {
 }
 
 
-# The CPU recipe. Small enough that 7 configurations x 3 seeds run within 2 hours on
-# 2 cores (4 ranks share them), long enough that the model is well past its first
-# fast descent, where differences between the collectives have had time to add up.
-# fp32 parameters: on CPUs without bf16 matrix units a bf16 step is ~20x slower
-# (README.md); with fp32 weights the exact all-gather is fp32. Validation on 16
-# batches (32 K tokens) every 50 steps keeps the measurement noise of one
-# evaluation below the seed-to-seed spread.
-CPU_RANKS, CPU_RANKS_PER_NODE = 4, 2
+# The CPU recipe (megatron_sdp4bit.recipes.ACCURACY_CPU: why this size, this length).
+CPU_RANKS, CPU_RANKS_PER_NODE = recipes.ACCURACY_CPU_RANKS, recipes.ACCURACY_CPU_RANKS_PER_NODE
 CPU_RUN_TIMEOUT_S = 4 * 3600  # a CPU run takes minutes: a hung one is stopped
-CPU_RECIPE_FLAGS = [
-    "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
-    "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
-    "--train-iters", "400", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "20",
-    "--weight-decay", "0.1", "--clip-grad", "1.0", "--use-distributed-optimizer",
-    "--log-interval", "10", "--eval-interval", "50", "--eval-iters", "16",
-    "--split", "969,30,1", "--default-corpus-mb", "8",
-]
+CPU_RECIPE_FLAGS = recipes.ACCURACY_CPU.flags()
 
 
 def recipe_flags(recipe: str, gpus: int, ranks_per_node: int) -> tuple[list, int]:
@@ -103,14 +93,6 @@ def run_name(config: str, seed: int) -> str:
 
 def study_fingerprint(flags: list) -> str:
     return hashlib.sha256(json.dumps(flags).encode()).hexdigest()[:16]
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerprint: str,
@@ -133,7 +115,7 @@ def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerpr
     elif os.path.isdir(run_dir):  # an unfinished earlier attempt: start it again
         shutil.rmtree(run_dir)
     job = run_driver(flags, os.path.join(out, "logs", name + ".log"), ranks=ranks,
-                     timeout=timeout)
+                     timeout=timeout, cwd=ROOT)
     if job.returncode != 0:
         raise RuntimeError(f"{name} exited {job.returncode}; log {job.log_path}:\n{job.tail()}")
     from megatron_sdp4bit.training.metrics import loss_curves
@@ -145,7 +127,7 @@ def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerpr
     result = {"config": config, "seed": seed, "final_valid_loss": curve["valid"][-1][1],
               "final_train_loss": curve["train"][-1][1], "curves": curve,
               "seconds": round(job.seconds, 1), "flags": flags, "fingerprint": fingerprint,
-              "commit": git_commit(), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+              "commit": checkout_commit(ROOT), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     path = os.path.join(out, "results", name + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".part", "w") as f:

@@ -17,6 +17,8 @@ by more than ``--max-loss-gap``.
 
     python scripts/soak.py                       # 2000 steps, about 25 min on 2 cores
     python scripts/soak.py --iters 200 --out runs/soak-short
+
+Run ``make setup`` first.
 """
 from __future__ import annotations
 
@@ -28,20 +30,15 @@ import shutil
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from driver_jobs import ROOT, run_driver  # noqa: E402
+from megatron_sdp4bit.jobs import checkout_commit, run_driver
+from megatron_sdp4bit.recipes import SOAK
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # fp32 parameters (no --bf16): on CPUs without native bf16 matrix units (this AMD
 # EPYC: 8 bf16 GFLOP/s against 75 fp32) a bf16 step is 20x slower; fp32 params take
 # qWD's own path (the exact main weights set aside while the optimizer steps).
 # Add --bf16 through --extra to soak the bf16 path where bf16 is fast.
-MODEL_FLAGS = [
-    "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
-    "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
-    "--lr", "1e-3", "--min-lr", "1e-4",
-    "--weight-decay", "0.1", "--clip-grad", "1.0", "--use-distributed-optimizer",
-    "--split", "969,30,1", "--default-corpus-mb", "8", "--seed", "1234",
-]
+MODEL_FLAGS = SOAK.flags()
 
 
 def parse_args(argv=None):
@@ -71,17 +68,6 @@ def _losses(run_dir: str, kind: str) -> dict:
     return dict(loss_curves(os.path.join(run_dir, "metrics.jsonl"))[kind])
 
 
-def _commit() -> str:
-    """The code the soak ran: HEAD, marked ``+dirty`` with uncommitted changes."""
-    import subprocess
-
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def _checks_passed(output: str) -> int:
     found = re.search(r"replica checks\s+(\d+) passed", output)
     return int(found.group(1)) if found else 0
@@ -108,12 +94,13 @@ def main(argv=None) -> int:
         "exact": common + ["--sdp4bit-preset", "baseline", "--train-iters", args.iters,
                            "--run-dir", os.path.join(args.out, "exact")],
     }
-    report = {"iters": args.iters, "check_interval": args.check_interval, "commit": _commit(), "jobs": {}}
+    report = {"iters": args.iters, "check_interval": args.check_interval,
+              "commit": checkout_commit(ROOT, short=True, mark_dirty=True), "jobs": {}}
     failed = []
     for name, flags in jobs.items():
         log = os.path.join(args.out, re.sub(r"\W+", "-", name).strip("-") + ".log")
         print(f"[soak] {name}: {len(flags)} flags, log {log}", flush=True)
-        job = run_driver(flags, log)
+        job = run_driver(flags, log, cwd=ROOT)
         output = job.output()
         report["jobs"][name] = {"returncode": job.returncode, "seconds": round(job.seconds, 1),
                                 "replica_checks_passed": _checks_passed(output), "log": log}

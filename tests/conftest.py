@@ -1,8 +1,8 @@
 """Shared test set-up: import path and a deterministic hypothesis profile.
 
 - The repository root goes on sys.path, so ``pytest`` works from a checkout that
-  was not ``pip install -e``-ed; so does tests/ itself, for the shared harnesses
-  that live there and not in the installed package (``megatron_harness``).
+  was not ``pip install -e``-ed; so does tests/ itself, for the multi-rank
+  harness that lives there and not in the installed package (``harness``).
 - Hypothesis runs derandomized (the same examples every run: tests are
   deterministic), without a deadline (the CPU is shared, timings are noise) and
   without writing an example database into the tree. Select another profile

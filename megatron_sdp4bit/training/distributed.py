@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,14 +18,9 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_sdp4bit.comm import forget_subgroups
+from megatron_sdp4bit.jobs import free_port
 
 from megatron_sdp4bit.training.arguments import ArgumentError, check_parallel_sizes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 BACKENDS = ("nccl", "gloo")
@@ -88,7 +82,7 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.
     """
     if "RANK" not in os.environ:  # plain `python -m ...`: one rank
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))

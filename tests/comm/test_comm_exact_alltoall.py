@@ -1,16 +1,20 @@
-"""The all-to-all exact reduce-scatter (benchmark baseline) against torch's, on real gloo ranks."""
+"""The all-to-all exact reduce-scatter (benchmark baseline) against torch's, on real gloo ranks.
+
+``alltoall_cases`` runs inside every rank of the shared worlds of 2 and 4 (``comm_worlds``).
+"""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from comm_harness import run_world
+from comm_worlds import battery
 from megatron_sdp4bit.comm.exact_alltoall import alltoall_reduce_scatter
 
 
-def _cases(rank: int, world: int) -> dict:
-    """Every check of this file in one world (spawning worlds is the slow part)."""
+@battery.case(2, 4)
+def alltoall_cases(rank: int, world: int) -> dict:
+    """Every multi-rank check of this file, by name: True where it holds."""
     out = {}
     shard = 37
     # Integer-valued fp32: every sum is exact, so any summation order gives the same bits.
@@ -60,9 +64,9 @@ def _all_inputs(world):
             for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_alltoall_reduce_scatter_matches_torch(world):
-    for rank, result in enumerate(run_world(_cases, world)):
+@pytest.mark.parametrize("size", [2, 4])
+def test_alltoall_reduce_scatter_matches_torch(size):
+    for rank, result in enumerate(battery.results(alltoall_cases, size)):
         failed = [name for name, ok in result.items() if not ok]
         assert not failed, f"rank {rank}: {failed}"
 

@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from comm_harness import run_world
+from comm_worlds import battery
 from megatron_sdp4bit.comm import quantized_all_gather_weights, quantized_reduce_scatter, weights
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -75,7 +75,10 @@ def _weights(rank, world, async_op, space, seed):
     return model
 
 
-def _world(rank, world):
+@battery.case(4)
+def reuse(rank, world):
+    """Each schedule with and without a workspace, three calls each: same bits, and how
+    many tensors comm allocated in each call with the workspace."""
     results = {}
     for rpn in (1, 2):  # one level (4 nodes x 1) and two (2 x 2)
         for chunks, async_op in ((4, False), (4, True), (1, True)):
@@ -108,7 +111,7 @@ def _world(rank, world):
 
 
 def test_reused_buffers_change_no_bit_and_are_allocated_once():
-    for rank_results in run_world(_world, 4):
+    for rank_results in battery.results(reuse, 4):
         for case, (same, allocations) in rank_results.items():
             assert same == [True, True, True], f"{case}: a reused buffer changed the result"
             # The first call fills the workspace; the later ones allocate no send or

@@ -5,15 +5,12 @@ micro-batches.
 The ranks are forked from this process, which has already imported torch and
 megatron (importing them afresh costs ~10 s per process on a loaded CI box).
 """
-import datetime
-import multiprocessing
 import os
-import socket
-import traceback
 
 import numpy
 import pytest
 
+from harness import spawn_ranks
 from megatron_sdp4bit.data import iterate_micro_batches, load_default_corpus_tokenizer
 from megatron_sdp4bit.data.gpt_datasets import build_gpt_datasets
 
@@ -26,52 +23,23 @@ def _datasets(prefix, cache):
                               split="95,5,0", seed=11, path_to_cache=cache)
 
 
-def _rank_main(rank, port, prefix, cache, out_dir):
-    """One rank: build the datasets, save its first micro-batches and some samples."""
+def _rank(rank, world_size, prefix, cache):
+    """One rank: build the datasets; its first micro-batches and some samples."""
     import torch.distributed as dist
 
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-        train, valid, _ = _datasets(prefix, cache)
-        batches = iterate_micro_batches(train, MICRO_BATCH, rank, WORLD)
-        mine = numpy.stack([next(batches)["tokens"].numpy() for _ in range(STEPS)])
-        samples = numpy.stack([train[i]["tokens"].numpy() for i in range(8)])
-        valid_samples = numpy.stack([valid[i]["tokens"].numpy() for i in range(4)])
-        dist.barrier()
-        dist.destroy_process_group()
-        numpy.savez(os.path.join(out_dir, f"rank{rank}.npz"), mine=mine, samples=samples, valid=valid_samples)
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    train, valid, _ = _datasets(prefix, cache)
+    batches = iterate_micro_batches(train, MICRO_BATCH, rank, world_size)
+    mine = numpy.stack([next(batches)["tokens"].numpy() for _ in range(STEPS)])
+    samples = numpy.stack([train[i]["tokens"].numpy() for i in range(8)])
+    valid_samples = numpy.stack([valid[i]["tokens"].numpy() for i in range(4)])
+    dist.barrier()
+    return {"mine": mine, "samples": samples, "valid": valid_samples}
 
 
 @pytest.mark.slow
 def test_two_gloo_ranks(small_corpus_prefix, tmp_path):
     cache = str(tmp_path / "shared_cache")
-    methods = multiprocessing.get_all_start_methods()
-    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    port = _free_port()
-    procs = [context.Process(target=_rank_main, args=(r, port, small_corpus_prefix, cache, str(tmp_path)))
-             for r in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=120)
-    for rank, proc in enumerate(procs):
-        if proc.is_alive():
-            proc.kill()
-            pytest.fail(f"rank {rank} hung")
-        error = tmp_path / f"rank{rank}.err"
-        assert proc.exitcode == 0, f"rank {rank} failed:\n{error.read_text() if error.exists() else ''}"
-    results = [numpy.load(str(tmp_path / f"rank{r}.npz")) for r in range(WORLD)]
+    results = spawn_ranks(_rank, WORLD, small_corpus_prefix, cache, timeout_s=120, start="fork")
     # Same datasets on both ranks ...
     numpy.testing.assert_array_equal(results[0]["samples"], results[1]["samples"])
     numpy.testing.assert_array_equal(results[0]["valid"], results[1]["valid"])

@@ -3,25 +3,21 @@ calls the real collectives make), the staging copy, tensor-parallel and embeddin
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "comm"))
-
-from comm_harness import run_world  # noqa: E402
-from estimate_cases import CALL_CASES, FLOORS, count_calls  # noqa: E402
-from megatron_sdp4bit.comm.layout import plan_node_layout  # noqa: E402
-from megatron_sdp4bit.config import preset  # noqa: E402
-from megatron_sdp4bit.estimate import calls, volume  # noqa: E402
-from megatron_sdp4bit.estimate.implementation import (PAPER_REFERENCE, THIS_PROJECT,  # noqa: E402
+from estimate_cases import CALL_CASES, FLOORS, count_calls
+from harness import spawn_ranks
+from megatron_sdp4bit.comm.layout import plan_node_layout
+from megatron_sdp4bit.config import preset
+from megatron_sdp4bit.estimate import calls, volume
+from megatron_sdp4bit.estimate.implementation import (PAPER_REFERENCE, THIS_PROJECT,
                                                       Implementation)
-from megatron_sdp4bit.estimate.kernels import KernelModel  # noqa: E402
-from megatron_sdp4bit.estimate.model import ModelShape, tp_allreduces  # noqa: E402
-from megatron_sdp4bit.estimate.network import (NCCL_LATENCY, NO_LATENCY, Latency,  # noqa: E402
+from megatron_sdp4bit.estimate.kernels import KernelModel
+from megatron_sdp4bit.estimate.model import ModelShape, tp_allreduces
+from megatron_sdp4bit.estimate.network import (NCCL_LATENCY, NO_LATENCY, Latency,
                                                Network, ring_calls)
-from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate  # noqa: E402
+from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate
 
 WORLD = 4
 
@@ -69,7 +65,7 @@ def test_latency_follows_nccl_ring_steps_and_pairwise_all_to_alls():
 
 @pytest.fixture(scope="module")
 def recorded_calls():
-    return run_world(count_calls, WORLD)
+    return spawn_ranks(count_calls, WORLD, timeout_s=240, start="forkserver")
 
 
 def test_chunks_and_slices_are_the_real_collectives_calls(recorded_calls):

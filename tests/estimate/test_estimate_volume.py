@@ -1,19 +1,14 @@
 """The estimator's byte counts against what the real collectives record, and link volumes."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "comm"))
-
-from comm_harness import run_world  # noqa: E402
-from estimate_cases import CONFIGS, cases, measure  # noqa: E402
-from megatron_sdp4bit.comm.layout import plan_node_layout  # noqa: E402
-from megatron_sdp4bit.config import preset  # noqa: E402
-from megatron_sdp4bit.estimate import volume  # noqa: E402
+from estimate_cases import CONFIGS, cases, measure
+from harness import spawn_ranks
+from megatron_sdp4bit.comm.layout import plan_node_layout
+from megatron_sdp4bit.config import preset
+from megatron_sdp4bit.estimate import volume
 
 WORLD = 4
 
@@ -21,7 +16,7 @@ WORLD = 4
 @pytest.fixture(scope="module")
 def recorded():
     """The accounting of every case, from 4 real gloo ranks (one world for all cases)."""
-    return run_world(measure, WORLD)
+    return spawn_ranks(measure, WORLD, timeout_s=240, start="forkserver")
 
 
 def test_sent_bytes_equal_the_accounting_of_real_collectives(recorded):

@@ -2,35 +2,26 @@
 predicted again by the current estimator (no root, nothing run)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+from megatron_sdp4bit.benchmarks.slow_link.estimates import Probed
+from megatron_sdp4bit.benchmarks.slow_link.report import write_json
+from megatron_sdp4bit.benchmarks.slow_link.runs import Cell, RunResult
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "bench_slow_link.py")
-
-
-def _load_bench():
-    sys.path.insert(0, os.path.dirname(SCRIPT))  # its sibling modules (netns_nodes, link_probes)
-    spec = importlib.util.spec_from_file_location("bench_slow_link", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
 COMMAND = ("sudo .venv/bin/python scripts/bench_slow_link.py --dtype fp32 --estimate --calibrate "
            "--rates 100 --presets baseline-a2a,sdp4bit")
 
 
 def _cells():
-    run = lambda step: bench.RunResult([step, step * 1.1], 5.0e6, 2.0e6, 1.0e7, 3.0, 0.4)  # noqa: E731
-    return {(None, "baseline-a2a"): bench.Cell([run(1.5)]),
-            (100.0, "baseline-a2a"): bench.Cell([run(5.0)]),
-            (100.0, "sdp4bit"): bench.Cell([run(2.0)])}
+    run = lambda step: RunResult([step, step * 1.1], 5.0e6, 2.0e6, 1.0e7, 3.0, 0.4)  # noqa: E731
+    return {(None, "baseline-a2a"): Cell([run(1.5)]),
+            (100.0, "baseline-a2a"): Cell([run(5.0)]),
+            (100.0, "sdp4bit"): Cell([run(2.0)])}
 
 
 def _replay(path):
@@ -39,9 +30,9 @@ def _replay(path):
 
 
 def test_replay_uses_the_probed_latency_and_reads_older_files(tmp_path):
-    probed = bench.Probed(10.0, {None: 9.0, 100.0: 0.0958}, 7.0, {None: 8.0, 100.0: 2000.0})
+    probed = Probed(10.0, {None: 9.0, 100.0: 0.0958}, 7.0, {None: 8.0, 100.0: 2000.0})
     new = tmp_path / "new.json"
-    bench.write_json(str(new), COMMAND, probed, _cells(), None)
+    write_json(str(new), COMMAND, probed, _cells(), None)
     data = json.loads(new.read_text())
     assert data["latency_us"] == {"no limit (veth)": 8.0, "100 Mbit/s": 2000.0}
     old = tmp_path / "old.json"  # written before the latency probe existed

@@ -22,13 +22,12 @@ import time
 import pytest
 import torch
 
-from megatron_harness import (
-    RankFailed,
+from harness import RankFailed, spawn_ranks
+from harness.tiny_gpt import (
     TinyGPTSpec,
     TinyGPTTrainer,
     assemble_reduced_grads,
     reference_train,
-    spawn_ranks,
 )
 
 WORLD = 4

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_harness import TinyGPTSpec, refusal, spawn_ranks
+from harness import spawn_ranks
+from harness.tiny_gpt import TinyGPTSpec, refusal
 from megatron_sdp4bit.config import preset
 
 WORLD = 4
@@ -36,7 +37,7 @@ def _train(spec: TinyGPTSpec, config):
     import torch.distributed
     from megatron.core.distributed import param_and_grad_buffer
 
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
     from megatron_sdp4bit.patching import Patches
 

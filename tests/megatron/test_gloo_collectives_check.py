@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
-from megatron_harness import free_port, spawn_ranks
+from harness import spawn_ranks
+from megatron_sdp4bit.jobs import job_env, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -41,12 +41,9 @@ def test_a_wrong_reduce_scatter_is_named():
 
 
 def test_it_runs_as_a_module_under_torchrun():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env = job_env(PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-         "-m", "megatron_sdp4bit.diagnostics.gloo_collectives"],
+        torchrun_command(2, ["-m", "megatron_sdp4bit.diagnostics.gloo_collectives"]),
         capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the gloo collectives megatron's bucket groups use: correct on 2 ranks" in result.stdout

@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("recording needs the compiled kernels (not the interpreter)", allow_module_level=True)
 
-from megatron_harness import TinyGPTSpec, spawn_ranks  # noqa: E402
+from harness import spawn_ranks  # noqa: E402
+from harness.tiny_gpt import TinyGPTSpec  # noqa: E402
 from megatron_sdp4bit.config import preset  # noqa: E402
 
 SPECS = {
@@ -68,7 +69,7 @@ def _real_calls(layer, trainer):
 
 
 def _world(rank, world_size):
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit import quant
     from megatron_sdp4bit.megatron import patch
     from megatron_sdp4bit.quant import triton_ops, warmup

@@ -31,12 +31,13 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -246,12 +247,6 @@ MEGATRON_LM_ARGS = [
 SDP4BIT_ARGS = ["--sdp4bit", "--sdp4bit-ranks-per-node", "2", "--sdp4bit-check-interval", "1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _train(tmp_path, extra_args):
     """Run the script on 4 ranks; Megatron-LM's logged losses and each rank's report."""
     script = tmp_path / "pretrain_tiny_gpt.py"
@@ -264,7 +259,7 @@ def _train(tmp_path, extra_args):
                CUDA_DEVICE_MAX_CONNECTIONS="1", REPORT_DIR=str(reports),
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "megatron_sdp4bit.launch", str(script),
            *MEGATRON_LM_ARGS, *extra_args, *SDP4BIT_ARGS]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from megatron_sdp4bit.config import preset
-from megatron_harness import TinyGPTSpec, spawn_ranks
+from harness import spawn_ranks
+from harness.tiny_gpt import TinyGPTSpec
 
 WORLD = 4
 STEPS = 8
@@ -42,7 +43,7 @@ def _counting(calls: dict, key: str, function):
 
 
 def _train(spec: TinyGPTSpec, config, own_exact: bool):
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
 
     patch.uninstall()

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_sdp4bit.config import preset
-from megatron_harness import TinyGPTSpec, refusal, spawn_ranks
+from harness import spawn_ranks
+from harness.tiny_gpt import TinyGPTSpec, refusal
 
 WORLD = 4
 STEPS = 20
@@ -24,7 +25,7 @@ LOSS_TOLERANCE = 0.05
 
 def _train(spec: TinyGPTSpec, config, steps: int):
     from megatron_sdp4bit import comm
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
 
     patch.uninstall()
@@ -203,7 +204,7 @@ def _no_distributed_optimizer(rank, world_size):
 def _plain_ddp_with_quantization_off(rank, world_size):
     """Without the distributed optimizer megatron all-reduces: the layer, installed with
     quantization off (as the driver always installs it), leaves that to megatron."""
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
 
     spec = TinyGPTSpec(dtype="fp32", use_distributed_optimizer=False)
@@ -244,7 +245,7 @@ def _resume_without_weight_quantization(rank, world_size):
     shared reconstruction (which is what megatron's own state holds with fp32 params)."""
     import torch
 
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit.megatron import patch
 
     patch.uninstall()

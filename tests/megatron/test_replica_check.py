@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_harness import TinyGPTSpec, spawn_ranks
+from harness import spawn_ranks
+from harness.tiny_gpt import TinyGPTSpec
 from megatron_sdp4bit.config import preset
 from megatron_sdp4bit.megatron.consistency import buffer_digest
 
@@ -19,7 +20,7 @@ def _flip_lowest_bit(tensor: torch.Tensor, index: int) -> None:
 
 
 def _train_then_corrupt(rank, world_size, interval):
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit import comm
     from megatron_sdp4bit.megatron import patch
     from megatron_sdp4bit.megatron.consistency import ReplicaMismatch

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_harness import TinyGPTSpec, spawn_ranks
+from harness import spawn_ranks
+from harness.tiny_gpt import TinyGPTSpec
 from megatron_sdp4bit.config import preset
 from megatron_sdp4bit.patching import Patches
 
@@ -80,7 +81,7 @@ class SyncCounter:
 
 
 def _count_syncs(rank, world_size, specs, metrics_interval):
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit import comm
     from megatron_sdp4bit.megatron import patch
 
@@ -124,7 +125,7 @@ def test_step_has_no_host_sync_from_the_layer_with_metrics_off_or_on():
 
 
 def _one_rank(rank, world_size):
-    from megatron_harness import TinyGPTTrainer
+    from harness.tiny_gpt import TinyGPTTrainer
     from megatron_sdp4bit import comm, quant
     from megatron_sdp4bit.megatron import patch
 

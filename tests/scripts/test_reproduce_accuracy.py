@@ -12,10 +12,11 @@ import sys
 
 import pytest
 
+from megatron_sdp4bit.jobs import Job
+
 SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                        "scripts")
 sys.path.insert(0, SCRIPTS)
-import driver_jobs  # noqa: E402
 import reproduce_accuracy as study  # noqa: E402
 
 
@@ -97,14 +98,15 @@ def test_gpu_recipe_needs_data(capsys):
 
 def _fake_driver(monkeypatch, calls):
     """run_driver stand-in: records the flags and timeout, writes a finished run's metrics."""
-    def fake(flags, log_path, ranks, timeout):
+    def fake(flags, log_path, ranks, timeout, cwd):
         calls.append((list(flags), timeout))
         run_dir = flags[flags.index("--run-dir") + 1]
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({"kind": "train", "iteration": 10, "loss": 6.0}) + "\n")
             f.write(json.dumps({"kind": "valid", "iteration": 10, "loss": 6.5}) + "\n")
-        return driver_jobs.Job(0, 1.0, log_path)
+        assert cwd == study.ROOT  # as from the checkout
+        return Job(0, 1.0, log_path)
 
     monkeypatch.setattr(study, "run_driver", fake)
 

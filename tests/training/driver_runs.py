@@ -1,5 +1,5 @@
 """Test helpers (not a test module): the driver's run with the weights hashed after every
-step, and worlds of forked ranks.
+step, and worlds of ranks that run the driver on the embedded corpus.
 
 ``run_with_hashes(args, prepare)`` builds the run's parts, lets ``prepare(parts)``
 change them (a fault injected into a schedule callback, counters on the model's
@@ -7,21 +7,39 @@ bucket groups), trains, and returns the driver's summary plus
 ``weights_sha256_per_step`` (after each iteration, through the run's per-step
 callback) and ``weights_sha256`` (at the end).
 
-``forked_ranks`` is ``spawn_ranks`` with forked processes: the ranks inherit the
-test process's imports (megatron-core takes most of a rank's start-up on a busy CPU).
+``TINY_GPT``: the driver flags of the tests' model. ``train_records(root, name)`` / ``train_log(root, name, field)``: the training log
+lines of the run written to ``root/name`` (its ``--run-dir``).
+
+``driver_world(tmp_path_factory, name, fn, world_size, *args, timeout_s)`` runs
+``fn(rank, world_size, root, *args)`` on gloo ranks (``harness.spawn_ranks``, forked
+by default: the ranks inherit the driver's imports, which take most of a rank's
+start-up on a busy CPU) in a fresh folder ``root`` whose corpus cache
+(``corpus_cache``) every rank reads; it returns ``(root, results)``.
 """
 from __future__ import annotations
 
-import multiprocessing
-from types import SimpleNamespace
-from typing import Callable, Optional
+import contextlib
+import os
+from typing import Callable, Iterator, Optional
 
 import pytest
 
-import megatron_harness
+from harness import spawn_ranks
 from megatron_sdp4bit.megatron.consistency import weights_sha256
+from megatron_sdp4bit.training.metrics import read_metrics
 from megatron_sdp4bit.training.run import TrainingRun
 from megatron_sdp4bit.training.setup import RunParts, set_up
+
+
+TINY_GPT = [
+    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "3e-3", "--lr-warmup-iters", "1",
+    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
+    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
+]
+"""The driver tests' model: a 1-layer, 32-wide GPT on 1 MiB of the embedded corpus,
+every step logged, no evaluation; each test adds its schedule and presets."""
 
 
 def run_with_hashes(args, prepare: Optional[Callable[[RunParts], None]] = None,
@@ -38,9 +56,53 @@ def run_with_hashes(args, prepare: Optional[Callable[[RunParts], None]] = None,
     return summary
 
 
-def forked_ranks(fn, world_size, *args, timeout_s):
+def train_records(root, name: str) -> list:
+    """The training log lines (``kind == "train"``) of the run in ``root/name``."""
+    path = os.path.join(os.fspath(root), name, "metrics.jsonl")
+    return [r for r in read_metrics(path) if r["kind"] == "train"]
+
+
+def train_log(root, name: str, field: str = "loss") -> dict:
+    """``{iteration: field}`` of the run in ``root/name``'s training log lines."""
+    return {r["iteration"]: r[field] for r in train_records(root, name)}
+
+
+@contextlib.contextmanager
+def corpus_cache(root: str) -> Iterator[None]:
+    """While open: the embedded corpus (1 MiB) prepared once in ``root/cache``, where the
+    ranks started inside find it (``SDP4BIT_CACHE``), and one thread per rank; later tests
+    see neither."""
+    from megatron_sdp4bit.data import prepare_default_corpus
+
     with pytest.MonkeyPatch.context() as mp:
-        if "fork" in multiprocessing.get_all_start_methods():
-            mp.setattr(megatron_harness, "multiprocessing",
-                       SimpleNamespace(get_context=lambda _kind: multiprocessing.get_context("fork")))
-        return megatron_harness.spawn_ranks(fn, world_size, *args, timeout_s=timeout_s)
+        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
+        mp.setenv("OMP_NUM_THREADS", "1")
+        prepare_default_corpus(max_mb=1)  # once, before the ranks start
+        yield
+
+
+def import_the_driver() -> None:
+    """What the driver imports lazily, imported here once (forked ranks inherit it)."""
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+
+    import megatron_sdp4bit.cpu_backend  # noqa: F401
+    import megatron_sdp4bit.pretrain  # noqa: F401
+    from megatron_sdp4bit.training import checkpoint, fusions, metrics, model  # noqa: F401
+
+
+def driver_ranks(fn: Callable, world_size: int, root: str, *args, timeout_s: float,
+                 start: str = "fork") -> list:
+    """``fn(rank, world_size, root, *args)`` on ``world_size`` ranks, inside ``corpus_cache``."""
+    if start == "fork":
+        import_the_driver()
+    return spawn_ranks(fn, world_size, root, *args, timeout_s=timeout_s, start=start)
+
+
+def driver_world(tmp_path_factory, name: str, fn: Callable, world_size: int, *args,
+                 timeout_s: float, start: str = "fork") -> tuple:
+    """``(root, results)``: a fresh folder ``root``, its corpus, and ``driver_ranks``."""
+    root = str(tmp_path_factory.mktemp(name))
+    with corpus_cache(root):
+        return root, driver_ranks(fn, world_size, root, *args, timeout_s=timeout_s, start=start)

@@ -23,18 +23,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from driver_runs import forked_ranks
+from driver_runs import TINY_GPT, corpus_cache, driver_ranks, train_log
 from megatron_sdp4bit.training.checkpoint import CheckpointError, compare_layouts
-from megatron_sdp4bit.training.metrics import read_metrics
 
 SAVED_AT, STEPS = 3, 6
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", str(STEPS),
-    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar", "--sdp4bit",
-]
+TINY = TINY_GPT + ["--lr-decay-iters", str(STEPS), "--sdp4bit"]
 
 
 def _world(rank, world_size, root, runs):
@@ -56,38 +49,21 @@ def _world(rank, world_size, root, runs):
     return out
 
 
-def _import_the_driver():
-    """What the driver imports lazily, imported here once (forked ranks inherit it)."""
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.optimizer  # noqa: F401
-    import megatron.core.pipeline_parallel  # noqa: F401
-
-    import megatron_sdp4bit.cpu_backend  # noqa: F401
-    import megatron_sdp4bit.pretrain  # noqa: F401
-    from megatron_sdp4bit.training import checkpoint, fusions, metrics, model  # noqa: F401
-
-
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("reshard"))
     ck = {k: os.path.join(root, k) for k in ("A", "B", "C")}
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        _import_the_driver()
-        four = forked_ranks(_world, 4, root, [
+    with corpus_cache(root):
+        four = driver_ranks(_world, 4, root, [
             ("first4", ["--train-iters", str(SAVED_AT), "--save", ck["A"]]),
             ("straight4", ["--train-iters", str(STEPS), "--load", ck["A"]]),
         ], timeout_s=300)
-        two = forked_ranks(_world, 2, root, [
+        two = driver_ranks(_world, 2, root, [
             ("to2", ["--train-iters", str(SAVED_AT), "--load", ck["A"], "--save", ck["B"]]),
             ("cont2", ["--train-iters", str(STEPS), "--load", ck["A"]]),
             ("other_model", ["--train-iters", str(STEPS), "--load", ck["A"], "--hidden-size", "64"]),
         ], timeout_s=300)
-        back = forked_ranks(_world, 4, root, [
+        back = driver_ranks(_world, 4, root, [
             ("back4", ["--train-iters", str(SAVED_AT), "--load", ck["B"], "--save", ck["C"]]),
         ], timeout_s=300)
     return root, ck, four, two, back
@@ -126,11 +102,6 @@ def _world_main_shards(files):
     for key in files[0]["extra"]["sdp4bit"]["main_shards"]:
         out[key] = torch.cat([f["extra"]["sdp4bit"]["main_shards"][key] for f in files])
     return out
-
-
-def _losses(root, name):
-    return {r["iteration"]: r["loss"] for r in read_metrics(os.path.join(root, name, "metrics.jsonl"))
-            if r["kind"] == "train"}
 
 
 def test_4_to_2_reshards_the_optimizer_and_layer_state_exactly(worlds):
@@ -183,7 +154,7 @@ def test_2_to_4_gives_back_the_original_shards(worlds):
 def test_the_resharded_run_continues_the_curve(worlds):
     root, ck, four, two, _ = worlds
     assert two[0]["cont2"]["error"] is None, two[0]["cont2"]["error"]
-    straight, resharded = _losses(root, "straight4"), _losses(root, "cont2")
+    straight, resharded = train_log(root, "straight4"), train_log(root, "cont2")
     assert sorted(resharded) == list(range(SAVED_AT + 1, STEPS + 1))
     # The first step's loss comes from the loaded weights: equal but for the order of
     # the sums. After that not bit for bit: 2 ranks sum and quantize the gradients

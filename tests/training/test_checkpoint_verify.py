@@ -22,7 +22,7 @@ import shutil
 
 import pytest
 
-from driver_runs import forked_ranks
+from driver_runs import TINY_GPT, driver_world
 from megatron_sdp4bit.training import checkpoint
 from megatron_sdp4bit.training.checkpoint import LATEST, MANIFEST, CheckpointError
 from megatron_sdp4bit.training.metrics import read_metrics
@@ -89,14 +89,8 @@ def test_a_damaged_latest_checkpoint_offers_the_previous_complete_one(tmp_path, 
 
 # --- through the driver ----------------------------------------------------------------------
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--bf16",
-    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
-    "--sdp4bit", "--sdp4bit-ranks-per-node", "1",
-]
+TINY = TINY_GPT + ["--lr-decay-iters", "6", "--bf16",
+                   "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
 
 
 def _world(rank, world_size, root):
@@ -136,17 +130,7 @@ def _world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("verify"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        import megatron_sdp4bit.pretrain  # noqa: F401  (the forked ranks inherit it)
-        import megatron_sdp4bit.training.model  # noqa: F401
-
-        return root, forked_ranks(_world, 2, root, timeout_s=300)
+    return driver_world(tmp_path_factory, "verify", _world, 2, timeout_s=300)
 
 
 def test_saves_write_a_manifest_of_the_layout_and_files(driver):

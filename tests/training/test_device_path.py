@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_harness import spawn_ranks
+from harness import spawn_ranks
 from megatron_sdp4bit.training.fusions import Fusions, choose_fusions
 
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -24,19 +24,13 @@ import time
 
 import pytest
 
-from driver_runs import forked_ranks
+from driver_runs import TINY_GPT, driver_world, train_log
 from megatron_sdp4bit.training.checkpoint import LATEST, check_files, read_manifest
 from megatron_sdp4bit.training.metrics import read_metrics
 from megatron_sdp4bit.training.signals import StoppedBySignal
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "1000", "--bf16",
-    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
-    "--sdp4bit", "--sdp4bit-ranks-per-node", "1",
-]
+TINY = TINY_GPT + ["--lr-decay-iters", "1000", "--bf16",
+                   "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
 HANDLER = ["--exit-signal-handler"]
 
 
@@ -83,21 +77,7 @@ def _world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("signals"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        import megatron_sdp4bit.training.run  # noqa: F401  (the forked ranks inherit it)
-
-        return root, forked_ranks(_world, 2, root, timeout_s=600)
-
-
-def _losses(root, name):
-    return {r["iteration"]: r["loss"] for r in read_metrics(os.path.join(root, name, "metrics.jsonl"))
-            if r["kind"] == "train"}
+    return driver_world(tmp_path_factory, "signals", _world, 2, timeout_s=600)
 
 
 def test_a_signal_on_one_rank_saves_and_stops_every_rank_at_the_same_step(world):
@@ -114,7 +94,7 @@ def test_a_signal_on_one_rank_saves_and_stops_every_rank_at_the_same_step(world)
 
 def test_the_resumed_run_continues_the_uninterrupted_curve(world):
     root, results = world
-    straight, stopped, resumed = (_losses(root, n) for n in ("straight", "one_rank", "resumed"))
+    straight, stopped, resumed = (train_log(root, n) for n in ("straight", "one_rank", "resumed"))
     assert sorted(stopped) == [1, 2, 3] and sorted(resumed) == [4, 5]
     assert {**stopped, **resumed} == straight
     assert f"resumed from {os.path.join(root, 'ck')} at iteration 3" in results[0]["resumed"]["stdout"]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from megatron_sdp4bit.training.metrics import read_metrics
+from driver_runs import train_log
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, KILLED_AT, SAVE_EVERY = 8, 5, 2
@@ -59,11 +59,6 @@ def jobs(tmp_path_factory):
     return root, straight, killed, ended - float(stamp.read_text()), latest_after_kill, resumed
 
 
-def _losses(root, name):
-    return {r["iteration"]: r["loss"] for r in read_metrics(str(root / name / "metrics.jsonl"))
-            if r["kind"] == "train"}
-
-
 def test_a_killed_rank_ends_the_job_quickly_with_an_error(jobs):
     root, straight, killed, seconds_to_exit, latest, _ = jobs
     assert straight.returncode == 0, straight.stderr[-3000:]
@@ -78,6 +73,6 @@ def test_load_resumes_from_the_last_checkpoint_on_the_same_curve(jobs):
     root, _, _, _, _, resumed = jobs
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {root / 'ckpt'} at iteration {KILLED_AT - 1}" in resumed.stdout
-    straight, again = _losses(root, "straight"), _losses(root, "resumed")
+    straight, again = train_log(root, "straight"), train_log(root, "resumed")
     assert sorted(again) == list(range(KILLED_AT, STEPS + 1))
     assert [again[i] for i in sorted(again)] == [straight[i] for i in sorted(again)]

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from megatron_harness import spawn_ranks
+from driver_runs import driver_world
 from megatron_sdp4bit.training.metrics import read_metrics
 
 COMMON = [
@@ -92,14 +92,7 @@ def _nonfinite_world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("nonfinite"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        prepare_default_corpus(max_mb=1)
-        results = spawn_ranks(_nonfinite_world, 4, root, timeout_s=900)
-    return root, results
+    return driver_world(tmp_path_factory, "nonfinite", _nonfinite_world, 4, timeout_s=900, start="spawn")
 
 
 def _train_records(root, name):
@@ -181,7 +174,7 @@ def test_main_maps_each_stop_to_its_exit_code_with_one_line(monkeypatch, capsys,
     import megatron_sdp4bit.pretrain as driver
     from megatron_sdp4bit.megatron.consistency import ReplicaMismatch
     from megatron_sdp4bit.training.checkpoint import CheckpointError
-    from megatron_harness import free_port
+    from harness import free_port
 
     raised = {"nonfinite": driver.NonFiniteTraining("iteration 7: ..."),
               "replicas": ReplicaMismatch("bucket 0: ranks [0] vs ranks [1]"),

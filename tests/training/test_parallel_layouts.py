@@ -17,8 +17,7 @@ from collections import defaultdict
 
 import pytest
 
-from megatron_harness import spawn_ranks
-from megatron_sdp4bit.training.metrics import read_metrics
+from driver_runs import driver_world, train_log
 
 STEPS, SAVED_AT = 6, 3
 COMMON = [
@@ -122,19 +121,7 @@ def _layouts_world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("layouts"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:  # the ranks inherit it; later tests do not
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        prepare_default_corpus(max_mb=1)  # once, before the ranks start
-        results = spawn_ranks(_layouts_world, 4, root, timeout_s=900)
-    return root, results
-
-
-def _losses(root, name):
-    records = read_metrics(os.path.join(root, name, "metrics.jsonl"))
-    return {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
+    return driver_world(tmp_path_factory, "layouts", _layouts_world, 4, timeout_s=900, start="spawn")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -151,7 +138,7 @@ def test_layout_is_what_was_asked(runs, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_loss_close_to_the_exact_run(runs, layout):
     root, _ = runs
-    exact, sdp = _losses(root, f"{layout}-exact"), _losses(root, f"{layout}-sdp")
+    exact, sdp = train_log(root, f"{layout}-exact"), train_log(root, f"{layout}-sdp")
     assert sorted(sdp) == list(range(1, STEPS + 1))
     differences = [abs(sdp[i] - exact[i]) for i in range(1, STEPS + 1)]
     print(f"{layout}: exact {exact[STEPS]:.4f}, sdp4bit {sdp[STEPS]:.4f}, "
@@ -183,8 +170,8 @@ def test_resume_is_bit_identical(runs, layout):
     root, results = runs
     for r in results:
         assert "error" not in r[layout]["second_half"], r[layout]["second_half"]["error"]
-    straight = _losses(root, f"{layout}-sdp")
-    resumed = {**_losses(root, f"{layout}-first_half"), **_losses(root, f"{layout}-second_half")}
+    straight = train_log(root, f"{layout}-sdp")
+    resumed = {**train_log(root, f"{layout}-first_half"), **train_log(root, f"{layout}-second_half")}
     assert [resumed[i] for i in range(1, STEPS + 1)] == [straight[i] for i in range(1, STEPS + 1)]
     for r in results:
         assert r[layout]["second_half"]["weights_sha256"] == r[layout]["sdp"]["weights_sha256"]

@@ -15,20 +15,13 @@ import os
 
 import pytest
 
-from driver_runs import forked_ranks
+from driver_runs import TINY_GPT, driver_world, train_records
 from megatron_sdp4bit.config import PRESETS
 from megatron_sdp4bit.training.arguments import parse_args
 from megatron_sdp4bit.training.checkpoint import CheckpointError
-from megatron_sdp4bit.training.metrics import read_metrics
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "4", "--bf16",
-    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
-    "--sdp4bit-ranks-per-node", "1", "--sdp4bit-check-interval", "1",
-]
+TINY = TINY_GPT + ["--lr-decay-iters", "4", "--bf16",
+                   "--sdp4bit-ranks-per-node", "1", "--sdp4bit-check-interval", "1"]
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -62,20 +55,7 @@ def _world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("presets"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        import megatron_sdp4bit.pretrain  # noqa: F401  (the forked ranks inherit it)
-
-        return root, forked_ranks(_world, 2, root, timeout_s=600)
-
-
-def _train(root, name):
-    return [r for r in read_metrics(os.path.join(root, name, "metrics.jsonl")) if r["kind"] == "train"]
+    return driver_world(tmp_path_factory, "presets", _world, 2, timeout_s=600)
 
 
 def test_the_baseline_is_measured_as_every_preset(world):
@@ -83,10 +63,10 @@ def test_the_baseline_is_measured_as_every_preset(world):
     root, results = world
     for name in ("baseline", "baseline_resumed"):
         assert results[0][name]["error"] is None, results[0][name]["error"]
-        assert [r["wire_ratio"] for r in _train(root, name)] == [1.0] * len(_train(root, name))
+        assert [r["wire_ratio"] for r in train_records(root, name)] == [1.0] * len(train_records(root, name))
         assert results[0][name]["summary"]["bytes_exact"] > 0
         assert results[0][name]["summary"]["replica_checks_passed"] >= 2
-    assert 0 < _train(root, "sdp")[-1]["wire_ratio"] < 0.35  # 4-bit codes between the 2 emulated nodes
+    assert 0 < train_records(root, "sdp")[-1]["wire_ratio"] < 0.35  # 4-bit codes between the 2 emulated nodes
 
 
 @pytest.mark.parametrize("resumed, saved, used", [("baseline_resumed", "a", ("sdp4bit", "baseline")),
@@ -101,4 +81,4 @@ def test_a_checkpoint_of_one_preset_resumes_with_another_with_one_warning(world,
         f"warning: checkpoint {os.path.join(root, saved, 'iter_0000002')} was saved with SDP4Bit preset "
         f"{used[0]}, this run uses preset {used[1]} (")
     assert f"resumed from {os.path.join(root, saved)} at iteration 2" in result["stdout"]
-    assert [r["iteration"] for r in _train(root, resumed)] == [3, 4]
+    assert [r["iteration"] for r in train_records(root, resumed)] == [3, 4]

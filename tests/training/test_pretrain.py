@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from megatron_harness import spawn_ranks
+from driver_runs import driver_world, train_log
 from megatron_sdp4bit.training.metrics import TRAIN_FIELDS, read_metrics
 
 STEPS = 20
@@ -45,27 +45,15 @@ def _driver_world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("driver"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:  # the ranks inherit it; later tests do not
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        prepare_default_corpus(max_mb=1)  # once, before the ranks start
-        results = spawn_ranks(_driver_world, 4, root, timeout_s=900)
-    return root, results
-
-
-def _losses(root, name):
-    records = read_metrics(os.path.join(root, name, "metrics.jsonl"))
-    return {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
+    return driver_world(tmp_path_factory, "driver", _driver_world, 4, timeout_s=900, start="spawn")
 
 
 def test_loss_decreases_with_and_without_sdp4bit(runs):
     root, _ = runs
     for name in ("exact", "sdp"):
-        losses = _losses(root, name)
+        losses = train_log(root, name)
         assert losses[STEPS] < 0.9 * losses[1], f"{name}: {losses[1]:.3f} -> {losses[STEPS]:.3f}"
-    exact, sdp = _losses(root, "exact")[STEPS], _losses(root, "sdp")[STEPS]
+    exact, sdp = train_log(root, "exact")[STEPS], train_log(root, "sdp")[STEPS]
     assert abs(sdp - exact) < 0.05 * exact
 
 
@@ -93,8 +81,8 @@ def test_metrics_file_has_every_field(runs):
 
 def test_resume_continues_the_same_curve_bit_for_bit(runs):
     root, results = runs
-    straight = _losses(root, "sdp")
-    resumed = {**_losses(root, "first_half"), **_losses(root, "second_half")}
+    straight = train_log(root, "sdp")
+    resumed = {**train_log(root, "first_half"), **train_log(root, "second_half")}
     assert sorted(resumed) == list(range(1, STEPS + 1))
     assert [resumed[i] for i in range(1, STEPS + 1)] == [straight[i] for i in range(1, STEPS + 1)]
     assert results[0]["second_half"]["weights_sha256"] == results[0]["sdp"]["weights_sha256"]

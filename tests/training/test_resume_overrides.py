@@ -21,17 +21,10 @@ import pytest
 
 from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
 from megatron_sdp4bit.training.checkpoint import CheckpointError
-from megatron_sdp4bit.training.metrics import read_metrics
-from driver_runs import forked_ranks
+from driver_runs import TINY_GPT, driver_world, train_log
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "1", "--bf16",
-    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
-    "--sdp4bit", "--sdp4bit-ranks-per-node", "1",
-]
+TINY = TINY_GPT + ["--min-lr", "3e-4", "--bf16",
+                   "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
 LONGER = ["--train-iters", "8", "--lr-decay-iters", "8"]
 OVERRIDE, KEEP = "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"
 
@@ -70,21 +63,7 @@ def _world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("overrides"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        import megatron_sdp4bit.training.run  # noqa: F401  (the forked ranks inherit it)
-
-        return root, forked_ranks(_world, 2, root, timeout_s=600)
-
-
-def _lrs(root, name):
-    return {r["iteration"]: r["lr"] for r in read_metrics(os.path.join(root, name, "metrics.jsonl"))
-            if r["kind"] == "train"}
+    return driver_world(tmp_path_factory, "overrides", _world, 2, timeout_s=600)
 
 
 def test_another_schedule_is_refused_naming_both_flags(world):
@@ -103,7 +82,7 @@ def test_override_trains_the_extra_steps_on_this_runs_schedule(world):
     root, results = world
     assert results[0]["override"]["error"] is None, results[0]["override"]["error"]
     assert "--lr-decay-iters 4 -> 8; training continues with this run's flags" in results[0]["override"]["stdout"]
-    resumed, straight = _lrs(root, "override"), _lrs(root, "straight")
+    resumed, straight = train_log(root, "override", "lr"), train_log(root, "straight", "lr")
     assert sorted(resumed) == [5, 6, 7, 8]
     assert [resumed[i] for i in resumed] == [straight[i] for i in resumed]
     assert resumed[5] > 3e-4
@@ -113,7 +92,7 @@ def test_use_checkpoint_keeps_the_saved_schedule(world):
     root, results = world
     assert results[0]["keep"]["error"] is None, results[0]["keep"]["error"]
     assert "training continues with the checkpoint's values" in results[0]["keep"]["stdout"]
-    lrs = _lrs(root, "keep")
+    lrs = train_log(root, "keep", "lr")
     assert sorted(lrs) == [5, 6, 7, 8]
     assert lrs == {i: pytest.approx(3e-4) for i in lrs}  # past the old decay: its minimum
 
@@ -121,7 +100,7 @@ def test_use_checkpoint_keeps_the_saved_schedule(world):
 def test_a_longer_run_on_the_same_schedule_needs_no_flag(world):
     root, results = world
     assert results[0]["same_schedule"]["error"] is None, results[0]["same_schedule"]["error"]
-    assert sorted(_lrs(root, "same_schedule")) == [5, 6, 7, 8]
+    assert sorted(train_log(root, "same_schedule", "lr")) == [5, 6, 7, 8]
 
 
 def test_other_adam_settings_are_refused_or_overridden(world):

@@ -17,18 +17,11 @@ import shutil
 
 import pytest
 
-from driver_runs import forked_ranks
+from driver_runs import TINY_GPT, driver_world, train_log
 from megatron_sdp4bit.training.checkpoint import LATEST, CheckpointError
-from megatron_sdp4bit.training.metrics import read_metrics
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "8", "--bf16",
-    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
-    "--sdp4bit", "--sdp4bit-ranks-per-node", "1",
-]
+TINY = TINY_GPT + ["--lr-decay-iters", "8", "--bf16",
+                   "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
 
 
 def _copies(root, names):
@@ -78,21 +71,7 @@ def _world(rank, world_size, root):
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("paths"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        import megatron_sdp4bit.pretrain  # noqa: F401  (the forked ranks inherit it)
-
-        return root, forked_ranks(_world, 2, root, timeout_s=600)
-
-
-def _losses(root, name):
-    return {r["iteration"]: r["loss"] for r in read_metrics(os.path.join(root, name, "metrics.jsonl"))
-            if r["kind"] == "train"}
+    return driver_world(tmp_path_factory, "paths", _world, 2, timeout_s=600)
 
 
 def _latest(root, folder):
@@ -113,7 +92,7 @@ def test_load_of_the_latest_checkpoint_itself_resumes_it(world):
     result = results[0]["pinned_latest"]
     assert result["error"] is None, result["error"]
     assert f"resumed from {os.path.join(root, 'pinned_latest', 'iter_0000004')} at iteration 4" in result["stdout"]
-    assert sorted(_losses(root, "pinned_latest")) == [5, 6]
+    assert sorted(train_log(root, "pinned_latest")) == [5, 6]
     assert _latest(root, "pinned_latest") == "6"
 
 
@@ -127,7 +106,7 @@ def test_an_older_checkpoint_resumes_but_does_not_overwrite_newer_ones(world):
             f"{os.path.join(older, 'iter_0000004')}, or choose another --save")
         assert _trained_nothing(result["pinned_older_saving"])
     assert _latest(root, "pinned_older") == "4"
-    resumed, first = _losses(root, "pinned_older"), _losses(root, "train")
+    resumed, first = train_log(root, "pinned_older"), train_log(root, "train")
     assert results[0]["pinned_older"]["error"] is None
     assert sorted(resumed) == [3, 4] and [resumed[3], resumed[4]] == [first[3], first[4]]
 
@@ -139,7 +118,7 @@ def test_a_folder_without_its_tracker_file_resumes_from_its_newest_complete_chec
     assert result["error"] is None, result["error"]
     assert f"no {LATEST} there; resuming from its newest complete checkpoint" in result["stdout"]
     assert "at iteration 4" in result["stdout"]
-    assert sorted(_losses(root, "no_tracker")) == [5, 6] and _latest(root, "no_tracker") == "6"
+    assert sorted(train_log(root, "no_tracker")) == [5, 6] and _latest(root, "no_tracker") == "6"
 
 
 def test_a_load_that_names_nothing_is_refused(world):

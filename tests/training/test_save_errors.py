@@ -25,18 +25,12 @@ import subprocess
 
 import pytest
 
-from driver_runs import forked_ranks
+from driver_runs import TINY_GPT, corpus_cache, driver_ranks
 from megatron_sdp4bit.training.checkpoint import LATEST, MANIFEST, CheckpointError, check_files, read_manifest
 from megatron_sdp4bit.training.metrics import read_metrics
 
-TINY = [
-    "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--lr", "3e-3", "--lr-warmup-iters", "1", "--lr-decay-iters", "3", "--bf16",
-    "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "1",
-    "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
-    "--sdp4bit", "--sdp4bit-ranks-per-node", "1",
-]
+TINY = TINY_GPT + ["--lr-decay-iters", "3", "--bf16",
+                   "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
 
 
 def _mount(where: str, *options: str) -> str:
@@ -124,16 +118,9 @@ def _world(rank, world_size, root):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("save_errors"))
-    from megatron_sdp4bit.data import prepare_default_corpus
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SDP4BIT_CACHE", os.path.join(root, "cache"))
-        mp.setenv("OMP_NUM_THREADS", "1")
-        prepare_default_corpus(max_mb=1)
-        import megatron_sdp4bit.training.run  # noqa: F401  (the forked ranks inherit it)
-
+    with corpus_cache(root):
         try:
-            yield root, forked_ranks(_world, 2, root, timeout_s=900)
+            yield root, driver_ranks(_world, 2, root, timeout_s=900)
         finally:
             subprocess.run(["umount", os.path.join(root, "small")], capture_output=True)
             subprocess.run(["umount", os.path.join(root, "read_only")], capture_output=True)

@@ -1,21 +1,12 @@
-"""Test harness (tests only, not installed): train a tiny megatron-core GPT across
-gloo ranks on CPU.
+"""Inside a rank of ``harness.spawn_ranks``: train a tiny megatron-core GPT on CPU.
 
-Two halves:
-
-* ``spawn_ranks(fn, world_size, *args)`` starts ``world_size`` processes, joins them
-  in a gloo group on 127.0.0.1 (a free port), runs ``fn(rank, world_size, *args)`` in
-  each, and returns the per-rank results -- or raises ``RankFailed`` with the failing
-  rank's traceback, or ``TimeoutError`` (after killing the ranks) instead of hanging.
-  ``fn`` must be importable by name (a module-level function).
-
-* Inside a rank: ``TinyGPTTrainer(spec)`` initialises megatron's parallel state
-  (tp = pp = 1, dp = world size) with the CPU backend enabled, builds a ``GPTModel``
-  (local layer spec), wraps it in megatron's ``DistributedDataParallel`` and builds
-  ``get_megatron_optimizer`` (Adam; distributed optimizer by default).
-  ``train_steps(n)`` runs megatron's own ``forward_backward`` schedule on synthetic,
-  deterministic token batches (each rank its own) and ``optimizer.step()``, and
-  returns per step the rank's loss and a SHA-256 of the model weights.
+``TinyGPTTrainer(spec)`` initialises megatron's parallel state (tp = pp = 1, dp =
+world size) with the CPU backend enabled, builds a ``GPTModel`` (local layer spec),
+wraps it in megatron's ``DistributedDataParallel`` and builds
+``get_megatron_optimizer`` (Adam; distributed optimizer by default).
+``train_steps(n)`` runs megatron's own ``forward_backward`` schedule on synthetic,
+deterministic token batches (each rank its own) and ``optimizer.step()``, and
+returns per step the rank's loss and a SHA-256 of the model weights.
 
 ``refusal(config, spec)``: the one-line error with which installing the layer and
 building a trainer is refused, if it is.
@@ -28,24 +19,13 @@ reduce-scattered shards the ranks return, for comparison with the reference.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import multiprocessing
-import os
-import pickle
-import queue
-import socket
-import time
-import traceback
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from megatron_sdp4bit.megatron.consistency import weights_sha256
 
 __all__ = [
-    "RankFailed",
-    "spawn_ranks",
-    "free_port",
     "TinyGPTSpec",
     "StepRecord",
     "TinyGPTTrainer",
@@ -55,113 +35,6 @@ __all__ = [
     "refusal",
     "weights_sha256",
 ]
-
-
-# ------------------------------------------------------------------------ process world
-
-
-class RankFailed(RuntimeError):
-    """A rank raised; the message carries that rank's traceback."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _loopback_interface() -> Optional[str]:
-    for _, name in socket.if_nameindex():
-        if name.startswith("lo"):
-            return name
-    return None
-
-
-def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable,
-               args: tuple, results: Any) -> None:
-    try:
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
-        loopback = _loopback_interface()
-        if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback  # keep gloo's pairs on 127.0.0.1
-        torch.set_num_threads(1)  # world_size processes share a few cores
-        torch.distributed.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s))
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            torch.distributed.destroy_process_group()
-        # Plain pickle bytes: torch's multiprocessing pickler would hand tensors over as
-        # shared-memory file descriptors, which die with this process.
-        results.put((rank, True, pickle.dumps(value)))
-    except BaseException:  # report everything, including KeyboardInterrupt in a child
-        results.put((rank, False, traceback.format_exc()))
-
-
-def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 180.0) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results.
-
-    Results are returned in rank order and must be picklable. If a rank raises, the
-    others are killed and ``RankFailed`` carries its traceback; if the world does not
-    finish within ``timeout_s`` seconds, ``TimeoutError`` is raised. A world whose
-    rendezvous port was taken between ``free_port`` and the bind (another process
-    on the machine) is started again on a new port, up to twice.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    for attempt in range(3):
-        try:
-            return _spawn_once(fn, world_size, args, timeout_s)
-        except RankFailed as failure:
-            if "EADDRINUSE" not in str(failure) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _spawn_once(fn: Callable, world_size: int, args: tuple, timeout_s: float) -> List[Any]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    # Not daemonic, so a rank may start processes of its own (data workers, pools);
-    # the finally clause below kills any rank still running.
-    procs = [ctx.Process(target=_rank_main,
-                         args=(rank, world_size, port, timeout_s, fn, args, results))
-             for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + timeout_s
-    values: Dict[int, Any] = {}
-    try:
-        while len(values) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=1.0)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"spawn_ranks: {world_size - len(values)} of {world_size} ranks did "
-                        f"not finish {getattr(fn, '__name__', fn)} within {timeout_s:.0f}s")
-                dead = [r for r, p in enumerate(procs)
-                        if r not in values and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RankFailed(f"rank {dead[0]} died with exit code "
-                                     f"{procs[dead[0]].exitcode} and no report")
-                continue
-            if not ok:
-                raise RankFailed(f"rank {rank} of {world_size} failed:\n{value}")
-            values[rank] = pickle.loads(value)
-    finally:
-        for proc in procs:
-            proc.join(timeout=5 if len(values) == world_size else 0.1)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [values[rank] for rank in range(world_size)]
 
 
 # --------------------------------------------------------------------------- the model
@@ -328,7 +201,7 @@ class TinyGPTTrainer:
 
         if not torch.distributed.is_initialized():
             raise RuntimeError("TinyGPTTrainer needs torch.distributed initialised with gloo "
-                               "(run it under megatron_harness.spawn_ranks)")
+                               "(run it under harness.spawn_ranks)")
         enable_cpu_backend()
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,

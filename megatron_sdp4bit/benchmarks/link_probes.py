@@ -1,6 +1,6 @@
-"""Probes of the emulated nodes (``netns_nodes.py``) that give the estimator its inputs.
+"""Probes of the emulated nodes (``emulated_nodes``) that give the estimator its inputs.
 
-Used by ``scripts/bench_slow_link.py``:
+Used by ``scripts/bench_slow_link.py`` (``benchmarks.slow_link``):
 
 - ``probe_goodput``: Gbit/s of one TCP stream between two nodes (or within one,
   over its loopback), the estimator's ``--inter-gbps`` / ``--intra-gbps``;
@@ -17,7 +17,7 @@ import statistics
 import subprocess
 from typing import Optional
 
-from netns_nodes import ADDRESSES, EmulatedNodes
+from megatron_sdp4bit.benchmarks.emulated_nodes import ADDRESSES, EmulatedNodes
 
 PROBE_PORT = 29590
 

@@ -1,6 +1,6 @@
 """Two emulated "nodes" on one Linux host: network namespaces joined by a rate-limited veth.
 
-Used by ``scripts/bench_slow_link.py``. Each node is a network namespace with
+Used by ``scripts/bench_slow_link.py`` (``benchmarks.slow_link``). Each node is a network namespace with
 its own loopback and one end of a veth pair (addresses from a private /30 that
 exists only inside the two namespaces, so nothing can reach any outside host:
 the namespaces have no other interface and no default route). A token-bucket
@@ -11,14 +11,17 @@ the kernel routes through the namespace's loopback (fast, unlimited); ranks on
 different nodes go through the veth (the slow "inter-node link").
 
 Needs root and iproute2 (``ip``, ``tc``). ``EmulatedNodes`` is a context manager
-that always removes what it created, also on errors and Ctrl-C.
+that always removes what it created, also on errors and Ctrl-C; ``node_torchrun``
+is the command that starts a node's ranks inside its namespace.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
-from typing import List, Optional
+from typing import List, Optional, Sequence
+
+from megatron_sdp4bit.jobs import NodeRendezvous, torchrun_command
 
 NAMESPACES = ("sdp4bit-n0", "sdp4bit-n1")
 VETHS = ("sdp4bit-v0", "sdp4bit-v1")     # interface names: at most 15 characters
@@ -26,6 +29,7 @@ ADDRESSES = ("10.77.0.1", "10.77.0.2")   # a /30 used only between the two names
 PREFIX_LEN = 30
 TBF_QUEUE_LATENCY_MS = 50                # how long tbf may queue a packet before dropping it
 LINUX_TICK_S = 0.004                     # one jiffy at HZ=250: tbf's burst must cover a tick
+NUM_NODES = len(NAMESPACES)
 
 
 class SetupError(RuntimeError):
@@ -135,6 +139,13 @@ class EmulatedNodes:
                 kind = "netem (--delay-ms)" if self.delay_ms > 0 and "netem" in str(exc) else "tbf"
                 raise SetupError(f"this kernel refused the {kind} qdisc: {exc}") from exc
 
+    def set_slow_start_after_idle(self, value: str) -> None:
+        """Both namespaces' ``net.ipv4.tcp_slow_start_after_idle`` (kernel default 1; 0 keeps
+        TCP's window between a step's messages, as RDMA links have none)."""
+        for ns in NAMESPACES:
+            _sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                f"net.ipv4.tcp_slow_start_after_idle={value}")
+
     def describe_link(self) -> str:
         """The qdiscs now on node 0's veth end, as tc prints them."""
         return _sh("ip", "netns", "exec", NAMESPACES[0], "tc", "qdisc", "show", "dev",
@@ -153,3 +164,14 @@ class EmulatedNodes:
         out = _sh("ip", "netns", "exec", NAMESPACES[node], "cat",
                   f"/sys/class/net/{VETHS[node]}/statistics/tx_bytes").stdout
         return int(out.strip())
+
+
+def node_torchrun(node: int, port: int, nproc_per_node: int, entry: Sequence[str],
+                  python: str) -> List[str]:
+    """The argv that starts ``node``'s ``nproc_per_node`` ranks of a torchrun job of both
+    nodes inside its namespace (rendezvous at node 0's address, ``port``), running
+    ``entry``; gloo on the node's veth, one thread per rank."""
+    env = [f"GLOO_SOCKET_IFNAME={VETHS[node]}", "OMP_NUM_THREADS=1", "PYTHONWARNINGS=ignore"]
+    rendezvous = NodeRendezvous(NUM_NODES, node, ADDRESSES[0], port)
+    return [*EmulatedNodes.exec_prefix(node), "env", *env,
+            *torchrun_command(nproc_per_node, entry, rendezvous=rendezvous, python=python)]

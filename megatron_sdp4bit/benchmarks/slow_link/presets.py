@@ -1,0 +1,46 @@
+"""What ``scripts/bench_slow_link.py`` trains and compares: the model, the presets, the nodes.
+
+Presets: ``baseline`` (exact collectives; gloo's reduce_scatter is a ring
+*all-reduce*, twice a ring reduce-scatter's bytes), ``baseline-a2a`` (exact, with
+the reduce-scatter as an all-to-all plus local sum, ``comm/exact_alltoall.py``, the
+driver's ``--sdp4bit-exact-reduce-scatter alltoall``: the bytes per rank of a ring
+reduce-scatter), ``sdp4bit``, ``zeropp``.
+"""
+from __future__ import annotations
+
+from megatron_sdp4bit.benchmarks.emulated_nodes import NUM_NODES
+from megatron_sdp4bit.recipes import SLOW_LINK
+
+RANKS_PER_NODE = 2
+RANKS = NUM_NODES * RANKS_PER_NODE
+GLOBAL_BATCH, SEQ_LENGTH = SLOW_LINK.global_batch_size, SLOW_LINK.seq_length
+LR_WARMUP_ITERS = SLOW_LINK.lr_warmup_iters  # megatron's scheduler needs more iterations than this
+# The `make train` model (5.3 M params) on the embedded corpus; no evaluation
+# until the end (one batch), so every logged step is a training step.
+MODEL_FLAGS = SLOW_LINK.flags()
+PRESET_FLAGS = {
+    "baseline": ["--sdp4bit-preset", "baseline", "--use-distributed-optimizer"],
+    "baseline-a2a": ["--sdp4bit-preset", "baseline", "--use-distributed-optimizer",
+                     "--sdp4bit-exact-reduce-scatter", "alltoall"],
+    "sdp4bit": ["--sdp4bit"],
+    "zeropp": ["--sdp4bit-preset", "zeropp"],
+}
+PRESET_LABELS = {"baseline": "exact (gloo reduce_scatter, fp32)",
+                 "baseline-a2a": "exact, reduce-scatter as all-to-all (fp32)",
+                 "sdp4bit": "SDP4Bit (qWD 4-bit, TLq-HS 8/4)",
+                 "zeropp": "ZeRO++ (qW 4-bit, ULq 4/4)"}
+DRIVER_ENTRY = ["-m", "megatron_sdp4bit.pretrain"]  # what each rank runs
+# How the estimator sees each preset: (variant, exact reduce-scatter algorithm).
+PRESET_ESTIMATE = {"baseline": ("baseline", "allreduce"), "baseline-a2a": ("baseline", "alltoall"),
+                   "sdp4bit": ("sdp4bit", "ring"), "zeropp": ("zeropp", "ring")}
+STATISTICS = ("median", "fastest")  # step statistics compared with the estimator
+FIRST_PORT = 29600  # inside the private namespaces every port is free
+
+
+def rate_label(rate) -> str:
+    """A link rate in Mbit/s as the tables and the JSON name it (None: no limit)."""
+    return "no limit (veth)" if rate is None else f"{rate:g} Mbit/s"
+
+
+def dtype_flags(dtype: str) -> list:
+    return ["--bf16"] if dtype == "bf16" else []

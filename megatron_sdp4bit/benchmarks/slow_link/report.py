@@ -1,0 +1,97 @@
+"""``scripts/bench_slow_link.py``'s tables, its ``--json`` file and ``--replay`` of one.
+
+``markdown_table``: per (link rate, preset) the median step, tokens/s, the speedup
+over the first preset and the bytes (accounted and carried by the link);
+``write_json`` every measured number (and the estimates); ``replay`` prints the
+tables and the estimator comparison of such a file again, running nothing.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from typing import Dict, Optional
+
+from megatron_sdp4bit.benchmarks.slow_link.estimates import (Probed, estimate_rows,
+                                                             print_estimate)
+from megatron_sdp4bit.benchmarks.slow_link.presets import (GLOBAL_BATCH, PRESET_LABELS,
+                                                           SEQ_LENGTH, rate_label)
+from megatron_sdp4bit.benchmarks.slow_link.runs import Cell, RunResult
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def markdown_table(args, cells: Dict[tuple, Cell]) -> str:
+    reference = args.preset_list[0]
+    head = ("| link (each direction) | collectives | median step s | run medians s | tokens/s "
+            f"| speedup vs {reference} | MiB sent/rank/step (to other node) "
+            "| MiB over link/step (measured) | load avg |")
+    lines = [head, "|" + "---|" * 2 + "---:|" * 7]
+    for rate in args.rate_list:
+        ref_step = cells[(rate, reference)].median_step()
+        for preset in args.preset_list:
+            cell = cells[(rate, preset)]
+            step = cell.median_step()
+            runs = cell.runs
+            sent = statistics.median(r.sent_per_step for r in runs)
+            inter = statistics.median(r.sent_inter_per_step for r in runs)
+            link = statistics.median(r.link_per_step for r in runs)
+            lines.append(
+                f"| {rate_label(rate)} | {PRESET_LABELS[preset]} | {step:.3f} "
+                f"| {', '.join(f'{m:.2f}' for m in cell.run_medians())} "
+                f"| {GLOBAL_BATCH * SEQ_LENGTH / step:,.0f} | {ref_step / step:.2f}x "
+                f"| {mib(sent)} ({mib(inter)}) | {mib(link)} "
+                f"| {statistics.median(r.load for r in runs):.1f} |")
+    return "\n".join(lines)
+
+
+def write_json(path: str, command: str, probed: Probed, cells: Dict[tuple, Cell],
+               est: Optional[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"command": command, "loopback_goodput_gbps": probed.loopback_gbps,
+                   "goodput_gbps": {rate_label(r): g for r, g in probed.goodput.items()},
+                   "loopback_latency_us": probed.loopback_latency_us,
+                   "latency_us": {rate_label(r): u for r, u in probed.latency_us.items()},
+                   "cells": [{"rate": rate, "preset": preset,
+                              "step_times": [t for r in cell.runs for t in r.step_times],
+                              "median_step_s": cell.median_step(),
+                              "run_medians_s": cell.run_medians(),
+                              "sent_per_step": [r.sent_per_step for r in cell.runs],
+                              "sent_inter_per_step": [r.sent_inter_per_step for r in cell.runs],
+                              "link_per_step": [r.link_per_step for r in cell.runs],
+                              "load": [r.load for r in cell.runs],
+                              "runs": [vars(r) for r in cell.runs]}
+                             for (rate, preset), cell in cells.items()],
+                   "estimate": est}, f, indent=1)
+
+
+def replay(args) -> int:
+    """Tables and estimator comparison of a ``--json`` file, without running anything."""
+    with open(args.replay, encoding="utf-8") as f:
+        data = json.load(f)
+    command = data["command"].split()
+    args.dtype = command[command.index("--dtype") + 1] if "--dtype" in command else "bf16"
+    cells: Dict[tuple, Cell] = {}
+    for c in data["cells"]:
+        runs = c.get("runs") or [{"step_times": c["step_times"], "sent_per_step": c["sent_per_step"][0],
+                                  "sent_inter_per_step": c["sent_inter_per_step"][0],
+                                  "link_per_step": c["link_per_step"][0], "load": c["load"][0]}]
+        cells[(c["rate"], c["preset"])] = Cell([RunResult(**run) for run in runs])
+    args.preset_list = list(dict.fromkeys(preset for _, preset in cells))
+    grid = [rate for rate in dict.fromkeys(rate for rate, _ in cells)
+            if all((rate, preset) in cells for preset in args.preset_list)]
+    args.rate_list, args.calibrate = grid, (None, args.preset_list[0]) in cells and None not in grid
+    args.compute_s = None
+    rates = list(dict.fromkeys(rate for rate, _ in cells))
+    latency = data.get("latency_us") or {}  # files written before the latency probe: none
+    probed = Probed(data["loopback_goodput_gbps"],
+                    {rate: data["goodput_gbps"][rate_label(rate)] for rate in rates},
+                    data.get("loopback_latency_us") or 0.0,
+                    {rate: latency[rate_label(rate)] for rate in rates if rate_label(rate) in latency})
+    print(f"replay of {args.replay} ({data['command']})")
+    print()
+    print(markdown_table(args, cells))
+    print()
+    print_estimate(args, cells, estimate_rows(args, cells, probed))
+    return 0
