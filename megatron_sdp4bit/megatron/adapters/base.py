@@ -4,7 +4,9 @@ Everything the package needs to know about a megatron-core release -- which
 classes and methods the layer replaces, the fields of bucket groups, buckets and
 the distributed optimizer, the work megatron does around its own collectives, the
 checkpoint quirks (for ``training/``), the CPU-backend sites (for ``cpu_backend/``,
-typed in ``cpu_sites.py``) and the dataset helpers (for ``data/``) -- is a method
+typed in ``cpu_sites.py``), what the Megatron-LM routes hook in ``megatron.training``
+(for ``megatron_lm/``, typed in ``route_sites.py``) and the dataset helpers (for
+``data/``) -- is a method
 or attribute of a ``MegatronAdapter``. One subclass per supported minor release
 lives next to this file (``v0_16.py`` ... ``v0_19.py``), each written as the
 difference to the release before it. The rest of the package talks to megatron's
@@ -20,6 +22,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 
 from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, TrainingSites
+from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
 
 # Methods the layer swaps: (owner key, attribute name). The owner keys name the
 # classes ``patch_targets`` returns.
@@ -195,6 +198,13 @@ class MegatronAdapter:
         (``cpu_backend/megatron_training.py``); None where that is not worked out for the
         release (then CPU training is refused, changing nothing)."""
         return None
+
+    # ------------------------------------------------------------ Megatron-LM routes
+
+    def megatron_lm_sites(self) -> RouteSites:
+        """What the Megatron-LM routes hook in ``megatron.training`` (``megatron_lm/``);
+        imports ``megatron.training``, so only where Megatron-LM is importable."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ dataset helpers
 

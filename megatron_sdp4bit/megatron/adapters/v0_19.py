@@ -49,7 +49,7 @@ class Adapter(Adapter018):
 
     def cpu_training_sites(self) -> TrainingSites:
         """What the CPU mode of ``megatron.training`` redirects (``cpu_backend/megatron_training.py``)."""
-        import megatron.core.datasets.utils as datasets_utils
+        import megatron.training.checkpointing as checkpointing
         import megatron.training.initialize as initialize
         import megatron.training.training as training
         from megatron.core.rerun_state_machine import RerunStateMachine
@@ -59,7 +59,7 @@ class Adapter(Adapter018):
             initialize_megatron=initialize.initialize_megatron,
             one_device=((initialize, "_initialize_distributed"), (initialize, "_set_random_seed")),
             jit_warmup=(initialize, "_warmup_jit_function"),
-            compile_helpers=(datasets_utils, "compile_helpers"),
+            checkpoint_rng=(checkpointing.get_rng_state, checkpointing.load_checkpoint),
             rng_save_restore=((RerunStateMachine, "_save_state"), (RerunStateMachine, "_restore_state")),
             device_arch=common_utils.get_device_arch_version,
             pretrain=training.pretrain,
