@@ -6,6 +6,9 @@
   flag with a ``device='cuda'`` literal on every optimizer step.
 - CPU mode for ``megatron.training`` (shipped in this release's wheel):
   ``cpu_training_sites()`` names what ``cpu_backend/megatron_training.py`` redirects there.
+- ``_post_param_sync`` copies gathered slices into MXFP8 parameters with the new
+  ``copy_tensor_to_quantized_param`` (``quantized_param_copy()``; the layer refuses
+  ``reuse_grad_buf_for_mxfp8_param_ag``, the only path that calls it).
 - DDP's ``reset_param_sync_dispatch_state()`` asserts that no parameter all-gather
   is in flight: the layer's gather handle lives where megatron's does
   (``param_gather_handle``) and is cleared when waited, so the check holds.
@@ -40,6 +43,11 @@ class Adapter(Adapter018):
                 if event is not None and id(event) not in waited:
                     torch.cuda.current_stream().wait_event(event)
                     waited.add(id(event))
+
+    def quantized_param_copy(self):
+        import megatron.core.distributed.param_and_grad_buffer as param_and_grad_buffer
+
+        return (param_and_grad_buffer, "copy_tensor_to_quantized_param")
 
     def cpu_backend_sites(self) -> CoreSites:
         from megatron.core.optimizer.optimizer import MegatronOptimizer
