@@ -145,3 +145,29 @@ def test_a_checkpoint_format_without_the_layers_state_is_refused(argv, refused):
         assert message.startswith(f"--ckpt-format {argv[3]}: ") and "torch or torch_dist" in message
     else:
         assert message is None
+
+
+def _megatron_training_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _megatron_training_importable(),
+                    reason="megatron.training is not importable (the 0.19.2 wheel ships it)")
+def test_the_dataset_helpers_are_hooked_once_while_the_flags_are_parsed(monkeypatch):
+    import megatron.core.datasets.utils as datasets_utils
+
+    original = datasets_utils.compile_helpers
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "2"])
+    fake_megatron_parse_args(megatron_lm.extend_args_provider(megatron_lm.extend_args_provider(None)))
+    hooked = datasets_utils.compile_helpers
+    assert hooked is not original and getattr(hooked, routes.ROUTE_MARK) is not None
+    assert "(built)" in hooked.__doc__  # the wheel's own build imports
+    megatron_lm.wrap_parse_args(fake_megatron_parse_args)()
+    assert datasets_utils.compile_helpers is hooked  # not wrapped a second time
+    routes.remove_megatron_lm_hooks()
+    assert datasets_utils.compile_helpers is original
