@@ -242,3 +242,23 @@ def test_a_fresh_checkout_trains_through_the_launcher_patched_or_not(tmp_path):
     applied = _run(["bash", APPLY, str(tree)])
     assert applied.returncode == 0 and "applied:" in applied.stdout, applied.stderr
     assert _launch_pretrain_gpt(tmp_path, tree) == unedited
+
+
+@needs_megatron_lm
+def test_cpu_mode_on_a_release_whose_loop_it_does_not_know_is_one_line_from_rank_0(tmp_path):
+    """SDP4BIT_CPU=1 with a checkout whose release has no CPU-training sites (core_v0.16.1):
+    before, the refusal came from every rank."""
+    if _checkout_release_is_installed():
+        pytest.skip("the CPU mode knows this checkout's loop (it trains: the test above)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(port), "--monitor-interval", "0.1", "-m", "megatron_sdp4bit.launch",
+           os.path.join(MEGATRON_LM, "pretrain_gpt.py"), *PRETRAIN_GPT_ARGS]
+    result = _run(cmd, cwd=str(tmp_path), env={"SDP4BIT_CPU": "1", "OMP_NUM_THREADS": "1"})
+    output = result.stdout + result.stderr
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(ours) == 1, output[-4000:]
+    assert ours[0].startswith("error: megatron_sdp4bit.launch: SDP4BIT_CPU=1: CPU training: not available")
+    assert "exitcode  : 2" in output and output.count("Traceback") <= 1, output[-4000:]
