@@ -92,7 +92,7 @@ SCRIPT = textwrap.dedent('''
     from megatron.training.arguments import (
         core_transformer_config_from_args, parse_and_validate_args)
 
-    import sys
+    import importlib
 
     import megatron.core.datasets.utils as datasets_utils
     import megatron.training
@@ -226,7 +226,8 @@ SCRIPT = textwrap.dedent('''
             "enabled_by_launcher": ENABLED_BY_LAUNCHER,
             "second_enable_idempotent": SECOND_ENABLE_IDEMPOTENT,
             "megatron_core": os.path.dirname(megatron.core.__file__),
-            "helpers_cpp": sys.modules["megatron.core.datasets.helpers_cpp"].__file__,
+            # (only tensor-parallel rank 0 builds datasets: the module this process would use)
+            "helpers_cpp": importlib.import_module("megatron.core.datasets.helpers_cpp").__file__,
             "compile_helpers": datasets_utils.compile_helpers.__doc__,
         }
         cpu_backend.disable_cpu_training()
