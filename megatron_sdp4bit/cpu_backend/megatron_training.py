@@ -33,11 +33,12 @@ except where noted.
    bias-GeLU / bias-dropout-add kernels on ``device="cuda"`` tensors to compile them
    for the GPU; on CPU there is nothing to warm up (and the CPU run uses the unfused
    paths, ``--no-bias-gelu-fusion --no-bias-dropout-fusion``).
-4. ``core/datasets/utils.py`` ``compile_helpers`` -> nothing when
-   ``megatron.core.datasets.helpers_cpp`` already imports. ``initialize`` runs ``make``
-   in the installed package to build it, but the wheel ships the extension compiled and
-   no Makefile, so ``make`` fails and megatron exits. (Not CUDA; any wheel install hits
-   it.) Without a compiled extension the original runs.
+4. ``training/checkpointing.py`` ``get_rng_state`` (what ``save_checkpoint`` stores)
+   and ``load_checkpoint`` (rebound in every ``megatron.training`` module): while each
+   runs, ``torch.cuda.get_rng_state`` / ``set_rng_state`` are the CPU generator's.
+   Both store or restore the "CUDA generator" beside the CPU one; on CPU-only torch
+   they raise "Torch not compiled with CUDA enabled" at the first ``--save``. The
+   state saved is then a second copy of the CPU generator's, restored after it.
 5. ``core/rerun_state_machine.py`` ``RerunStateMachine._save_state`` /
    ``_restore_state``: while each runs, ``torch.cuda.get_rng_state`` /
    ``set_rng_state`` are the CPU generator's. The state machine saves the CUDA
@@ -74,13 +75,12 @@ inside a side stream). ``torch.cuda.memory_allocated`` and friends
 
 Not covered (each fails as it did): ``--profile`` (``torch.cuda.cudart()``), CUDA
 graphs, Transformer Engine, FP8/FP4, Megatron-FSDP / torch FSDP2, optimizer CPU
-offload, ``--inprocess-restart``, checkpoint save/load (``get_rng_state`` stores
-``torch.cuda.get_rng_state()``, not redirected; untested), ``--use-persistent-ckpt-worker``,
+offload, ``--inprocess-restart``, checkpoint formats other than ``torch`` and
+``torch_dist`` (the two tested), ``--use-persistent-ckpt-worker``,
 the MoE aux-loss scaler, pipeline parallelism (untested).
 """
 from __future__ import annotations
 
-import importlib
 import logging
 from typing import Any, Callable, Dict, Iterator
 
@@ -122,7 +122,7 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
 
 
 _CPU_RNG_AS_CUDA = {"get_rng_state": _cpu_get_rng_state, "set_rng_state": _cpu_set_rng_state}
-"""5. rerun state machine: the "CUDA generator" is the CPU generator."""
+"""4. checkpoints and 5. the rerun state machine: the "CUDA generator" is the CPU one."""
 
 
 def _torch_cuda_as(twins: Dict[str, Any]) -> Patches:
@@ -155,7 +155,6 @@ class CpuTraining(Redirects):
         self.started_backend = False
         """Whether ``enable`` turned the core backend on (then ``disable`` turns it off)."""
         self._sites: TrainingSites = None
-        self._helpers_module = ""
 
     def enable(self) -> None:
         """Refused, changing nothing, where ``megatron.training`` is missing or the
@@ -172,7 +171,7 @@ class CpuTraining(Redirects):
         from megatron_sdp4bit.megatron.adapters import current_adapter
 
         adapter = current_adapter()
-        self._sites, self._helpers_module = adapter.cpu_training_sites(), adapter.dataset_helpers_module
+        self._sites = adapter.cpu_training_sites()
         if self._sites is None:
             raise RuntimeError(
                 f"CPU training: not available for megatron-core {adapter.minor} (the sites in "
@@ -202,8 +201,8 @@ class CpuTraining(Redirects):
         for owner, name in sites.one_device:
             self.patches.set(owner, name, self._with_torch_cuda(vars(owner)[name], _ONE_CPU_DEVICE))
         self.patches.set(*sites.jit_warmup, _skip_jit_warmup)
-        owner, name = sites.compile_helpers
-        self.patches.set(owner, name, self._compile_helpers_unless_present(vars(owner)[name]))
+        for function in sites.checkpoint_rng:
+            set_everywhere(function, self._with_torch_cuda(function, _CPU_RNG_AS_CUDA), "megatron.training")
         for owner, name in sites.rng_save_restore:
             self.patches.set(owner, name, self._with_torch_cuda(vars(owner)[name], _CPU_RNG_AS_CUDA))
         set_everywhere(sites.device_arch, _no_cuda_arch, "megatron.training")
@@ -231,20 +230,6 @@ class CpuTraining(Redirects):
             return original(*args, **kwargs)
 
         return self.marked(initialize_megatron, original)
-
-    def _compile_helpers_unless_present(self, original: Callable) -> Callable:
-        """4. Skip ``make`` when the compiled dataset helpers already import."""
-
-        def compile_helpers():
-            if self.enabled:
-                try:
-                    importlib.import_module(self._helpers_module)
-                    return None
-                except ImportError:
-                    pass
-            return original()
-
-        return self.marked(compile_helpers, original)
 
 
 TRAINING = CpuTraining(BACKEND)

@@ -14,7 +14,9 @@ Two routes, one set of helpers:
 
 Either way the SDP4Bit flags are parsed by Megatron-LM's own parser (they show
 in ``args`` and in checkpoints' saved args) and the patch layer is installed
-before the model is wrapped in DistributedDataParallel.
+before the model is wrapped in DistributedDataParallel. The routes combine: a
+patched tree run through the launcher adds the flags once and installs once.
+What both routes hook in Megatron-LM besides the parser is ``routes.py``'s.
 """
 from __future__ import annotations
 
@@ -22,15 +24,25 @@ import functools
 
 from megatron_sdp4bit.flag_errors import report_bad_flag
 from megatron_sdp4bit.megatron.args import SDP4BitFlagError, add_sdp4bit_args, config_from_args
+from megatron_sdp4bit.megatron_lm import routes
+
+
+def _has_sdp4bit_flags(parser) -> bool:
+    """Whether another route's provider added the flags already (argparse refuses a
+    second ``--sdp4bit``: "conflicting option string")."""
+    return "--sdp4bit" in parser._option_string_actions
 
 
 def extend_args_provider(extra_args_provider=None):
-    """An ``extra_args_provider`` for Megatron-LM that also adds the SDP4Bit flags."""
+    """An ``extra_args_provider`` for Megatron-LM that also adds the SDP4Bit flags (once,
+    however many routes wrap it). Megatron-LM calls it while parsing its flags, before
+    it initializes: the moment ``routes.before_initialize`` needs."""
 
     def provider(parser):
         if extra_args_provider is not None:
             parser = extra_args_provider(parser)
-        return add_sdp4bit_args(parser)
+        routes.before_initialize()
+        return parser if _has_sdp4bit_flags(parser) else add_sdp4bit_args(parser)
 
     return provider
 
@@ -39,12 +51,15 @@ def install_from_args(args):
     """Install the patch layer if the parsed args ask for SDP4Bit; return the config.
 
     A bad ``--sdp4bit*`` value ends the process as a bad flag does in argparse: one
-    line (from rank 0 only, every rank parses the same flags) and exit code 2.
+    line (from rank 0 only, every rank parses the same flags) and exit code 2; so does
+    a run the layer would refuse later (``routes.after_parse``). Calling it again with
+    the same args (routes combined) changes nothing.
     """
     try:
         config = config_from_args(args)
     except SDP4BitFlagError as error:
         raise SystemExit(report_bad_flag(f"error: {error}")) from None
+    routes.after_parse(args, config)
     if config is not None and config.enabled:
         from megatron_sdp4bit.megatron.patch import install
 

@@ -6,7 +6,10 @@
 The launcher puts the script's folder first on ``sys.path`` (as ``python
 script.py`` would, so the script's own Megatron-LM tree is the ``megatron``
 imported), wraps Megatron-LM's ``parse_args`` so it accepts and acts on the
-``--sdp4bit*`` flags, and runs the script as ``__main__``.
+``--sdp4bit*`` flags, and runs the script as ``__main__``. While Megatron-LM parses
+its flags, ``routes.py`` makes its dataset helpers available to this Python (a fresh
+checkout) and refuses what would fail later. Every refusal, here too, is one line
+from rank 0 and exit code 2.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import os
 import runpy
 import sys
 
+from megatron_sdp4bit.megatron_lm.refusals import refuse
 from megatron_sdp4bit.patching import Patches
 
 USAGE = (
@@ -31,12 +35,10 @@ def _teach_megatron_lm_parser() -> Patches:
     except ImportError as exc:
         from megatron_sdp4bit.megatron.adapters import supported_minors
 
-        raise SystemExit(
-            f"megatron_sdp4bit.launch: cannot import Megatron-LM's megatron.training ({exc}). "
-            "Pass the path of a script inside a Megatron-LM checkout of a supported release "
-            f"(megatron-core {', '.join(supported_minors())}), and install that checkout's "
-            "requirements."
-        ) from exc
+        refuse(f"megatron_sdp4bit.launch: cannot import Megatron-LM's megatron.training ({exc}). "
+               "Pass the path of a script inside a Megatron-LM checkout of a supported release "
+               f"(megatron-core {', '.join(supported_minors())}), and install that checkout's "
+               "requirements.")
     from megatron_sdp4bit.megatron_lm.glue import wrap_parse_args
 
     # initialize.py bound parse_args by name at import, so both names are wrapped
@@ -79,6 +81,6 @@ def main(argv=None) -> None:
         try:
             enable_cpu_training()
         except RuntimeError as error:
-            raise SystemExit(f"megatron_sdp4bit.launch: SDP4BIT_CPU=1: {error}") from None
+            refuse(f"megatron_sdp4bit.launch: SDP4BIT_CPU=1: {error}")
     with taught:
         runpy.run_path(script, run_name="__main__")

@@ -64,7 +64,7 @@ def test_every_adapter_implements_the_whole_interface():
         for name in interface:
             method = getattr(type(adapter), name)
             assert method is not getattr(base.MegatronAdapter, name) or name in (
-                "installed_layer", "cpu_training_sites"), \
+                "installed_layer", "cpu_training_sites", *base.LATER_RELEASE_ENTRY_POINTS), \
                 f"{minor}: {name} missing"
 
 
@@ -75,6 +75,30 @@ def test_installed_release_is_a_tested_one_and_its_seams_exist():
     targets = adapter.patch_targets()
     for owner, name in base.SWAPPED_METHODS:
         assert name in vars(targets[owner]), f"{targets[owner].__name__}.{name} is gone"
+
+
+def test_the_entry_points_of_later_releases_are_absent_where_the_adapter_says():
+    """0.20's new entry points (issue 19 item 6) each have a place in the interface; the
+    installed release's adapter says which of them it has, and megatron agrees."""
+    import megatron.core.distributed.distributed_data_parallel as ddp_module
+    import megatron.core.distributed.param_and_grad_buffer as buffer_module
+
+    adapter = adapters.current_adapter()
+    ddp = ddp_module.DistributedDataParallel
+    assert adapter.param_ready_callback_class() is None
+    assert not hasattr(ddp_module, "_BucketParamReadyCallback")
+    assert adapter.finish_param_sync_site() is None
+    assert not hasattr(ddp, "_finish_param_sync_for_bucket_group")
+    assert adapter.traced_methods() == ()
+    assert not hasattr(vars(ddp)["start_grad_sync"], "__wrapped__")
+    assert not hasattr(vars(ddp)["finish_grad_sync"], "__wrapped__")
+    assert not hasattr(buffer_module, "copy_tensors_to_quantized_params")
+    site = adapter.quantized_param_copy()
+    if site is None:
+        assert not hasattr(buffer_module, "copy_tensor_to_quantized_param")
+    else:
+        owner, name = site
+        assert callable(getattr(owner, name))
 
 
 # --- each release's differences, on stand-ins ------------------------------------------

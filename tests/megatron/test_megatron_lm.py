@@ -9,12 +9,15 @@ the lines each patch expects (the patch tool finds hunks at any offset).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from harness import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 APPLY = os.path.join(ROOT, "scripts", "apply_patches.sh")
@@ -26,9 +29,9 @@ needs_megatron_lm = pytest.mark.skipif(
 )
 
 PROBE = textwrap.dedent("""
-    import megatron.training.initialize as initialize
+    import megatron.training.arguments as arguments
     from megatron_sdp4bit.megatron import patch
-    args = initialize.parse_args()
+    args = arguments.parse_args()
     print("PROBE", args.sdp4bit, args.sdp4bit_grad_mode, args.num_layers, patch.is_installed(),
           patch.current_config().ranks_per_node if patch.is_installed() else None)
 """)
@@ -160,9 +163,99 @@ def test_launcher_extends_megatron_lm_parser_and_installs(tmp_path):
     script = tmp_path / "pretrain_gpt.py"
     script.write_text(PROBE)
     result = _run([sys.executable, "-m", "megatron_sdp4bit.launch", str(script),
-                   "--num-layers", "2", "--sdp4bit", "--sdp4bit-grad-mode", "tlq",
+                   "--num-layers", "2", "--use-distributed-optimizer", "--sdp4bit", "--sdp4bit-grad-mode", "tlq",
                    "--sdp4bit-ranks-per-node", "2"],
                   env={"PYTHONPATH": MEGATRON_LM})
     assert result.returncode == 0, result.stderr[-3000:]
     line = [l for l in result.stdout.splitlines() if l.startswith("PROBE")][0]
     assert line.split()[1:] == ["True", "tlq", "2", "True", "2"]
+
+
+def _checkout_release_is_installed() -> bool:
+    """The CPU mode runs a checkout of the installed megatron-core's minor release whose
+    adapter knows its loop (core_v0.19.0 with make test MCORE=0.19.2)."""
+    from megatron_sdp4bit.megatron.adapters import current_adapter, minor_of
+
+    fields = {}
+    with open(os.path.join(MEGATRON_LM, "megatron", "core", "package_info.py")) as info:
+        for line in info:
+            match = re.match(r"(MAJOR|MINOR|PATCH) = (\d+)", line)
+            if match:
+                fields[match[1]] = match[2]
+    adapter = current_adapter()
+    return minor_of(f"{fields['MAJOR']}.{fields['MINOR']}") == adapter.minor and \
+        adapter.cpu_training_sites() is not None
+
+
+def _fresh_copy(tmp_path):
+    """The checkout as a fresh clone has it: its top-level scripts and megatron/, nothing
+    compiled (no helpers_cpp, no __pycache__)."""
+    tree = tmp_path / "Megatron-LM"
+    tree.mkdir()
+    for name in os.listdir(MEGATRON_LM):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(MEGATRON_LM, name), tree / name)
+    shutil.copytree(os.path.join(MEGATRON_LM, "megatron"), tree / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__", "helpers_cpp*"))
+    return tree
+
+
+PRETRAIN_GPT_ARGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", "6", "--lr", "3e-3", "--lr-decay-style", "constant", "--seed", "1234", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "127", "--transformer-impl", "local", "--bf16",
+    "--use-distributed-optimizer", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
+    "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+    "--sdp4bit", "--sdp4bit-ranks-per-node", "2",
+]
+
+
+def _launch_pretrain_gpt(tmp_path, tree):
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
+           "127.0.0.1", "--master-port", str(port), "-m", "megatron_sdp4bit.launch",
+           str(tree / "pretrain_gpt.py"), *PRETRAIN_GPT_ARGS]
+    result = _run(cmd, cwd=str(tmp_path), env={
+        "SDP4BIT_CPU": "1", "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.Ee+-]+) \|", output)]
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_a_fresh_checkout_trains_through_the_launcher_patched_or_not(tmp_path):
+    """The checkout's own pretrain_gpt.py, unedited and then patched, through the launcher on
+    4 CPU ranks (2 emulated nodes x 2): a fresh tree starts (its dataset helpers come from the
+    installed build or are compiled for this Python), the patched tree adds the flags once
+    (before: "conflicting option string: --sdp4bit"), and both train alike."""
+    if not _checkout_release_is_installed():
+        pytest.skip("the CPU mode runs a checkout of the installed megatron-core release "
+                    "(core_v0.19.0 with make test MCORE=0.19.2)")
+    tree = _fresh_copy(tmp_path)
+    unedited = _launch_pretrain_gpt(tmp_path, tree)
+    assert len(unedited) == 6 and unedited[-1] < unedited[0], unedited
+    applied = _run(["bash", APPLY, str(tree)])
+    assert applied.returncode == 0 and "applied:" in applied.stdout, applied.stderr
+    assert _launch_pretrain_gpt(tmp_path, tree) == unedited
+
+
+@needs_megatron_lm
+def test_cpu_mode_on_a_release_whose_loop_it_does_not_know_is_one_line_from_rank_0(tmp_path):
+    """SDP4BIT_CPU=1 with a checkout whose release has no CPU-training sites (core_v0.16.1):
+    before, the refusal came from every rank."""
+    if _checkout_release_is_installed():
+        pytest.skip("the CPU mode knows this checkout's loop (it trains: the test above)")
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(port), "--monitor-interval", "0.1", "-m", "megatron_sdp4bit.launch",
+           os.path.join(MEGATRON_LM, "pretrain_gpt.py"), *PRETRAIN_GPT_ARGS]
+    result = _run(cmd, cwd=str(tmp_path), env={"SDP4BIT_CPU": "1", "OMP_NUM_THREADS": "1"})
+    output = result.stdout + result.stderr
+    ours = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(ours) == 1, output[-4000:]
+    assert ours[0].startswith("error: megatron_sdp4bit.launch: SDP4BIT_CPU=1: CPU training: not available")
+    assert "exitcode  : 2" in output and output.count("Traceback") <= 1, output[-4000:]

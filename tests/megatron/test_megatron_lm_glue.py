@@ -1,5 +1,6 @@
 """The Megatron-LM glue without a Megatron-LM checkout: a stand-in parse_args with
-Megatron-LM's signature (parser built inside, extra_args_provider applied)."""
+Megatron-LM's signature (parser built inside, extra_args_provider applied) and the few
+Megatron-LM flags the refusals read, under Megatron-LM's names."""
 import argparse
 import sys
 
@@ -7,11 +8,17 @@ import pytest
 
 from megatron_sdp4bit import megatron_lm
 from megatron_sdp4bit.megatron import patch
+from megatron_sdp4bit.megatron_lm import refusals, routes
 
 
 def fake_megatron_parse_args(extra_args_provider=None, ignore_unknown_args=False):
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--num-layers", type=int, default=1)
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--cuda-graph-impl", default="none")
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--load", default=None)
+    parser.add_argument("--ckpt-format", default="torch_dist")
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser.parse_known_args()[0] if ignore_unknown_args else parser.parse_args()
@@ -21,11 +28,12 @@ def fake_megatron_parse_args(extra_args_provider=None, ignore_unknown_args=False
 def no_layer_left_installed():
     yield
     patch.uninstall()
+    routes.remove_megatron_lm_hooks()
 
 
 def test_wrapped_parse_args_knows_the_flags_and_installs(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "3", "--sdp4bit",
-                                      "--sdp4bit-weight-mode", "direct"])
+                                      "--sdp4bit-weight-mode", "direct", "--use-distributed-optimizer"])
     wrapped = megatron_lm.wrap_parse_args(fake_megatron_parse_args)
     assert megatron_lm.wrap_parse_args(wrapped) is wrapped  # wrapping twice is a no-op
     args = wrapped()
@@ -59,10 +67,107 @@ def test_a_bad_sdp4bit_value_through_megatron_lm_is_one_line_and_exit_2(monkeypa
     """The launcher and the patch route call the wrapped parse_args: the same refusal as
     the driver's, before Megatron-LM initializes anything, and nothing installed."""
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--sdp4bit", *argv])
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--sdp4bit", "--use-distributed-optimizer", *argv])
     with pytest.raises(SystemExit) as exit_info:
         megatron_lm.wrap_parse_args(fake_megatron_parse_args)()
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
     assert not patch.is_installed()
+
+
+def test_routes_combined_add_the_flags_once_and_install_once(monkeypatch):
+    """A patched tree run through the launcher: the launcher's wrapped parse_args gets the
+    patch's extend_args_provider(...) and then the patch calls install_from_args too
+    (before: argparse.ArgumentError "conflicting option string: --sdp4bit")."""
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--sdp4bit", "--use-distributed-optimizer",
+                                      "--sdp4bit-grad-mode", "ulq"])
+    launcher_wrapped = megatron_lm.wrap_parse_args(fake_megatron_parse_args)
+    args = launcher_wrapped(megatron_lm.extend_args_provider(None))  # the patch's provider
+    layer = patch.installed_layer()
+    assert layer is not None and patch.current_config().grad_mode == "ulq"
+    assert megatron_lm.install_from_args(args) == patch.current_config()  # the patch's own line
+    assert patch.installed_layer() is layer
+    twice = fake_megatron_parse_args(megatron_lm.extend_args_provider(megatron_lm.extend_args_provider(None)))
+    assert twice.sdp4bit and twice.sdp4bit_grad_mode == "ulq"
+
+
+def _refused(monkeypatch, capsys, argv):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        megatron_lm.wrap_parse_args(fake_megatron_parse_args)()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert not patch.is_installed()
+    return err
+
+
+def test_no_distributed_optimizer_is_refused_when_the_flags_are_parsed(monkeypatch, capsys):
+    """Before: a RuntimeError traceback on every rank at the first DDP construction."""
+    err = _refused(monkeypatch, capsys, ["--sdp4bit"])
+    assert err.startswith("error: SDP4Bit quantizes the distributed optimizer's") and \
+        "--use-distributed-optimizer" in err
+
+
+def test_the_alltoall_baseline_without_distributed_optimizer_is_refused(monkeypatch, capsys):
+    err = _refused(monkeypatch, capsys, ["--sdp4bit-preset", "baseline", "--sdp4bit-exact-reduce-scatter",
+                                         "alltoall"])
+    assert err.startswith("error: --sdp4bit-exact-reduce-scatter alltoall")
+
+
+def test_cuda_graphs_are_refused_when_the_flags_are_parsed(monkeypatch, capsys):
+    err = _refused(monkeypatch, capsys, ["--sdp4bit", "--use-distributed-optimizer", "--cuda-graph-impl",
+                                         "local"])
+    assert err.startswith("error: SDP4Bit does not support CUDA graphs")
+
+
+def test_quantization_off_with_nothing_to_refuse_parses(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--sdp4bit-preset", "baseline", "--save", "/tmp/x",
+                                      "--ckpt-format", "zarr"])
+    args = megatron_lm.wrap_parse_args(fake_megatron_parse_args)()
+    assert args.sdp4bit_preset == "baseline"
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["--save", "ck", "--ckpt-format", "torch_dcp"], True),
+    (["--load", "ck", "--ckpt-format", "fsdp_dtensor"], True),
+    (["--save", "ck", "--ckpt-format", "torch"], False),
+    (["--load", "ck", "--ckpt-format", "torch_dist"], False),
+    (["--ckpt-format", "torch_dcp"], False),  # nothing saved or loaded
+])
+def test_a_checkpoint_format_without_the_layers_state_is_refused(argv, refused):
+    parser = argparse.ArgumentParser()
+    for flag in ("--save", "--load", "--ckpt-format"):
+        parser.add_argument(flag)
+    message = refusals.checkpoint_refusal(parser.parse_args(argv), ("torch", "torch_dist"))
+    if refused:
+        assert message.startswith(f"--ckpt-format {argv[3]}: ") and "torch or torch_dist" in message
+    else:
+        assert message is None
+
+
+def _megatron_training_importable() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _megatron_training_importable(),
+                    reason="megatron.training is not importable (the 0.19.2 wheel ships it)")
+def test_the_dataset_helpers_are_hooked_once_while_the_flags_are_parsed(monkeypatch):
+    import megatron.core.datasets.utils as datasets_utils
+
+    original = datasets_utils.compile_helpers
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "2"])
+    fake_megatron_parse_args(megatron_lm.extend_args_provider(megatron_lm.extend_args_provider(None)))
+    hooked = datasets_utils.compile_helpers
+    assert hooked is not original and getattr(hooked, routes.ROUTE_MARK) is not None
+    assert "(built)" in hooked.__doc__  # the wheel's own build imports
+    megatron_lm.wrap_parse_args(fake_megatron_parse_args)()
+    assert datasets_utils.compile_helpers is hooked  # not wrapped a second time
+    routes.remove_megatron_lm_hooks()
+    assert datasets_utils.compile_helpers is original

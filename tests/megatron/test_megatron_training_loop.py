@@ -31,6 +31,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -92,6 +93,8 @@ SCRIPT = textwrap.dedent('''
     from megatron.training.arguments import (
         core_transformer_config_from_args, parse_and_validate_args)
 
+    import importlib
+
     import megatron.core.datasets.utils as datasets_utils
     import megatron.training
     import megatron.training.arguments as arguments
@@ -107,7 +110,7 @@ SCRIPT = textwrap.dedent('''
              (megatron.training, "initialize_megatron"), (initialize, "initialize_megatron"),
              (training, "initialize_megatron"), (initialize, "_initialize_distributed"),
              (initialize, "_set_random_seed"), (initialize, "_warmup_jit_function"),
-             (datasets_utils, "compile_helpers"), (RerunStateMachine, "_save_state"),
+             (RerunStateMachine, "_save_state"),
              (RerunStateMachine, "_restore_state"), (arguments, "get_device_arch_version")]
 
 
@@ -222,6 +225,10 @@ SCRIPT = textwrap.dedent('''
             "sha256": consistency.weights_sha256(MODELS[0]),
             "enabled_by_launcher": ENABLED_BY_LAUNCHER,
             "second_enable_idempotent": SECOND_ENABLE_IDEMPOTENT,
+            "megatron_core": os.path.dirname(megatron.core.__file__),
+            # (only tensor-parallel rank 0 builds datasets: the module this process would use)
+            "helpers_cpp": importlib.import_module("megatron.core.datasets.helpers_cpp").__file__,
+            "compile_helpers": datasets_utils.compile_helpers.__doc__,
         }
         cpu_backend.disable_cpu_training()
         report["restored"] = (all_megatron_originals() and not cpu_backend.is_cpu_backend_enabled()
@@ -247,23 +254,29 @@ MEGATRON_LM_ARGS = [
 SDP4BIT_ARGS = ["--sdp4bit", "--sdp4bit-ranks-per-node", "2", "--sdp4bit-check-interval", "1"]
 
 
-def _train(tmp_path, extra_args):
-    """Run the script on 4 ranks; Megatron-LM's logged losses and each rank's report."""
-    script = tmp_path / "pretrain_tiny_gpt.py"
+def _launch(tmp_path, args, script_dir=None, nproc=4, extra_env=None):
+    """``SDP4BIT_CPU=1 torchrun -m megatron_sdp4bit.launch SCRIPT args`` on ``nproc`` ranks,
+    the script in ``script_dir`` (a checkout's root; ``tmp_path`` by default)."""
+    script_dir = script_dir or tmp_path
+    script = script_dir / "pretrain_tiny_gpt.py"
     script.write_text(SCRIPT)
     reports = tmp_path / "reports"
-    reports.mkdir()
+    reports.mkdir(exist_ok=True)
     # CUDA_DEVICE_MAX_CONNECTIONS: validate_args demands it for TP on a pre-Blackwell
     # device, which is what the CPU reports (cpu_backend/megatron_training.py, site 6).
     env = dict(os.environ, SDP4BIT_CPU="1", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                CUDA_DEVICE_MAX_CONNECTIONS="1", REPORT_DIR=str(reports),
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "megatron_sdp4bit.launch", str(script),
-           *MEGATRON_LM_ARGS, *extra_args, *SDP4BIT_ARGS]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env,
-                            cwd=str(tmp_path))
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(extra_env or {}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--monitor-interval", "0.1",
+           "-m", "megatron_sdp4bit.launch", str(script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(tmp_path))
+
+
+def _train(tmp_path, extra_args, script_dir=None, extra_env=None):
+    """Run the script on 4 ranks; Megatron-LM's logged losses and each rank's report."""
+    result = _launch(tmp_path, [*MEGATRON_LM_ARGS, *extra_args, *SDP4BIT_ARGS], script_dir,
+                     extra_env=extra_env)
     output = result.stdout + result.stderr
     if result.returncode != 0:  # the failing ranks' tracebacks, not torchrun's summary
         failed = [line for line in output.splitlines() if re.match(r"\[rank\d\]:", line)]
@@ -273,7 +286,7 @@ def _train(tmp_path, extra_args):
         pytest.fail("training failed:\n" + output[max(first, 0):][:6000])
     # training_log (printed by the last rank only): one line per iteration.
     losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.Ee+-]+) \|", output)]
-    return losses, [json.loads((reports / f"rank{r}.json").read_text()) for r in range(4)]
+    return losses, [json.loads((tmp_path / "reports" / f"rank{r}.json").read_text()) for r in range(4)]
 
 
 def _check_run(losses, reports, tp_size):
@@ -317,3 +330,111 @@ def test_pretrain_tp2_dp2(tmp_path):
     losses, reports = _train(tmp_path, ["--tensor-model-parallel-size", "2"])
     _check_run(losses, reports, tp_size=2)
 
+
+
+# ---------------------------------------------------------------- a fresh checkout
+
+# Megatron-LM's dataset folder builds helpers_cpp with this Makefile's interface: what the
+# python3 first on PATH says about pybind11's headers and the extension suffix.
+CHECKOUT_MAKEFILE = """\
+CXXFLAGS += -O3 -Wall -shared -std=c++17 -fPIC
+CPPFLAGS += $(shell python3 -m pybind11 --includes)
+LIBEXT = $(shell python3-config --extension-suffix)
+
+helpers_cpp$(LIBEXT): helpers.cpp
+\t$(CXX) $(CXXFLAGS) $(CPPFLAGS) $< -o $@
+"""
+
+
+def _fresh_checkout(tmp_path, edit_helpers=False):
+    """A Megatron-LM checkout as a fresh clone has it, made from what the machine has: the
+    installed wheel's ``megatron/`` (core and training) without its compiled helpers, with a
+    Makefile beside ``helpers.cpp``. ``edit_helpers``: a ``helpers.cpp`` that is not the
+    installed one's (so that build cannot stand in)."""
+    import megatron.core
+
+    tree = tmp_path / "Megatron-LM"
+    shutil.copytree(os.path.dirname(os.path.dirname(megatron.core.__file__)), tree / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__", "helpers_cpp*"))
+    datasets = tree / "megatron" / "core" / "datasets"
+    (datasets / "Makefile").write_text(CHECKOUT_MAKEFILE)
+    if edit_helpers:
+        with open(datasets / "helpers.cpp", "a") as source:
+            source.write("\n// edited in this checkout\n")
+    return tree
+
+
+def _pybind11_here() -> bool:
+    return importlib.util.find_spec("pybind11") is not None and shutil.which("g++") is not None
+
+
+def test_a_fresh_checkout_trains_with_the_installed_helpers(tmp_path):
+    """Before: ``make`` in the checkout with the python3 on PATH ("fatal error:
+    pybind11/pybind11.h", then gloo's "Connection closed by peer" on every other rank).
+    Now the installed megatron-core's build of the same helpers.cpp is used; nothing is
+    compiled, and the checkout's megatron is the one that trains."""
+    tree = _fresh_checkout(tmp_path)
+    losses, reports = _train(tmp_path, [], script_dir=tree)
+    _check_run(losses, reports, tp_size=1)
+    datasets = tree / "megatron" / "core" / "datasets"
+    import megatron.core
+
+    for report in reports:
+        assert report["megatron_core"] == str(tree / "megatron" / "core"), report
+        assert os.path.dirname(report["helpers_cpp"]) == os.path.join(
+            os.path.dirname(megatron.core.__file__), "datasets"), report
+        assert "(prebuilt)" in report["compile_helpers"], report
+    assert not [name for name in os.listdir(datasets) if name.startswith("helpers_cpp")]
+
+
+def _refused_line(result):
+    """The job's refusal: exactly one line starting 'error: ', from one rank, exit code 2,
+    before Megatron-LM initialized or trained anything."""
+    output = result.stdout + result.stderr
+    ours = [line for line in output.splitlines() if "error: " in line and "exitcode" not in line
+            and "ChildFailedError" not in line]
+    assert result.returncode != 0 and len(ours) == 1, output[-4000:]
+    assert "exitcode  : 2" in output, output[-4000:]
+    # The one traceback is torchrun's own report; nothing of megatron ran.
+    assert output.count("Traceback") <= 1 and "megatron_sdp4bit/" not in output, output[-4000:]
+    assert "initializing torch distributed" not in output and "iteration" not in output, output[-4000:]
+    return ours[0]
+
+
+@pytest.mark.skipif(_pybind11_here(), reason="pybind11 is installed: these helpers would be compiled")
+def test_a_fresh_checkout_that_cannot_build_its_helpers_is_refused_in_one_line(tmp_path):
+    tree = _fresh_checkout(tmp_path, edit_helpers=True)
+    line = _refused_line(_launch(tmp_path, [*MEGATRON_LM_ARGS, *SDP4BIT_ARGS], tree, nproc=2))
+    assert line.startswith("error: Megatron-LM builds its dataset helpers"), line
+    assert f"pybind11 ({sys.executable} -m pip install pybind11)" in line, line
+
+
+@pytest.mark.skipif(not _pybind11_here(), reason="pybind11 (pip install pybind11) and g++ are needed to "
+                                                 "compile the dataset helpers")
+def test_a_fresh_checkout_compiles_its_helpers_for_this_python(tmp_path):
+    """The checkout's Makefile, run with this Python's pybind11 headers and extension suffix
+    whatever python3 is first on PATH."""
+    tree = _fresh_checkout(tmp_path, edit_helpers=True)
+    losses, reports = _train(tmp_path, [], script_dir=tree)
+    _check_run(losses, reports, tp_size=1)
+    import sysconfig
+
+    built = tree / "megatron" / "core" / "datasets" / ("helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX"))
+    assert built.is_file()
+    assert all(report["helpers_cpp"] == str(built) for report in reports), reports
+
+
+# ---------------------------------------------------------------- refused before training
+
+@pytest.mark.parametrize("change, message", [
+    (["--use-distributed-optimizer"], "error: SDP4Bit quantizes the distributed optimizer's"),
+    (["--save", "ckpt", "--ckpt-format", "torch_dcp"], "error: --ckpt-format torch_dcp: SDP4Bit's state"),
+])
+def test_what_would_fail_later_is_refused_before_anything_starts(tmp_path, change, message):
+    """Before: a RuntimeError traceback on every rank after initialization (no distributed
+    optimizer), or a checkpoint without the layer's state."""
+    args = [arg for arg in MEGATRON_LM_ARGS if change[0] != "--use-distributed-optimizer" or arg != change[0]]
+    if change[0] != "--use-distributed-optimizer":
+        args += change
+    line = _refused_line(_launch(tmp_path, [*args, *SDP4BIT_ARGS], nproc=2))
+    assert line.startswith(message), line

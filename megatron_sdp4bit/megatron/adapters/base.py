@@ -4,7 +4,9 @@ Everything the package needs to know about a megatron-core release -- which
 classes and methods the layer replaces, the fields of bucket groups, buckets and
 the distributed optimizer, the work megatron does around its own collectives, the
 checkpoint quirks (for ``training/``), the CPU-backend sites (for ``cpu_backend/``,
-typed in ``cpu_sites.py``) and the dataset helpers (for ``data/``) -- is a method
+typed in ``cpu_sites.py``), what the Megatron-LM routes hook in ``megatron.training``
+(for ``megatron_lm/``, typed in ``route_sites.py``) and the dataset helpers (for
+``data/``) -- is a method
 or attribute of a ``MegatronAdapter``. One subclass per supported minor release
 lives next to this file (``v0_16.py`` ... ``v0_19.py``), each written as the
 difference to the release before it. The rest of the package talks to megatron's
@@ -20,6 +22,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 
 from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, TrainingSites
+from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
 
 # Methods the layer swaps: (owner key, attribute name). The owner keys name the
 # classes ``patch_targets`` returns.
@@ -30,6 +33,11 @@ SWAPPED_METHODS = (
     ("optimizer", "step_with_ready_grads"),
     ("ddp", "__init__"),
 )
+
+# Entry points a later release adds (see "entry points a later release adds" below): the
+# base class's answer is "this release has none", which adapters up to 0.19 inherit.
+LATER_RELEASE_ENTRY_POINTS = ("param_ready_callback_class", "finish_param_sync_site", "traced_methods",
+                              "quantized_param_copy")
 
 
 class MegatronAdapter:
@@ -194,6 +202,48 @@ class MegatronAdapter:
         """What the CPU mode redirects in ``megatron.training``
         (``cpu_backend/megatron_training.py``); None where that is not worked out for the
         release (then CPU training is refused, changing nothing)."""
+        return None
+
+    # ------------------------------------------------------------ Megatron-LM routes
+
+    def megatron_lm_sites(self) -> RouteSites:
+        """What the Megatron-LM routes hook in ``megatron.training`` (``megatron_lm/``);
+        imports ``megatron.training``, so only where Megatron-LM is importable."""
+        raise NotImplementedError
+
+    # ------------------------------------------ entry points a later release adds
+    # Megatron-LM main (0.20.0 in package_info.py, not released) adds or renames these at
+    # the layer's seams. Each has its place here, filled with what releases up to 0.19
+    # have, so that the 0.20 adapter is one module that overrides them. Nothing of the
+    # layer calls them before that adapter exists: no support for 0.20 is claimed
+    # (docs/megatron.md, "Ready for 0.20").
+
+    def param_ready_callback_class(self) -> Optional[type]:
+        """The callable DDP stores on every parameter to publish its bucket group's weights
+        on demand (``megatron.core.utils.ensure_params_ready``). Calling it may START a
+        parameter all-gather that was never dispatched, outside the forward pre-hook (0.20:
+        ``distributed_data_parallel._BucketParamReadyCallback``). None: the release has none."""
+        return None
+
+    def finish_param_sync_site(self) -> Optional[Tuple[Any, str]]:
+        """DDP's own method that finishes one bucket group's all-gather before its weights
+        are read (0.20: ``DistributedDataParallel._finish_param_sync_for_bucket_group``,
+        called by the forward pre-hook and the ready callback). None: the pre-hook calls the
+        bucket group's ``finish_param_sync`` itself (0.16 to 0.19)."""
+        return None
+
+    def traced_methods(self) -> Tuple[Tuple[Any, str], ...]:
+        """Methods megatron wraps in a tracing decorator (0.20: DDP's ``start_grad_sync``
+        and ``finish_grad_sync``, ``_otel_trace_fn``): the function on the class is the
+        decorator's, not the method's, so a swap of one must keep the decorator outside it
+        and compare identities under ``__wrapped__``. Empty: none (0.16 to 0.19)."""
+        return ()
+
+    def quantized_param_copy(self) -> Optional[Tuple[Any, str]]:
+        """The function megatron's ``_post_param_sync`` copies an all-gathered slice into an
+        FP8/MXFP8 parameter with (``reuse_grad_buf_for_mxfp8_param_ag``, which the layer
+        refuses): 0.19 ``copy_tensor_to_quantized_param(param, slice)``, 0.20 the batched
+        ``copy_tensors_to_quantized_params(params, slices)``. None: the release has none."""
         return None
 
     # ------------------------------------------------------------ dataset helpers

@@ -63,8 +63,9 @@ class TrainingSites:
     """2. While each runs, ``torch.cuda`` has one device and selecting it does nothing."""
     jit_warmup: Site
     """3. Does nothing (GPU fusion kernels)."""
-    compile_helpers: Site
-    """4. Skipped when the compiled dataset helpers import."""
+    checkpoint_rng: Tuple[Callable, ...]
+    """4. While each runs, the "CUDA generator" is the CPU one, rebound likewise
+    (``checkpointing.get_rng_state`` for a save, ``load_checkpoint`` for a load)."""
     rng_save_restore: Tuple[Site, ...]
     """5. While each runs, the "CUDA generator" is the CPU one."""
     device_arch: Callable

@@ -7,6 +7,7 @@ import torch
 
 from megatron_sdp4bit.megatron.adapters.base import MegatronAdapter
 from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, RngSites
+from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
 
 
 class Adapter(MegatronAdapter):
@@ -280,4 +281,23 @@ class Adapter(MegatronAdapter):
             # embeddings is all-reduced from the first at construction, after
             # ``weight.data.cuda()``.
             methods=((LanguageModule, "setup_embeddings_and_output_layer"),),
+        )
+
+    # ------------------------------------------------------------ Megatron-LM routes
+
+    def megatron_lm_sites(self) -> RouteSites:
+        """The same names from core_v0.16.1 to core_v0.19.0 (and Megatron-LM main, 0.20.0):
+        the wrapped functions and the module globals they call."""
+        import megatron.core.datasets.utils as datasets_utils
+        import megatron.training.checkpointing as checkpointing
+        import megatron.training.training as training
+
+        return RouteSites(
+            compile_helpers=(datasets_utils, "compile_helpers"),
+            checkpointing=checkpointing, save_checkpoint=checkpointing.save_checkpoint,
+            load_checkpoint=checkpointing.load_checkpoint,
+            state_dict_builder="generate_state_dict", base_loader="_load_base_checkpoint",
+            checkpoint_formats=("torch", "torch_dist"),
+            training=training, setup_model_and_optimizer="setup_model_and_optimizer",
+            training_log="training_log", log_printer="print_rank_last", train="train",
         )

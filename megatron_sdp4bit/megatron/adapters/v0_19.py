@@ -6,6 +6,9 @@
   flag with a ``device='cuda'`` literal on every optimizer step.
 - CPU mode for ``megatron.training`` (shipped in this release's wheel):
   ``cpu_training_sites()`` names what ``cpu_backend/megatron_training.py`` redirects there.
+- ``_post_param_sync`` copies gathered slices into MXFP8 parameters with the new
+  ``copy_tensor_to_quantized_param`` (``quantized_param_copy()``; the layer refuses
+  ``reuse_grad_buf_for_mxfp8_param_ag``, the only path that calls it).
 - DDP's ``reset_param_sync_dispatch_state()`` asserts that no parameter all-gather
   is in flight: the layer's gather handle lives where megatron's does
   (``param_gather_handle``) and is cleared when waited, so the check holds.
@@ -41,6 +44,11 @@ class Adapter(Adapter018):
                     torch.cuda.current_stream().wait_event(event)
                     waited.add(id(event))
 
+    def quantized_param_copy(self):
+        import megatron.core.distributed.param_and_grad_buffer as param_and_grad_buffer
+
+        return (param_and_grad_buffer, "copy_tensor_to_quantized_param")
+
     def cpu_backend_sites(self) -> CoreSites:
         from megatron.core.optimizer.optimizer import MegatronOptimizer
 
@@ -49,7 +57,7 @@ class Adapter(Adapter018):
 
     def cpu_training_sites(self) -> TrainingSites:
         """What the CPU mode of ``megatron.training`` redirects (``cpu_backend/megatron_training.py``)."""
-        import megatron.core.datasets.utils as datasets_utils
+        import megatron.training.checkpointing as checkpointing
         import megatron.training.initialize as initialize
         import megatron.training.training as training
         from megatron.core.rerun_state_machine import RerunStateMachine
@@ -59,7 +67,7 @@ class Adapter(Adapter018):
             initialize_megatron=initialize.initialize_megatron,
             one_device=((initialize, "_initialize_distributed"), (initialize, "_set_random_seed")),
             jit_warmup=(initialize, "_warmup_jit_function"),
-            compile_helpers=(datasets_utils, "compile_helpers"),
+            checkpoint_rng=(checkpointing.get_rng_state, checkpointing.load_checkpoint),
             rng_save_restore=((RerunStateMachine, "_save_state"), (RerunStateMachine, "_restore_state")),
             device_arch=common_utils.get_device_arch_version,
             pretrain=training.pretrain,

@@ -1,0 +1,93 @@
+"""What a Megatron-LM run would die of later, refused when its flags are parsed.
+
+Megatron-LM builds its DDP config, model and optimizer from ``args``; the layer refuses
+what it cannot quantize when they are built (``megatron/checks.py``), which in a
+Megatron-LM job is after initialization, as a RuntimeError traceback on every rank.
+Here the same rules run on ``args`` right after they are parsed, before any process group
+exists, so the job ends in one line from rank 0 (``flag_errors.report_bad_flag``: every
+rank parsed the same flags) and exit code 2, before the first iteration. Each rule lives
+once, in ``megatron/checks.py``; this module only hands it what Megatron-LM will build.
+
+Also refused here: a ``--save`` / ``--load`` in a checkpoint format whose checkpoints do
+not carry the layer's state (the adapter's ``RouteSites.checkpoint_formats``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional
+
+from megatron_sdp4bit.config import SDP4BitConfig
+from megatron_sdp4bit.flag_errors import report_bad_flag
+
+# ``args`` names Megatron-LM renames on their way into DistributedDataParallelConfig
+# (training.py's DDP config; the fields with the same name are copied as they are).
+_DDP_FIELDS_FROM_ARGS = {
+    "reduce_scatter_with_fp32_accumulation": "ddp_reduce_scatter_with_fp32_accumulation",
+}
+
+
+def refuse(message: str) -> None:
+    """End the job: ``message`` once, from rank 0, and exit code 2 (``report_bad_flag``)."""
+    raise SystemExit(report_bad_flag(f"error: {message}"))
+
+
+def ddp_config_as_megatron_lm_builds_it(args: argparse.Namespace):
+    """The ``DistributedDataParallelConfig`` fields Megatron-LM copies from ``args``, in a
+    plain namespace (megatron's dataclass checks values the checks here never read)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    values = {}
+    for field in dataclasses.fields(DistributedDataParallelConfig):
+        name = _DDP_FIELDS_FROM_ARGS.get(field.name, field.name)
+        if hasattr(args, name):
+            values[field.name] = getattr(args, name)
+        elif field.default is not dataclasses.MISSING:
+            values[field.name] = field.default
+    return argparse.Namespace(**values)
+
+
+def layer_refusal(args: argparse.Namespace, config: SDP4BitConfig) -> Optional[str]:
+    """What the layer would refuse at DDP, model or optimizer construction, or None."""
+    from megatron_sdp4bit.megatron import checks
+    from megatron_sdp4bit.megatron.adapters import current_adapter
+
+    adapter = current_adapter()
+    ddp_config = ddp_config_as_megatron_lm_builds_it(args)
+    rules = []
+    if config.exact_reduce_scatter == "alltoall":
+        rules.append(lambda: checks.check_alltoall_ddp_config(adapter, ddp_config))
+    if config.enabled:
+        rules += [lambda: checks.check_ddp_config(adapter, ddp_config),
+                  lambda: checks.check_model_config(args),  # its fields are args' names
+                  lambda: checks.check_optimizer_config(args)]
+    for rule in rules:
+        try:
+            rule()
+        except RuntimeError as error:
+            return str(error)
+    return None
+
+
+def checkpoint_refusal(args: argparse.Namespace, formats) -> Optional[str]:
+    """A ``--save`` or ``--load`` in a format (``formats``: the release's that carry the
+    layer's state) whose checkpoints would lose the layer's state, or None."""
+    fmt = getattr(args, "ckpt_format", None)
+    if fmt is None or fmt in formats or not (getattr(args, "save", None) or getattr(args, "load", None)):
+        return None
+    return (f"--ckpt-format {fmt}: SDP4Bit's state (its step count, rounding streams and exact fp32 "
+            f"main shards) is saved and restored with --ckpt-format {' or '.join(formats)} only; "
+            "use one of those, or drop --save/--load")
+
+
+def refuse_before_training(args: argparse.Namespace, config: Optional[SDP4BitConfig], formats) -> None:
+    """Refuse (``refuse``) what the run with ``args`` and ``config`` would die of later;
+    ``formats``: the release's checkpoint formats that carry the layer's state
+    (``RouteSites.checkpoint_formats``; None where there is no Megatron-LM loop)."""
+    if config is None:
+        return
+    message = layer_refusal(args, config)
+    if message is None and config.enabled and formats is not None:
+        message = checkpoint_refusal(args, formats)
+    if message is not None:
+        refuse(message)
