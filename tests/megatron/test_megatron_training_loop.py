@@ -107,7 +107,7 @@ SCRIPT = textwrap.dedent('''
              (megatron.training, "initialize_megatron"), (initialize, "initialize_megatron"),
              (training, "initialize_megatron"), (initialize, "_initialize_distributed"),
              (initialize, "_set_random_seed"), (initialize, "_warmup_jit_function"),
-             (datasets_utils, "compile_helpers"), (RerunStateMachine, "_save_state"),
+             (RerunStateMachine, "_save_state"),
              (RerunStateMachine, "_restore_state"), (arguments, "get_device_arch_version")]
 
 
