@@ -70,7 +70,9 @@ except where noted.
    every state the optimizer holds from the file's tensors, but without Apex or
    Transformer Engine (always on CPU) the optimizer is torch's AdamW, whose per-parameter
    ``step`` the file does not hold (``load_state_dict`` already set it from the param
-   groups): ``KeyError: 'step'``. States the file lacks are kept as they are.
+   groups): ``KeyError: 'step'``; and a ``torch_dist`` load hands it the ``step`` of the
+   load's template (0, see 9), which would start AdamW's bias correction over. States the
+   file lacks, and the ``step`` the param groups restored, are kept as they are.
 9. ``core/optimizer/distrib_optimizer.py`` ``DistributedOptimizer.state_dict`` (the
    template of a ``--ckpt-format torch_dist`` load, built before any step): without
    Apex or Transformer Engine it asserts that every parameter's state holds one and the
@@ -159,13 +161,14 @@ def _no_cuda_arch() -> int:
 
 def _keep_states_not_in_file(original: Callable) -> Callable:
     """8. The optimizer's states of ``model_param`` that ``tensors`` (read from the file)
-    lacks are passed as they are, so the original copies them onto themselves."""
+    lacks, and its ``step``, are passed as they are: the original copies them onto themselves."""
 
     def set_main_param_and_optimizer_states(optimizer, model_param, tensors):
         group_index, group_order = optimizer.model_param_group_index_map[model_param]
         main_param = optimizer.optimizer.param_groups[group_index]["params"][group_order]
         held = optimizer.optimizer.state.get(main_param, {})
-        return original(optimizer, model_param, {**{k: v for k, v in held.items() if k not in tensors}, **tensors})
+        kept = {key: value for key, value in held.items() if key not in tensors or key == "step"}
+        return original(optimizer, model_param, {**tensors, **kept})
 
     return set_main_param_and_optimizer_states
 

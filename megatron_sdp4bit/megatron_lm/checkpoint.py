@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from megatron_sdp4bit.flag_errors import report_bad_flag
-from megatron_sdp4bit.megatron import patch
+from megatron_sdp4bit.megatron import adapters, patch
 from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
 from megatron_sdp4bit.patching import Patches
 
@@ -163,10 +163,17 @@ def _wrap_load(sites: RouteSites, original):
             result = original(*args, **kwargs)
         optimizer = signature.bind_partial(*args, **kwargs).arguments.get("optimizer")
         iteration = result[0]
-        layer = patch.installed_layer()
-        if layer is None or optimizer is None or not read or iteration == 0:
+        if optimizer is None or not read or iteration == 0:
             return result
-        _restore(sites, layer, optimizer, _loaded_folder(read[-1]), iteration)
+        layer = patch.installed_layer()
+        if layer is not None:
+            _restore(sites, layer, optimizer, _loaded_folder(read[-1]), iteration)
+        # Every run, with the layer or not: megatron-core's distributed optimizer gives all
+        # parameters of torch's AdamW (no Apex / Transformer Engine) one shared ``step``
+        # tensor on load, which AdamW increments once per parameter (adapter docstring).
+        adapter = layer.adapter if layer is not None else adapters.adapter_for(adapters.megatron_version(), force=True)
+        for sub_optimizer in adapter.sub_optimizers(optimizer):
+            adapter.after_optimizer_load(sub_optimizer)
         return result
 
     load_checkpoint.__wrapped__ = original
@@ -182,8 +189,6 @@ def _restore(sites: RouteSites, layer, optimizer, folder: str, iteration: int) -
         patch.set_iteration(iteration)
     else:
         patch.load_state_dict(state, optimizer)
-    for sub_optimizer in layer.adapter.sub_optimizers(optimizer):
-        layer.adapter.after_optimizer_load(sub_optimizer)
 
 
 MARK = "__sdp4bit_checkpointing__"
