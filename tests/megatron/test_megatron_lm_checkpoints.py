@@ -49,9 +49,9 @@ def _sibling(name: str):
 LOOP = _sibling("test_megatron_training_loop")
 
 N = 3
-# No dropout: in CPU mode the "CUDA generator" dropout draws from is the CPU one, which
-# Megatron-LM's data loader also draws from when its iterator starts, after a load (on a
-# GPU the two are apart): a resumed run's dropout masks would differ from the straight run's.
+# No dropout: in CPU mode a resumed run's dropout masks differ from the straight run's even
+# without SDP4Bit (the "CUDA generator" is the CPU one, which something between the load and
+# the first step draws from; docs/megatron_lm_checkpoints_and_logs.md).
 # No --overlap-param-gather: the weight gathers then run in the optimizer step, in one
 # order. Overlapped, they run in the forward pass, first needed first, but a save forces
 # them all at once in bucket order; with stochastic rounding they draw from one stream per
