@@ -37,7 +37,8 @@ setup(
     ],
     extras_require={
         "triton": ["triton"],
-        "test": ["pytest", "hypothesis", "scipy", "triton"],
+        # psutil: megatron-core's torch_dist checkpoint writer (Megatron-LM --ckpt-format torch_dist)
+        "test": ["pytest", "hypothesis", "scipy", "triton", "psutil"],
         "plots": ["matplotlib"],
     },
     entry_points={

@@ -65,6 +65,22 @@ except where noted.
    ``core.py`` does for the schedules). Code the loop calls that truly wants CUDA would
    be redirected too; on CPU there is none.
 
+8. ``core/optimizer/distrib_optimizer.py`` ``_set_main_param_and_optimizer_states``
+   (a ``--ckpt-format torch`` load, ``load_parameter_state_from_dp_zero``): it copies
+   every state the optimizer holds from the file's tensors, but without Apex or
+   Transformer Engine (always on CPU) the optimizer is torch's AdamW, whose per-parameter
+   ``step`` the file does not hold (``load_state_dict`` already set it from the param
+   groups): ``KeyError: 'step'``; and a ``torch_dist`` load hands it the ``step`` of the
+   load's template (0, see 9), which would start AdamW's bias correction over. States the
+   file lacks, and the ``step`` the param groups restored, are kept as they are.
+9. ``core/optimizer/distrib_optimizer.py`` ``DistributedOptimizer.state_dict`` (the
+   template of a ``--ckpt-format torch_dist`` load, built before any step): without
+   Apex or Transformer Engine it asserts that every parameter's state holds one and the
+   same ``step``, but megatron's ``init_state_fn`` makes ``exp_avg`` / ``exp_avg_sq``
+   only (``AssertionError`` at ``assert len(steps) == 1``). States without a ``step``
+   get torch AdamW's own starting value, 0 (what its first step would create; the load
+   then sets the saved one).
+
 Needs nothing more, because ``core.py`` already replaces them process-wide:
 ``torch.cuda.current_device`` (every allocation, the timers' tensors),
 ``synchronize`` (``core/timers.py`` with ``--timing-log-level``, barriers in
@@ -143,6 +159,42 @@ def _no_cuda_arch() -> int:
     return 0
 
 
+def _keep_states_not_in_file(original: Callable) -> Callable:
+    """8. The optimizer's states of ``model_param`` that ``tensors`` (read from the file)
+    lacks, and its ``step``, are passed as they are: the original copies them onto themselves."""
+
+    def set_main_param_and_optimizer_states(optimizer, model_param, tensors):
+        group_index, group_order = optimizer.model_param_group_index_map[model_param]
+        main_param = optimizer.optimizer.param_groups[group_index]["params"][group_order]
+        held = optimizer.optimizer.state.get(main_param, {})
+        kept = {key: value for key, value in held.items() if key not in tensors or key == "step"}
+        return original(optimizer, model_param, {**tensors, **kept})
+
+    return set_main_param_and_optimizer_states
+
+
+def _step_in_fresh_states(original: Callable) -> Callable:
+    """9. The original, with a ``step`` of 0 in every parameter state that has none yet
+    while it runs (taken out again: torch AdamW initializes a state that is empty or
+    has no ``step`` itself; the result keeps the step in its param groups only)."""
+
+    def state_dict(optimizer):
+        inner = optimizer.optimizer
+        added = [param for group in inner.param_groups for param in group["params"]
+                 if "step" not in inner.state.get(param, {})]
+        for param in added:
+            inner.state[param]["step"] = torch.tensor(0.0)
+        try:
+            return original(optimizer)
+        finally:
+            for param in added:
+                del inner.state[param]["step"]
+                if not inner.state[param]:
+                    del inner.state[param]
+
+    return state_dict
+
+
 class CpuTraining(Redirects):
     """The redirects above, on top of the core backend (enabled with them, and disabled
     with them if it was this object that enabled it)."""
@@ -207,6 +259,11 @@ class CpuTraining(Redirects):
             self.patches.set(owner, name, self._with_torch_cuda(vars(owner)[name], _CPU_RNG_AS_CUDA))
         set_everywhere(sites.device_arch, _no_cuda_arch, "megatron.training")
         set_everywhere(sites.pretrain, self.while_enabled(sites.pretrain, CudaNamesOnCpu), "megatron.training")
+        for site, fix in ((sites.optimizer_state_setter, _keep_states_not_in_file),
+                          (sites.optimizer_state_dict, _step_in_fresh_states)):
+            if site is not None:
+                owner, name = site
+                self.patches.set(owner, name, self.marked(fix(vars(owner)[name]), vars(owner)[name]))
 
     def _with_torch_cuda(self, original: Callable, twins: Dict[str, Any]) -> Callable:
         return self.while_enabled(original, lambda: _torch_cuda_as(twins))

@@ -88,7 +88,9 @@ class SDP4BitLayer:
         except BaseException:
             self.uninstall()
             raise
-        logger.info("SDP4Bit installed (megatron-core %s adapter): %s",
+        # debug: one line per rank; the Megatron-LM routes print it once, from rank 0
+        # (megatron_lm/reporting.py).
+        logger.debug("SDP4Bit installed (megatron-core %s adapter): %s",
                     self.adapter.minor, self.state.config.to_dict())
 
     @property

@@ -72,3 +72,9 @@ class TrainingSites:
     """6. Answers 0 (no CUDA architecture), rebound wherever megatron binds it."""
     pretrain: Callable
     """7. Runs under the device mode (CUDA ``device=`` -> CPU), rebound likewise."""
+    optimizer_state_setter: Site = None
+    """8. The distributed optimizer's per-parameter state setter of a ``--ckpt-format
+    torch`` load: keeps the states the file does not hold (torch AdamW's ``step``)."""
+    optimizer_state_dict: Site = None
+    """9. The distributed optimizer's ``state_dict`` (a ``torch_dist`` load's template):
+    states made before any step get torch AdamW's ``step`` (0)."""

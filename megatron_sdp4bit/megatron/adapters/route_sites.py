@@ -48,3 +48,8 @@ class RouteSites:
     """The name ``training_log`` prints its iteration line with (``print_rank_last``)."""
     train: str
     """The training loop; returns (or exits) after the last iteration."""
+    get_args: Callable
+    """``training/global_vars.py`` ``get_args``: the parsed arguments (``--save``, ``--log-interval``)."""
+    writers: Tuple[Callable, Callable]
+    """``get_tensorboard_writer`` and ``get_wandb_writer`` (``training/global_vars.py``): each
+    returns its writer on the rank that logs, else None."""

@@ -290,6 +290,7 @@ class Adapter(MegatronAdapter):
         the wrapped functions and the module globals they call."""
         import megatron.core.datasets.utils as datasets_utils
         import megatron.training.checkpointing as checkpointing
+        import megatron.training.global_vars as global_vars
         import megatron.training.training as training
 
         return RouteSites(
@@ -300,4 +301,6 @@ class Adapter(MegatronAdapter):
             checkpoint_formats=("torch", "torch_dist"),
             training=training, setup_model_and_optimizer="setup_model_and_optimizer",
             training_log="training_log", log_printer="print_rank_last", train="train",
+            get_args=global_vars.get_args,
+            writers=(global_vars.get_tensorboard_writer, global_vars.get_wandb_writer),
         )

@@ -60,6 +60,7 @@ class Adapter(Adapter018):
         import megatron.training.checkpointing as checkpointing
         import megatron.training.initialize as initialize
         import megatron.training.training as training
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         from megatron.core.rerun_state_machine import RerunStateMachine
         from megatron.training.utils import common_utils
 
@@ -71,4 +72,6 @@ class Adapter(Adapter018):
             rng_save_restore=((RerunStateMachine, "_save_state"), (RerunStateMachine, "_restore_state")),
             device_arch=common_utils.get_device_arch_version,
             pretrain=training.pretrain,
+            optimizer_state_setter=(DistributedOptimizer, "_set_main_param_and_optimizer_states"),
+            optimizer_state_dict=(DistributedOptimizer, "state_dict"),
         )

@@ -1,0 +1,197 @@
+"""SDP4Bit in Megatron-LM's output: the iteration line, TensorBoard / W&B, a summary.
+
+Without this a user sees one INFO line per rank and nothing else; the only way to know
+quantization ran is to compare losses with an exact run. ``install_reporting`` wraps
+three of Megatron-LM's training functions (``RouteSites``):
+
+- ``setup_model_and_optimizer``: once the model is built (the layer is installed by
+  then, whichever route installed it), rank 0 prints one line with the config, and the
+  layer samples its quantization errors on the last step of every ``--log-interval``;
+- ``training_log``: while it runs, the iteration line it prints (``print_rank_last``,
+  the last rank) ends with what the layer measured since the previous line: bytes this
+  rank sent against the exact collectives (``comm`` wire stats), the replica checks
+  passed so far (``--sdp4bit-check-interval``) and the sampled relative quantization
+  errors; the same figures go to Megatron-LM's TensorBoard and W&B writers when they
+  are configured (they live on that rank), under ``sdp4bit/``;
+- ``train``: when it returns, the last rank prints a summary like the driver's.
+
+All figures are per rank (the last rank's, the one that prints), taken from what the
+layer already counts: nothing is added to a training step but the error samples, one
+step in ``--log-interval``. The wire counters are read as differences, never reset, so
+other readers of ``comm.get_wire_stats()`` see the whole run.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Dict
+
+import torch
+
+from megatron_sdp4bit import comm
+from megatron_sdp4bit.megatron import patch
+from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
+from megatron_sdp4bit.patching import Patches
+
+MIB = float(1 << 20)
+
+MARK = "__sdp4bit_reporting__"
+"""Carried by the wrapped training functions: installed once."""
+
+
+class LayerFigures:
+    """The layer's counters, read as windows (since the last read) and totals."""
+
+    def __init__(self) -> None:
+        self.start_iteration = None
+        self._seen = {"sent": 0, "exact": 0}
+        self.totals = {"sent": 0, "exact": 0}
+        self.errors: Dict[str, float] = {}
+        """The latest sampled errors (kept for the summary)."""
+
+    def start(self) -> None:
+        """Count from now (the model is built; its construction sent nothing through the layer)."""
+        stats = comm.get_wire_stats()
+        self._seen = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes()}
+        self.totals = {"sent": 0, "exact": 0}
+        self.start_iteration = patch.get_iteration()
+
+    def window(self) -> dict:
+        stats = comm.get_wire_stats()
+        now = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes()}
+        window = {key: now[key] - self._seen[key] for key in now}
+        self._seen = now
+        for key, value in window.items():
+            self.totals[key] += value
+        errors = patch.quantization_errors()
+        self.errors.update(errors)
+        return {"bytes-sent": window["sent"], "bytes-exact": window["exact"],
+                "replica-checks-passed": patch.replica_checks_passed(),
+                **{f"quant-error-{name}": value for name, value in errors.items()}}
+
+
+def iteration_line_fields(figures: dict) -> str:
+    """Megatron-LM's ``' name: value |'`` fields for the iteration line."""
+    line = ""
+    if figures["bytes-exact"]:
+        line += (f" sdp4bit bytes sent/exact: {figures['bytes-sent'] / figures['bytes-exact']:.3f} "
+                 f"({figures['bytes-sent'] / MIB:.2f}/{figures['bytes-exact'] / MIB:.2f} MiB) |")
+    line += f" sdp4bit replica checks passed: {figures['replica-checks-passed']} |"
+    for name, value in figures.items():
+        if name.startswith("quant-error-"):
+            line += f" sdp4bit {name[len('quant-error-'):]} error: {value:.3E} |"
+    return line
+
+
+def write_figures(writers, figures: dict, iteration: int) -> None:
+    """The figures to Megatron-LM's TensorBoard (``add_scalar``) and W&B (``log``)
+    writers, where configured; ``bytes-ratio`` beside the two byte counts."""
+    scalars = {f"sdp4bit/{name}": value for name, value in figures.items()}
+    if figures["bytes-exact"]:
+        scalars["sdp4bit/bytes-ratio"] = figures["bytes-sent"] / figures["bytes-exact"]
+    tensorboard, wandb = (get() for get in writers)
+    if tensorboard is not None:
+        for name, value in scalars.items():
+            tensorboard.add_scalar(name, value, iteration)
+    if wandb is not None:
+        wandb.log(scalars, iteration)
+
+
+def summary_lines(figures: LayerFigures, config, iterations: int) -> list:
+    """The end-of-run block (the driver's ``=== summary ===`` wording for the wire)."""
+    sent, exact = figures.totals["sent"], figures.totals["exact"]
+    if exact:
+        wire = (f"{sent / MIB:.2f} MiB vs {exact / MIB:.2f} MiB with the exact all-gather and FP32 "
+                f"reduce-scatter ({sent / exact:.3f}x, {exact / max(sent, 1):.2f}x less)")
+    else:
+        wire = "not counted (bytes are counted for the distributed optimizer's collectives only)"
+    start = figures.start_iteration or 0
+    lines = ["", f"=== SDP4Bit summary (rank {torch.distributed.get_rank()}) ===",
+             f"iterations          {iterations - start} in this run"
+             + (f" (resumed at step {start})" if start else ""),
+             f"weights / grads     {config.weight_mode} / {config.grad_mode}",
+             f"bytes sent per rank {wire}"]
+    if config.check_interval:
+        lines.append(f"replica checks      {patch.replica_checks_passed()} passed (every "
+                     f"{config.check_interval} steps, all data-parallel replicas bit-identical)")
+    errors = ", ".join(f"{name} {value:.3E}" for name, value in sorted(figures.errors.items()))
+    lines.append(f"quantization errors {errors or 'none sampled'} (relative L2, last sample)")
+    return lines
+
+
+def _is_last_rank() -> bool:
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+def _wrap_setup(sites: RouteSites, figures: LayerFigures, original):
+    def setup_model_and_optimizer(*args, **kwargs):
+        result = original(*args, **kwargs)
+        layer = patch.installed_layer()
+        if layer is not None:
+            patch.set_metrics_interval(int(sites.get_args().log_interval))
+            figures.start()
+            if torch.distributed.get_rank() == 0:
+                print(f"SDP4Bit installed (megatron-core {layer.adapter.minor} adapter, "
+                      f"{torch.distributed.get_world_size()} ranks): {layer.state.config.to_dict()}", flush=True)
+        return result
+
+    return setup_model_and_optimizer
+
+
+def _wrap_training_log(sites: RouteSites, figures: LayerFigures, original):
+    signature = inspect.signature(original)
+    printer = getattr(sites.training, sites.log_printer)
+
+    def training_log(*args, **kwargs):
+        if patch.installed_layer() is None or not _is_last_rank():
+            return original(*args, **kwargs)
+        added = {}
+
+        def print_with_layer(message):
+            if not added and " iteration " in str(message) and "consumed samples" in str(message):
+                added.update(figures.window())
+                message = str(message) + iteration_line_fields(added)
+            printer(message)
+
+        with Patches("SDP4Bit log") as during_log:
+            during_log.set(sites.training, sites.log_printer, print_with_layer)
+            result = original(*args, **kwargs)
+        if added:
+            write_figures(sites.writers, added, signature.bind_partial(*args, **kwargs).arguments["iteration"])
+        return result
+
+    return training_log
+
+
+def _wrap_train(figures: LayerFigures, original):
+    def summary() -> None:
+        layer = patch.installed_layer()
+        if layer is not None and figures.start_iteration is not None and _is_last_rank():
+            figures.window()  # the steps after the last log line
+            print("\n".join(summary_lines(figures, layer.state.config, patch.get_iteration())), flush=True)
+
+    def train(*args, **kwargs):
+        try:
+            result = original(*args, **kwargs)
+        except SystemExit as stop:  # --exit-interval, --exit-duration-in-mins, a signal
+            if not stop.code:
+                summary()
+            raise
+        summary()
+        return result
+
+    return train
+
+
+def install_reporting(sites: RouteSites, patches: Patches) -> None:
+    """Put the layer's figures into Megatron-LM's output (see the module docstring),
+    until ``patches`` is restored; a second call (both routes combined) changes nothing.
+    The layer is looked up at each call: a run without ``--sdp4bit`` logs as megatron does."""
+    if getattr(getattr(sites.training, sites.training_log), MARK, False):
+        return
+    figures = LayerFigures()
+    for name, wrap in ((sites.setup_model_and_optimizer, lambda f: _wrap_setup(sites, figures, f)),
+                       (sites.training_log, lambda f: _wrap_training_log(sites, figures, f)),
+                       (sites.train, lambda f: _wrap_train(figures, f))):
+        wrapped = wrap(getattr(sites.training, name))
+        setattr(wrapped, MARK, True)
+        patches.set(sites.training, name, wrapped)
