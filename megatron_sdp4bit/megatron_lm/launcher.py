@@ -47,16 +47,6 @@ def _teach_megatron_lm_parser() -> Patches:
     patches.set(arguments, "parse_args", wrap_parse_args(arguments.parse_args))
     if hasattr(initialize, "parse_args"):
         patches.set(initialize, "parse_args", wrap_parse_args(initialize.parse_args))
-    # Before the CPU mode, which wraps load_checkpoint too: undone in order.
-    from megatron_sdp4bit.megatron import adapters
-    from megatron_sdp4bit.megatron_lm import checkpoint, reporting
-    from megatron_sdp4bit.megatron_lm import dataset_helpers  # item 1's wiring is the mlm branch's
-    adapter = adapters.adapter_for(adapters.megatron_version(), force=True)
-    sites = adapter.megatron_lm_sites()
-    dataset_helpers.use_dataset_helpers(dataset_helpers.plan_dataset_helpers(adapter.dataset_helpers_module),
-                                        sites.compile_helpers, patches)
-    checkpoint.install_checkpointing(sites, patches)
-    reporting.install_reporting(sites, patches)
     return patches
 
 

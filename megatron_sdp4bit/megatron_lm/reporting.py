@@ -9,7 +9,7 @@ three of Megatron-LM's training functions (``RouteSites``):
   layer samples its quantization errors on the last step of every ``--log-interval``;
 - ``training_log``: while it runs, the iteration line it prints (``print_rank_last``,
   the last rank) ends with what the layer measured since the previous line: bytes this
-  rank sent against the exact collectives (``comm`` wire stats), the replica checks
+  rank sent against the exact collectives (``patch.wire_stats()``), the replica checks
   passed so far (``--sdp4bit-check-interval``) and the sampled relative quantization
   errors; the same figures go to Megatron-LM's TensorBoard and W&B writers when they
   are configured (they live on that rank), under ``sdp4bit/``;
@@ -17,8 +17,8 @@ three of Megatron-LM's training functions (``RouteSites``):
 
 All figures are per rank (the last rank's, the one that prints), taken from what the
 layer already counts: nothing is added to a training step but the error samples, one
-step in ``--log-interval``. The wire counters are read as differences, never reset, so
-other readers of ``comm.get_wire_stats()`` see the whole run.
+step in ``--log-interval``. The layer's wire counters are read as differences, never
+reset, so other readers of ``patch.wire_stats()`` see the whole run.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from typing import Dict
 
 import torch
 
-from megatron_sdp4bit import comm
 from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
 from megatron_sdp4bit.patching import Patches
@@ -50,13 +49,13 @@ class LayerFigures:
 
     def start(self) -> None:
         """Count from now (the model is built; its construction sent nothing through the layer)."""
-        stats = comm.get_wire_stats()
+        stats = patch.wire_stats()
         self._seen = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes()}
         self.totals = {"sent": 0, "exact": 0}
         self.start_iteration = patch.get_iteration()
 
     def window(self) -> dict:
-        stats = comm.get_wire_stats()
+        stats = patch.wire_stats()
         now = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes()}
         window = {key: now[key] - self._seen[key] for key in now}
         self._seen = now

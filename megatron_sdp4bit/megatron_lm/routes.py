@@ -22,7 +22,7 @@ import logging
 from typing import Optional
 
 from megatron_sdp4bit.config import SDP4BitConfig
-from megatron_sdp4bit.megatron_lm import dataset_helpers
+from megatron_sdp4bit.megatron_lm import checkpoint, dataset_helpers, reporting
 from megatron_sdp4bit.megatron_lm.refusals import refuse, refuse_before_training
 from megatron_sdp4bit.patching import Patches
 
@@ -72,16 +72,29 @@ def before_initialize() -> None:
 
 
 def after_parse(args: argparse.Namespace, config: Optional[SDP4BitConfig]) -> None:
-    """Refuse what the run would die of later; then (issue 19 items 2 and 3, merged from
-    ``megatron_lm/checkpoint.py`` and ``megatron_lm/reporting.py``) the layer's hooks in
-    Megatron-LM's checkpoints and log go here, each installing once per process."""
+    """Refuse what the run would die of later; then, for an SDP4Bit run, the layer's
+    state into Megatron-LM's checkpoints (``checkpoint.py``) and its figures into
+    Megatron-LM's log (``reporting.py``), once per process."""
     sites = megatron_lm_sites()
     refuse_before_training(args, config, None if sites is None else sites.checkpoint_formats)
+    if sites is None or config is None or not config.enabled:
+        return
+    log_site = (sites.training, sites.training_log)
+    if _hooked(log_site) is not None:
+        return
+    patches = Patches("megatron_sdp4bit.megatron_lm", hint="a checkpoint or log site moved in this release")
+    checkpoint.install_checkpointing(sites, patches)
+    reporting.install_reporting(sites, patches)
+    setattr(getattr(*log_site), ROUTE_MARK, patches)
 
 
 def remove_megatron_lm_hooks() -> None:
-    """Put back what ``before_initialize`` replaced (tests; a job keeps them to its end)."""
+    """Put back what ``before_initialize`` and ``after_parse`` replaced (tests; a job
+    keeps them to its end), the later first."""
     sites = megatron_lm_sites()
-    patches = None if sites is None else _hooked(sites.compile_helpers)
-    if patches is not None:
-        patches.restore()
+    if sites is None:
+        return
+    for site in ((sites.training, sites.training_log), sites.compile_helpers):
+        patches = _hooked(site)
+        if patches is not None:
+            patches.restore()
