@@ -200,8 +200,8 @@ def install_checkpointing(sites: RouteSites, patches: Patches) -> None:
     state, until ``patches`` is restored; a second call (both routes combined) changes
     nothing. The layer is looked up at each call: a run without ``--sdp4bit`` saves and
     loads as megatron does. Checkpoint formats: ``sites.checkpoint_formats`` (the others
-    are refused before training, ``refusals.py``); ``--non-persistent-ckpt-type local``
-    is refused at its first save."""
+    are refused before training, ``refusals.py``, and so are local non-persistent
+    checkpoints)."""
     if getattr(sites.save_checkpoint, MARK, False):
         return
     for original, wrap in ((sites.save_checkpoint, _wrap_save), (sites.load_checkpoint, _wrap_load)):

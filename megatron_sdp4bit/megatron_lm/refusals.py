@@ -73,11 +73,18 @@ def checkpoint_refusal(args: argparse.Namespace, formats) -> Optional[str]:
     """A ``--save`` or ``--load`` in a format (``formats``: the release's that carry the
     layer's state) whose checkpoints would lose the layer's state, or None."""
     fmt = getattr(args, "ckpt_format", None)
-    if fmt is None or fmt in formats or not (getattr(args, "save", None) or getattr(args, "load", None)):
-        return None
-    return (f"--ckpt-format {fmt}: SDP4Bit's state (its step count, rounding streams and exact fp32 "
-            f"main shards) is saved and restored with --ckpt-format {' or '.join(formats)} only; "
-            "use one of those, or drop --save/--load")
+    saves_or_loads = getattr(args, "save", None) or getattr(args, "load", None)
+    if fmt is not None and fmt not in formats and saves_or_loads:
+        return (f"--ckpt-format {fmt}: SDP4Bit's state (its step count, rounding streams and exact fp32 "
+                f"main shards) is saved and restored with --ckpt-format {' or '.join(formats)} only; "
+                "use one of those, or drop --save/--load")
+    local = getattr(args, "non_persistent_ckpt_type", None) == "local"
+    if local and getattr(args, "non_persistent_save_interval", None):
+        # Megatron-LM's local checkpoint manager owns that folder's layout: the layer's
+        # state has no place in it (the first such save would be refused otherwise).
+        return ("--non-persistent-ckpt-type local checkpoints cannot carry SDP4Bit's state: use "
+                "--non-persistent-ckpt-type global, or drop --non-persistent-save-interval")
+    return None
 
 
 def refuse_before_training(args: argparse.Namespace, config: Optional[SDP4BitConfig], formats) -> None:

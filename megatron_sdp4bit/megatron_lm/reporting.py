@@ -2,18 +2,19 @@
 
 Without this a user sees one INFO line per rank and nothing else; the only way to know
 quantization ran is to compare losses with an exact run. ``install_reporting`` wraps
-three of Megatron-LM's training functions (``RouteSites``):
+two of Megatron-LM's training functions (``RouteSites``):
 
-- ``setup_model_and_optimizer``: once the model is built (the layer is installed by
-  then, whichever route installed it), rank 0 prints one line with the config, and the
-  layer samples its quantization errors on the last step of every ``--log-interval``;
+- ``train``: when it starts (the model is built and the layer installed by then,
+  whichever route installed it, even from inside the model provider, the 0.16/0.17
+  patch), rank 0 prints one line with the config, and the layer samples its
+  quantization errors on the last step of every ``--log-interval``; when it returns,
+  the last rank prints a summary like the driver's;
 - ``training_log``: while it runs, the iteration line it prints (``print_rank_last``,
   the last rank) ends with what the layer measured since the previous line: bytes this
   rank sent against the exact collectives (``patch.wire_stats()``), the replica checks
   passed so far (``--sdp4bit-check-interval``) and the sampled relative quantization
   errors; the same figures go to Megatron-LM's TensorBoard and W&B writers when they
-  are configured (they live on that rank), under ``sdp4bit/``;
-- ``train``: when it returns, the last rank prints a summary like the driver's.
+  are configured (they live on that rank), under ``sdp4bit/``.
 
 All figures are per rank (the last rank's, the one that prints), taken from what the
 layer already counts: nothing is added to a training step but the error samples, one
@@ -121,19 +122,17 @@ def _is_last_rank() -> bool:
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
-def _wrap_setup(sites: RouteSites, figures: LayerFigures, original):
-    def setup_model_and_optimizer(*args, **kwargs):
-        result = original(*args, **kwargs)
-        layer = patch.installed_layer()
-        if layer is not None:
-            patch.set_metrics_interval(int(sites.get_args().log_interval))
-            figures.start()
-            if torch.distributed.get_rank() == 0:
-                print(f"SDP4Bit installed (megatron-core {layer.adapter.minor} adapter, "
-                      f"{torch.distributed.get_world_size()} ranks): {layer.state.config.to_dict()}", flush=True)
-        return result
-
-    return setup_model_and_optimizer
+def _start(sites: RouteSites, figures: LayerFigures) -> None:
+    """Once, when training starts: the error sampling interval, the counters' origin,
+    rank 0's install line."""
+    layer = patch.installed_layer()
+    if layer is None or figures.start_iteration is not None:
+        return
+    patch.set_metrics_interval(int(sites.get_args().log_interval))
+    figures.start()
+    if torch.distributed.get_rank() == 0:
+        print(f"SDP4Bit installed (megatron-core {layer.adapter.minor} adapter, "
+              f"{torch.distributed.get_world_size()} ranks): {layer.state.config.to_dict()}", flush=True)
 
 
 def _wrap_training_log(sites: RouteSites, figures: LayerFigures, original):
@@ -161,7 +160,7 @@ def _wrap_training_log(sites: RouteSites, figures: LayerFigures, original):
     return training_log
 
 
-def _wrap_train(figures: LayerFigures, original):
+def _wrap_train(sites: RouteSites, figures: LayerFigures, original):
     def summary() -> None:
         layer = patch.installed_layer()
         if layer is not None and figures.start_iteration is not None and _is_last_rank():
@@ -169,6 +168,7 @@ def _wrap_train(figures: LayerFigures, original):
             print("\n".join(summary_lines(figures, layer.state.config, patch.get_iteration())), flush=True)
 
     def train(*args, **kwargs):
+        _start(sites, figures)
         try:
             result = original(*args, **kwargs)
         except SystemExit as stop:  # --exit-interval, --exit-duration-in-mins, a signal
@@ -188,9 +188,8 @@ def install_reporting(sites: RouteSites, patches: Patches) -> None:
     if getattr(getattr(sites.training, sites.training_log), MARK, False):
         return
     figures = LayerFigures()
-    for name, wrap in ((sites.setup_model_and_optimizer, lambda f: _wrap_setup(sites, figures, f)),
-                       (sites.training_log, lambda f: _wrap_training_log(sites, figures, f)),
-                       (sites.train, lambda f: _wrap_train(figures, f))):
+    for name, wrap in ((sites.training_log, lambda f: _wrap_training_log(sites, figures, f)),
+                       (sites.train, lambda f: _wrap_train(sites, figures, f))):
         wrapped = wrap(getattr(sites.training, name))
         setattr(wrapped, MARK, True)
         patches.set(sites.training, name, wrapped)

@@ -34,6 +34,8 @@ import sys
 import pytest
 import torch
 
+from harness import free_port
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -51,7 +53,7 @@ LOOP = _sibling("test_megatron_training_loop")
 N = 3
 # No dropout: in CPU mode a resumed run's dropout masks differ from the straight run's even
 # without SDP4Bit (the "CUDA generator" is the CPU one, which something between the load and
-# the first step draws from; docs/megatron_lm_checkpoints_and_logs.md).
+# the first step draws from; docs/megatron.md, "Checkpoints").
 # No --overlap-param-gather: the weight gathers then run in the optimizer step, in one
 # order. Overlapped, they run in the forward pass, first needed first, but a save forces
 # them all at once in bucket order; with stochastic rounding they draw from one stream per
@@ -81,7 +83,7 @@ def _launch(tmp_path, name: str, ranks: int, extra_args):
                CUDA_DEVICE_MAX_CONNECTIONS="1", REPORT_DIR=str(folder),
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-           "--master-addr", "127.0.0.1", "--master-port", str(LOOP._free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", "megatron_sdp4bit.launch", str(script), *FP32_ARGS, *extra_args, *SDP4BIT_ARGS]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(folder))
     output = result.stdout + result.stderr

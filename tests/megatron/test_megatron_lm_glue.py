@@ -147,6 +147,25 @@ def test_a_checkpoint_format_without_the_layers_state_is_refused(argv, refused):
         assert message is None
 
 
+@pytest.mark.parametrize("argv, refused", [
+    (["--non-persistent-ckpt-type", "local", "--non-persistent-save-interval", "5"], True),
+    (["--non-persistent-ckpt-type", "global", "--non-persistent-save-interval", "5"], False),
+    (["--non-persistent-ckpt-type", "local"], False),  # never saved
+])
+def test_local_non_persistent_checkpoints_are_refused_before_training(argv, refused):
+    """They would be refused at their first save (Megatron-LM's local checkpoint manager
+    owns that folder); now when the flags are parsed."""
+    parser = argparse.ArgumentParser()
+    for flag in ("--save", "--load", "--ckpt-format", "--non-persistent-ckpt-type"):
+        parser.add_argument(flag)
+    parser.add_argument("--non-persistent-save-interval", type=int)
+    message = refusals.checkpoint_refusal(parser.parse_args(argv), ("torch", "torch_dist"))
+    if refused:
+        assert message.startswith("--non-persistent-ckpt-type local checkpoints cannot carry")
+    else:
+        assert message is None
+
+
 def _megatron_training_importable() -> bool:
     import importlib.util
 

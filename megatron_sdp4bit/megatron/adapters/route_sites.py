@@ -39,9 +39,8 @@ class RouteSites:
     checkpoint_formats: Tuple[str, ...]
     """``--ckpt-format`` values whose checkpoints carry the layer's state."""
     training: ModuleType
-    """``training/training.py``: ``pretrain`` calls the three names below as module globals."""
-    setup_model_and_optimizer: str
-    """Where the model is built: the last point before DDP construction and training."""
+    """``training/training.py``: ``pretrain`` calls ``train`` and ``train`` calls
+    ``training_log`` by these names, as module globals."""
     training_log: str
     """Megatron-LM's per-iteration log (stdout line, TensorBoard, W&B)."""
     log_printer: str

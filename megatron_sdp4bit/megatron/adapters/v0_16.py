@@ -299,7 +299,7 @@ class Adapter(MegatronAdapter):
             load_checkpoint=checkpointing.load_checkpoint,
             state_dict_builder="generate_state_dict", base_loader="_load_base_checkpoint",
             checkpoint_formats=("torch", "torch_dist"),
-            training=training, setup_model_and_optimizer="setup_model_and_optimizer",
+            training=training,
             training_log="training_log", log_printer="print_rank_last", train="train",
             get_args=global_vars.get_args,
             writers=(global_vars.get_tensorboard_writer, global_vars.get_wandb_writer),
