@@ -81,11 +81,7 @@ def quantized_all_gather_weights(
     if dp_size == 1 or shard == 0:
         return finish_or_handle(lambda: flat.copy_(main_shard.view(-1)), async_op)
     if not config.quantize_weights:
-        wire.peer_sends(_COLLECTIVE, same, other,
-                        values=shard * model_buffer.element_size(), elements=shard)
-        staged = main_shard.view(-1).to(model_buffer.dtype, copy=True)
-        work = all_gather_flat(flat, staged, group, async_op)
-        return work if async_op else None
+        return _exact_all_gather(flat, main_shard, group, async_op, wire, (same, other))
 
     gen = pick_generator(generator, config.rounding, main_shard.device, config.seed,
                          dist.get_rank(), "weights")
@@ -127,6 +123,16 @@ def quantized_all_gather_weights(
         return finish_or_handle(lambda: pending.apply(add), True)
     _gather_in_slices(gather, slices, add)
     return None
+
+
+def _exact_all_gather(flat: torch.Tensor, main_shard: torch.Tensor, group, async_op: bool,
+                      wire: WireRecorder, peers) -> Optional[PendingCollective]:
+    """The unquantized path: this rank's shard in the buffer's dtype, torch's all-gather."""
+    shard = main_shard.numel()
+    wire.peer_sends(_COLLECTIVE, *peers, values=shard * flat.element_size(), elements=shard)
+    staged = main_shard.view(-1).to(flat.dtype, copy=True)
+    work = all_gather_flat(flat, staged, group, async_op)
+    return work if async_op else None
 
 
 def _gather_in_slices(gather: Callable[[int, int, int], "_Gather"], slices, add: bool) -> None:
