@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from megatron_sdp4bit.flag_errors import report_bad_flag
-from megatron_sdp4bit.megatron import adapters, patch
+from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
 from megatron_sdp4bit.patching import Patches
 
@@ -67,10 +67,7 @@ def _save_folder(sites: RouteSites, iteration: int, call: dict) -> str:
     """The iteration folder ``save_checkpoint`` wrote (its own choice of directory)."""
     args = sites.get_args()
     save_dir = args.save
-    if call.get("non_persistent_ckpt", False):
-        if args.non_persistent_ckpt_type != "global":
-            raise _refuse(f"--non-persistent-ckpt-type {args.non_persistent_ckpt_type} checkpoints cannot "
-                          "carry the layer's state: use --non-persistent-ckpt-type global")
+    if call.get("non_persistent_ckpt", False):  # global: local ones are refused before training
         save_dir = args.non_persistent_global_ckpt_dir or os.path.join(
             save_dir, sites.checkpointing._NON_PERSISTENT_CKPT_SUBDIR)
     return sites.checkpointing.get_checkpoint_name(save_dir, iteration, release=call.get("release", False),
@@ -166,14 +163,14 @@ def _wrap_load(sites: RouteSites, original):
         if optimizer is None or not read or iteration == 0:
             return result
         layer = patch.installed_layer()
-        if layer is not None:
-            _restore(sites, layer, optimizer, _loaded_folder(read[-1]), iteration)
-        # Every run, with the layer or not: megatron-core's distributed optimizer gives all
-        # parameters of torch's AdamW (no Apex / Transformer Engine) one shared ``step``
-        # tensor on load, which AdamW increments once per parameter (adapter docstring).
-        adapter = layer.adapter if layer is not None else adapters.adapter_for(adapters.megatron_version(), force=True)
-        for sub_optimizer in adapter.sub_optimizers(optimizer):
-            adapter.after_optimizer_load(sub_optimizer)
+        if layer is None:
+            return result
+        _restore(sites, layer, optimizer, _loaded_folder(read[-1]), iteration)
+        # megatron-core's distributed optimizer gives all parameters of torch's AdamW (no
+        # Apex / Transformer Engine) one shared ``step`` tensor on load, which AdamW
+        # increments once per parameter (adapter docstring).
+        for sub_optimizer in layer.adapter.sub_optimizers(optimizer):
+            layer.adapter.after_optimizer_load(sub_optimizer)
         return result
 
     load_checkpoint.__wrapped__ = original

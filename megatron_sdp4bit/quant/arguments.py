@@ -88,10 +88,11 @@ def _hadamard_quantize(a: SimpleNamespace) -> None:
 
 
 def _hadamard_quantize_rows(a: SimpleNamespace) -> None:
-    check_format(a.bits, a.group_size, a.rounding)
+    check_format(a.bits, a.group_size, a.rounding)  # first: check_rows divides by the group size
     check_rows(a.rows, a.order, a.start, a.valid, a.padded, a.group_size, a.hadamard_block)
-    _check_producer(a, a.rows.shape[0] * a.padded, a.rows.device)
+    _check_generator(a.generator)
     if a.out is not None:
+        check_out(a.out, a.rows.shape[0] * a.padded, a.bits, a.group_size, a.rows.device)
         check_out_chunks_whole(a.out, a.group_size)
 
 
