@@ -117,6 +117,25 @@ def test_weight_gather_calls_compile_nothing_after_the_warm_up():
     assert len(real) == 2 and real <= warmed
 
 
+def test_recording_works_with_the_compilation_knobs_of_an_older_triton(monkeypatch):
+    """Triton 3.6 (the lent GPUs' release) has no ``fpsan_homomorphic_casts`` knob, which
+    JITFunction.run passes from 3.9 on; the recorder read it unconditionally, so
+    compile_check (a gpu_check step) failed there before compiling anything."""
+    import triton
+
+    class OlderKnobs:
+        def __init__(self, knobs):
+            self._knobs = knobs
+
+        def __getattr__(self, name):
+            if name == "fpsan_homomorphic_casts":
+                raise AttributeError(name)
+            return getattr(self._knobs, name)
+
+    monkeypatch.setattr(triton.knobs, "compilation", OlderKnobs(triton.knobs.compilation))
+    assert len(_keys(weight_gather_calls)) == 2
+
+
 def test_the_keys_tell_variants_apart():
     # Rows at a stride divisible by 16 (SHARD is not), a shard of another size class:
     # other variants, so the checks above would catch a warm-up that got a layout wrong.

@@ -69,10 +69,12 @@ def _recorder(kernel, target, backend, launches: list):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
 
     def run(*args, grid, warmup, **kwargs):
-        # The options JITFunction.run adds before binding, so that the key matches.
+        # The options JITFunction.run adds before binding, so that the key matches
+        # (Triton 3.9 added the float-sanitizer knob; 3.6, on the lent GPUs, has none).
         kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
         kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):
+            kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
         bound_args, specialization, options = binder(*args, **kwargs)
         key = compute_cache_key({}, specialization, options)
         parsed, signature, constexprs, attrs = kernel._pack_args(
