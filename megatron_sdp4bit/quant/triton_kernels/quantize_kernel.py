@@ -268,26 +268,24 @@ def quantize_kernel(
                                X_BF16, HAS_Y, Y_BF16, SCALED, TAIL, SRC_BITS, SRC_GROUP,
                                NUM_CHUNKS, BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, HADAMARD,
                                STOCHASTIC)
-    else:  # two passes over BLOCK-column slices: absmax first, then the codes
+    else:  # two passes over BLOCK-column slices (unrolled): the absmax, then the codes;
+        # the second reads each slice again rather than hold the whole group
         absmax = tl.zeros([GROUPS_PER_PROGRAM], dtype=tl.float32)
-        for first in range(0, GROUP, BLOCK):
-            values = _slice_values(base, cols, first, row_ok, row_len, chunk, pid, numel,
-                                   chunk_end, x_ptr, y_ptr, multiplier, src_codes_ptr,
-                                   src_scales_ptr, src_codes_stride, src_scales_stride,
-                                   SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, TAIL, SRC_BITS,
-                                   SRC_GROUP, NUM_CHUNKS, GROUPS_PER_PROGRAM, BLOCK, GROUP,
-                                   HADAMARD)
-            absmax = _max_keeping_nan(absmax, _row_absmax(values))
-        scale, inv, keep = _scale_of(absmax, BITS)
-        for first in range(0, GROUP, BLOCK):
-            values = _slice_values(base, cols, first, row_ok, row_len, chunk, pid, numel,
-                                   chunk_end, x_ptr, y_ptr, multiplier, src_codes_ptr,
-                                   src_scales_ptr, src_codes_stride, src_scales_stride,
-                                   SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, TAIL, SRC_BITS,
-                                   SRC_GROUP, NUM_CHUNKS, GROUPS_PER_PROGRAM, BLOCK, GROUP,
-                                   HADAMARD)
-            _store_codes(values, inv, keep, groups, noise_base, row_ok, first, codes_ptr,
-                         seed_ptr, BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
+        for codes_pass in tl.static_range(2):
+            if codes_pass:
+                scale, inv, keep = _scale_of(absmax, BITS)
+            for first in range(0, GROUP, BLOCK):
+                values = _slice_values(base, cols, first, row_ok, row_len, chunk, pid, numel,
+                                       chunk_end, x_ptr, y_ptr, multiplier, src_codes_ptr,
+                                       src_scales_ptr, src_codes_stride, src_scales_stride,
+                                       SOURCE, X_BF16, HAS_Y, Y_BF16, SCALED, TAIL, SRC_BITS,
+                                       SRC_GROUP, NUM_CHUNKS, GROUPS_PER_PROGRAM, BLOCK, GROUP,
+                                       HADAMARD)
+                if codes_pass:
+                    _store_codes(values, inv, keep, groups, noise_base, row_ok, first, codes_ptr,
+                                 seed_ptr, BITS, GROUP, GROUPS_PER_PROGRAM, BLOCK, STOCHASTIC)
+                else:
+                    absmax = _max_keeping_nan(absmax, _row_absmax(values))
     # Stored as a [ROWS, 1] column: a [ROWS] vector's store has a layout of its own,
     # which made the compiler convert the whole tile into a second layout for the
     # absmax reduction (one more round trip through shared memory).

@@ -21,15 +21,22 @@ STRIP = tl.constexpr(32)
 
 
 @triton.jit
-def _float_part(ptr, base, valid, ok, FIRST: tl.constexpr, V: tl.constexpr,
-                IS_BF16: tl.constexpr, TAIL: tl.constexpr):
-    """Elements FIRST .. FIRST + V - 1 of every strip (0 where masked), fp32."""
+def _part_offsets(base, valid, ok, FIRST: tl.constexpr, V: tl.constexpr, TAIL: tl.constexpr):
+    """Offsets and mask of elements FIRST .. FIRST + V - 1 of every strip: [G, SPG, V]."""
     cols = FIRST + tl.arange(0, V)
     offsets = base[:, :, None] + cols[None, None, :]
     if TAIL:
         mask = cols[None, None, :] < valid[:, :, None]
     else:
         mask = ok[:, :, None] & (cols < STRIP)[None, None, :]  # constant along a strip
+    return offsets, mask
+
+
+@triton.jit
+def _float_part(ptr, base, valid, ok, FIRST: tl.constexpr, V: tl.constexpr,
+                IS_BF16: tl.constexpr, TAIL: tl.constexpr):
+    """Elements FIRST .. FIRST + V - 1 of every strip (0 where masked), fp32."""
+    offsets, mask = _part_offsets(base, valid, ok, FIRST, V, TAIL)
     return load_f32(ptr, offsets, mask, IS_BF16)
 
 
@@ -240,13 +247,18 @@ def store_code_strips(codes_ptr, word_base, ok, keep, t, BITS: tl.constexpr):
 @triton.jit
 def _store_float_part(ptr, base, valid, ok, values, FIRST: tl.constexpr, V: tl.constexpr,
                       IS_BF16: tl.constexpr, TAIL: tl.constexpr):
-    cols = FIRST + tl.arange(0, V)
-    offsets = base[:, :, None] + cols[None, None, :]
-    if TAIL:
-        mask = cols[None, None, :] < valid[:, :, None]
-    else:
-        mask = ok[:, :, None] & (cols < STRIP)[None, None, :]
+    offsets, mask = _part_offsets(base, valid, ok, FIRST, V, TAIL)
     store_f32(ptr, offsets, values, mask, IS_BF16)
+
+
+@triton.jit
+def _store_four_parts(ptr, base, valid, ok, a, b, c, d, FIRST: tl.constexpr, V: tl.constexpr,
+                      IS_BF16: tl.constexpr, TAIL: tl.constexpr):
+    """Consecutive V-element parts a, b, c, d of every strip, the first at FIRST."""
+    _store_float_part(ptr, base, valid, ok, a, FIRST, V, IS_BF16, TAIL)
+    _store_float_part(ptr, base, valid, ok, b, FIRST + V, V, IS_BF16, TAIL)
+    _store_float_part(ptr, base, valid, ok, c, FIRST + 2 * V, V, IS_BF16, TAIL)
+    _store_float_part(ptr, base, valid, ok, d, FIRST + 3 * V, V, IS_BF16, TAIL)
 
 
 @triton.jit
@@ -260,10 +272,7 @@ def store_float_strips(ptr, base, valid, ok, values, IS_BF16: tl.constexpr, HALF
         even, odd = tl.split(tl.permute(tl.reshape(values, [G, SPG, 2, 2, 8]), (0, 1, 4, 2, 3)))
         p0, p2 = tl.split(even)
         p1, p3 = tl.split(odd)
-        _store_float_part(ptr, base, valid, ok, p0, 0, 8, IS_BF16, TAIL)
-        _store_float_part(ptr, base, valid, ok, p1, 8, 8, IS_BF16, TAIL)
-        _store_float_part(ptr, base, valid, ok, p2, 16, 8, IS_BF16, TAIL)
-        _store_float_part(ptr, base, valid, ok, p3, 24, 8, IS_BF16, TAIL)
+        _store_four_parts(ptr, base, valid, ok, p0, p1, p2, p3, 0, 8, IS_BF16, TAIL)
     else:  # 8 parts of 4: [.., j2, j1, j0, r]
         even, odd = tl.split(tl.permute(tl.reshape(values, [G, SPG, 2, 2, 2, 4]),
                                         (0, 1, 5, 2, 3, 4)))  # split j0
@@ -273,11 +282,5 @@ def store_float_strips(ptr, base, valid, ok, values, IS_BF16: tl.constexpr, HALF
         p2, p6 = tl.split(e1)
         p1, p5 = tl.split(o0)
         p3, p7 = tl.split(o1)
-        _store_float_part(ptr, base, valid, ok, p0, 0, 4, IS_BF16, TAIL)
-        _store_float_part(ptr, base, valid, ok, p1, 4, 4, IS_BF16, TAIL)
-        _store_float_part(ptr, base, valid, ok, p2, 8, 4, IS_BF16, TAIL)
-        _store_float_part(ptr, base, valid, ok, p3, 12, 4, IS_BF16, TAIL)
-        _store_float_part(ptr, base, valid, ok, p4, 16, 4, IS_BF16, TAIL)
-        _store_float_part(ptr, base, valid, ok, p5, 20, 4, IS_BF16, TAIL)
-        _store_float_part(ptr, base, valid, ok, p6, 24, 4, IS_BF16, TAIL)
-        _store_float_part(ptr, base, valid, ok, p7, 28, 4, IS_BF16, TAIL)
+        _store_four_parts(ptr, base, valid, ok, p0, p1, p2, p3, 0, 4, IS_BF16, TAIL)
+        _store_four_parts(ptr, base, valid, ok, p4, p5, p6, p7, 16, 4, IS_BF16, TAIL)

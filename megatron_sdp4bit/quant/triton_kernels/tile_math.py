@@ -95,22 +95,9 @@ def hadamard_flat(y, N: tl.constexpr, BLOCK: tl.constexpr):
     Stages run in the reference's order (pair distance 1, 2, 4, ...), so the fp32
     result is bit-identical. BLOCK is a power of two between 2 and 256.
     """
-    if BLOCK >= 2:
-        y = _butterfly_stage(y, N, 1)
-    if BLOCK >= 4:
-        y = _butterfly_stage(y, N, 2)
-    if BLOCK >= 8:
-        y = _butterfly_stage(y, N, 4)
-    if BLOCK >= 16:
-        y = _butterfly_stage(y, N, 8)
-    if BLOCK >= 32:
-        y = _butterfly_stage(y, N, 16)
-    if BLOCK >= 64:
-        y = _butterfly_stage(y, N, 32)
-    if BLOCK >= 128:
-        y = _butterfly_stage(y, N, 64)
-    if BLOCK >= 256:
-        y = _butterfly_stage(y, N, 128)
+    for stage in tl.static_range(8):  # unrolled at compile time: pair distances 1 .. 128
+        if (2 << stage) <= BLOCK:
+            y = _butterfly_stage(y, N, 1 << stage)
     return y
 
 
