@@ -62,18 +62,18 @@ def _parallel_config_kwargs(args) -> dict:
                 overlap_p2p_comm=virtual is not None, batch_p2p_comm=virtual is None)
 
 
+def _same_named(args, *names: str) -> dict:
+    """``{name: args.name}``: the flags megatron's configs take under their own name
+    (as Megatron-LM builds its configs from its arguments)."""
+    return {name: getattr(args, name) for name in names}
+
+
 def transformer_config(args, device: str, fusions: Fusions):
     """megatron-core's TransformerConfig for the driver's flags, on ``device``."""
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        bf16=args.bf16,
+        **_same_named(args, "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                      "hidden_dropout", "attention_dropout", "init_method_std", "bf16"),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         use_cpu_initialization=device != "cuda",
@@ -137,11 +137,9 @@ def build_model(args, vocab_size: int, device: str, fusions: Fusions):
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        bucket_size=args.bucket_size,
         average_in_collective=False,
+        **_same_named(args, "overlap_grad_reduce", "overlap_param_gather",
+                      "use_distributed_optimizer", "bucket_size"),
     )
     # As Megatron-LM: buckets for the first chunk only; the later chunks' communication
     # overlaps with the other chunks' compute anyway.
@@ -185,16 +183,9 @@ def optimizer_checks_nonfinite(args) -> bool:
 def build_optimizer(args, model):
     opt_config = OptimizerConfig(
         optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
+        **_same_named(args, "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+                      "clip_grad", "bf16", "use_distributed_optimizer"),
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        use_distributed_optimizer=args.use_distributed_optimizer,
         # A constant loss scale of 1 changes no value, but it makes megatron's mixed-
         # precision and distributed optimizers check the gradients for Inf/NaN every
         # step (all-reduced over the gradient-statistics group, data-parallel ranks
@@ -220,7 +211,6 @@ def build_optimizer(args, model):
         wd_incr_style="constant",
         # Which values a resume takes where this run's and the checkpoint's differ
         # (checkpoint/overrides.py refuses a difference when neither is set).
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        **_same_named(args, "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"),
     )
     return optimizer, scheduler
