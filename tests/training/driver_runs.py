@@ -7,6 +7,10 @@ bucket groups), trains, and returns the driver's summary plus
 ``weights_sha256_per_step`` (after each iteration, through the run's per-step
 callback) and ``weights_sha256`` (at the end).
 
+``captured_run(argv, on_step, errors, named)``: the driver's ``run`` on ``argv`` with
+its printout captured; one of ``errors`` becomes the result's ``error`` line, so a
+world of ranks returns each rank's refusal for the test to compare.
+
 ``TINY_GPT``: the driver flags of the tests' model. ``train_records(root, name)`` / ``train_log(root, name, field)``: the training log
 lines of the run written to ``root/name`` (its ``--run-dir``).
 
@@ -19,6 +23,7 @@ start-up on a busy CPU) in a fresh folder ``root`` whose corpus cache
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from typing import Callable, Iterator, Optional
 
@@ -26,6 +31,9 @@ import pytest
 
 from harness import spawn_ranks
 from megatron_sdp4bit.megatron.consistency import weights_sha256
+from megatron_sdp4bit.pretrain import run
+from megatron_sdp4bit.training.arguments import parse_args
+from megatron_sdp4bit.training.checkpoint import CheckpointError
 from megatron_sdp4bit.training.metrics import read_metrics
 from megatron_sdp4bit.training.run import TrainingRun
 from megatron_sdp4bit.training.setup import RunParts, set_up
@@ -54,6 +62,20 @@ def run_with_hashes(args, prepare: Optional[Callable[[RunParts], None]] = None,
     summary = training.summary()
     summary.update(weights_sha256=weights_sha256(training.ddp), weights_sha256_per_step=hashes)
     return summary
+
+
+def captured_run(argv: list, on_step: Optional[Callable] = None, errors=(CheckpointError,),
+                 named: bool = False) -> dict:
+    """``{"stdout", "error", "summary"}`` of the driver's ``run`` on ``argv``: ``error`` is
+    None, or the message of one of ``errors`` it raised (``"TypeName: message"`` with
+    ``named``), and then ``summary`` is None; any other exception propagates."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        try:
+            summary, error = run(parse_args(argv), on_step=on_step), None
+        except errors as exc:
+            summary, error = None, f"{type(exc).__name__}: {exc}" if named else str(exc)
+    return {"stdout": text.getvalue(), "error": error, "summary": summary}
 
 
 def train_records(root, name: str) -> list:

@@ -15,15 +15,13 @@ dtypes, buckets, megatron-core version, SDP4Bit config).
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from driver_runs import TINY_GPT, corpus_cache, driver_ranks, train_log
+from driver_runs import TINY_GPT, captured_run, corpus_cache, driver_ranks, train_log
 from megatron_sdp4bit.training.checkpoint import CheckpointError, compare_layouts
 
 SAVED_AT, STEPS = 3, 6
@@ -31,21 +29,11 @@ TINY = TINY_GPT + ["--lr-decay-iters", str(STEPS), "--sdp4bit"]
 
 
 def _world(rank, world_size, root, runs):
-    from megatron_sdp4bit.pretrain import run
-    from megatron_sdp4bit.training.arguments import parse_args
-
     out = {}
     for name, flags in runs:
         argv = TINY + ["--sdp4bit-ranks-per-node", str(max(1, world_size // 2)),
                        "--run-dir", os.path.join(root, name)] + flags
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):
-            try:
-                run(parse_args(argv))
-                error = None
-            except CheckpointError as exc:
-                error = str(exc)
-        out[name] = {"stdout": text.getvalue(), "error": error}
+        out[name] = captured_run(argv)
     return out
 
 

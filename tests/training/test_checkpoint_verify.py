@@ -14,18 +14,15 @@ file is named by the rank that reads it, and no rank resumes.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shutil
 
 import pytest
 
-from driver_runs import TINY_GPT, driver_world
+from driver_runs import TINY_GPT, captured_run, driver_world, train_log
 from megatron_sdp4bit.training import checkpoint
 from megatron_sdp4bit.training.checkpoint import LATEST, MANIFEST, CheckpointError
-from megatron_sdp4bit.training.metrics import read_metrics
 
 
 def _fake_checkpoint(root, iteration, payloads=(b"rank zero " * 100, b"rank one " * 100)):
@@ -96,20 +93,10 @@ TINY = TINY_GPT + ["--lr-decay-iters", "6", "--bf16",
 def _world(rank, world_size, root):
     import torch
 
-    from megatron_sdp4bit.pretrain import run
-    from megatron_sdp4bit.training.arguments import parse_args
-
     ckpt = os.path.join(root, "ckpt")
 
     def go(name, flags):
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):
-            try:
-                run(parse_args(TINY + ["--run-dir", os.path.join(root, name)] + flags))
-                error = None
-            except CheckpointError as exc:
-                error = str(exc)
-        return {"stdout": text.getvalue(), "error": error}
+        return captured_run(TINY + ["--run-dir", os.path.join(root, name)] + flags)
 
     out = {"train": go("train", ["--train-iters", "4", "--save", ckpt, "--save-interval", "2"])}
     if rank == 0:  # a copy cut short, as a full disk or a killed copy leaves it
@@ -172,10 +159,7 @@ def test_load_fallback_resumes_from_the_previous_complete_checkpoint(driver):
             "rank_00001.pt is ") in out
     assert f"loading the previous complete checkpoint, {os.path.join(root, 'ckpt', 'iter_0000002')}" in out
     assert f"resumed from {os.path.join(root, 'ckpt')} at iteration 2" in out
-    losses = {r["iteration"]: r["loss"] for r in read_metrics(os.path.join(root, "fallback", "metrics.jsonl"))
-              if r["kind"] == "train"}
-    trained = {r["iteration"]: r["loss"] for r in read_metrics(os.path.join(root, "train", "metrics.jsonl"))
-               if r["kind"] == "train"}
+    losses, trained = train_log(root, "fallback"), train_log(root, "train")
     assert sorted(losses) == [3, 4, 5, 6]
     assert [losses[3], losses[4]] == [trained[3], trained[4]]  # the same steps again, bit for bit
 

@@ -9,16 +9,13 @@ with one warning line. One forked world of 2 gloo ranks (2 emulated nodes).
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 
 import pytest
 
-from driver_runs import TINY_GPT, driver_world, train_records
+from driver_runs import TINY_GPT, captured_run, driver_world, train_records
 from megatron_sdp4bit.config import PRESETS
 from megatron_sdp4bit.training.arguments import parse_args
-from megatron_sdp4bit.training.checkpoint import CheckpointError
 
 TINY = TINY_GPT + ["--lr-decay-iters", "4", "--bf16",
                    "--sdp4bit-ranks-per-node", "1", "--sdp4bit-check-interval", "1"]
@@ -32,16 +29,8 @@ def test_every_preset_implies_the_distributed_optimizer(name):
 
 
 def _world(rank, world_size, root):
-    from megatron_sdp4bit.pretrain import run
-
     def go(name, flags):
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):
-            try:
-                summary, error = run(parse_args(TINY + ["--run-dir", os.path.join(root, name)] + flags)), None
-            except CheckpointError as exc:
-                summary, error = None, str(exc)
-        return {"stdout": text.getvalue(), "error": error, "summary": summary}
+        return captured_run(TINY + ["--run-dir", os.path.join(root, name)] + flags)
 
     a, b = os.path.join(root, "a"), os.path.join(root, "b")
     return {

@@ -13,15 +13,12 @@ then the resumes.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 
 import pytest
 
+from driver_runs import TINY_GPT, captured_run, driver_world, train_log
 from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
-from megatron_sdp4bit.training.checkpoint import CheckpointError
-from driver_runs import TINY_GPT, driver_world, train_log
 
 TINY = TINY_GPT + ["--min-lr", "3e-4", "--bf16",
                    "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
@@ -30,21 +27,12 @@ OVERRIDE, KEEP = "--override-opt_param-scheduler", "--use-checkpoint-opt_param-s
 
 
 def _world(rank, world_size, root):
-    from megatron_sdp4bit.training.run import TrainingRun
-    from megatron_sdp4bit.training.setup import set_up
-
     def go(name, flags):
-        text, betas = io.StringIO(), []
-        with contextlib.redirect_stdout(text):
-            try:
-                training = TrainingRun(
-                    set_up(parse_args(TINY + ["--run-dir", os.path.join(root, name)] + flags)),
-                    on_step=lambda run: betas.append(tuple(run.parts.optimizer.param_groups[0]["betas"])))
-                training.train()
-                error = None
-            except CheckpointError as exc:
-                error = str(exc)
-        return {"stdout": text.getvalue(), "error": error, "betas": betas}
+        """The run, and Adam's betas at each of its steps."""
+        betas = []
+        result = captured_run(TINY + ["--run-dir", os.path.join(root, name)] + flags,
+                              on_step=lambda run: betas.append(tuple(run.parts.optimizer.param_groups[0]["betas"])))
+        return dict(result, betas=betas)
 
     ck = os.path.join(root, "ck")
     load = ["--load", ck]
@@ -66,14 +54,19 @@ def world(tmp_path_factory):
     return driver_world(tmp_path_factory, "overrides", _world, 2, timeout_s=600)
 
 
+def _refusal(root, what: str) -> str:
+    """The line that refuses a resume whose flags differ from the checkpoint's in ``what``."""
+    return (f"checkpoint {os.path.join(root, 'ck', 'iter_0000004')} was saved with {what}, which "
+            "loading it would silently keep: resume with the checkpoint's values, add "
+            "--override-opt_param-scheduler to train with this run's values, or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+
+
 def test_another_schedule_is_refused_naming_both_flags(world):
     root, results = world
     for result in results:
-        assert result["asked"]["error"] == (
-            f"checkpoint {os.path.join(root, 'ck', 'iter_0000004')} was saved with another learning-rate "
-            "schedule (--lr-decay-iters 4 -> 8), which loading it would silently keep: resume with the "
-            "checkpoint's values, add --override-opt_param-scheduler to train with this run's values, or "
-            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+        assert result["asked"]["error"] == _refusal(
+            root, "another learning-rate schedule (--lr-decay-iters 4 -> 8)")
         assert "iter " not in result["asked"]["stdout"]
 
 
@@ -106,11 +99,7 @@ def test_a_longer_run_on_the_same_schedule_needs_no_flag(world):
 def test_other_adam_settings_are_refused_or_overridden(world):
     root, results = world
     for result in results:
-        assert result["adam"]["error"] == (
-            f"checkpoint {os.path.join(root, 'ck', 'iter_0000004')} was saved with other Adam settings "
-            "(--adam-beta2 0.95 -> 0.99), which loading it would silently keep: resume with the checkpoint's "
-            "values, add --override-opt_param-scheduler to train with this run's values, or "
-            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+        assert result["adam"]["error"] == _refusal(root, "other Adam settings (--adam-beta2 0.95 -> 0.99)")
     assert results[0]["adam_override"]["error"] is None, results[0]["adam_override"]["error"]
     assert results[0]["adam_override"]["betas"] == [(0.9, 0.99)]
     assert results[0]["same_schedule"]["betas"][0] == (0.9, 0.95)

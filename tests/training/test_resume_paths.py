@@ -10,15 +10,14 @@ checkpoints left as they were.
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import shutil
 
 import pytest
 
-from driver_runs import TINY_GPT, driver_world, train_log
+from driver_runs import TINY_GPT, captured_run, driver_world, train_log
 from megatron_sdp4bit.training.checkpoint import LATEST, CheckpointError
+from megatron_sdp4bit.training.setup import NothingToTrain
 
 TINY = TINY_GPT + ["--lr-decay-iters", "8", "--bf16",
                    "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
@@ -36,17 +35,9 @@ def _copies(root, names):
 
 
 def _world(rank, world_size, root):
-    from megatron_sdp4bit.pretrain import NothingToTrain, run
-    from megatron_sdp4bit.training.arguments import parse_args
-
     def go(name, flags):
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):
-            try:
-                summary, error = run(parse_args(TINY + ["--run-dir", os.path.join(root, name)] + flags)), None
-            except (CheckpointError, NothingToTrain) as exc:
-                summary, error = None, f"{type(exc).__name__}: {exc}"
-        return {"stdout": text.getvalue(), "error": error, "summary": summary}
+        return captured_run(TINY + ["--run-dir", os.path.join(root, name)] + flags,
+                            errors=(CheckpointError, NothingToTrain), named=True)
 
     at = lambda folder, *more: os.path.join(root, folder, *more)  # noqa: E731
     out = {"train": go("train", ["--train-iters", "4", "--save", at("ck"), "--save-interval", "2"])}
@@ -86,6 +77,13 @@ def _trained_nothing(result):
     return "resumed" not in result["stdout"] and "iter " not in result["stdout"]
 
 
+def _refused_on_every_rank(results, case: str, line: str) -> None:
+    """The module's promise for a refusal: ``line`` on every rank, before anything trains."""
+    for result in results:
+        assert result[case]["error"] == line
+        assert _trained_nothing(result[case])
+
+
 def test_load_of_the_latest_checkpoint_itself_resumes_it(world):
     """Before: 'no checkpoint there, starting from scratch', and the tracker went 4 -> 2."""
     root, results = world
@@ -99,13 +97,11 @@ def test_load_of_the_latest_checkpoint_itself_resumes_it(world):
 def test_an_older_checkpoint_resumes_but_does_not_overwrite_newer_ones(world):
     root, results = world
     older = os.path.join(root, "pinned_older")
-    for result in results:
-        assert result["pinned_older_saving"]["error"] == (
-            f"CheckpointError: --save {older} holds checkpoints newer than the one this run resumes from (iteration 2): "
-            f"iteration(s) [4]; saving there would replace them. Resume from the newest with --load "
-            f"{os.path.join(older, 'iter_0000004')}, or choose another --save")
-        assert _trained_nothing(result["pinned_older_saving"])
-    assert _latest(root, "pinned_older") == "4"
+    assert _latest(root, "pinned_older") == "4"  # the newer checkpoint stays the latest
+    _refused_on_every_rank(results, "pinned_older_saving", (
+        f"CheckpointError: --save {older} holds checkpoints newer than the one this run resumes from (iteration 2): "
+        f"iteration(s) [4]; saving there would replace them. Resume from the newest with --load "
+        f"{os.path.join(older, 'iter_0000004')}, or choose another --save"))
     resumed, first = train_log(root, "pinned_older"), train_log(root, "train")
     assert results[0]["pinned_older"]["error"] is None
     assert sorted(resumed) == [3, 4] and [resumed[3], resumed[4]] == [first[3], first[4]]
@@ -123,21 +119,18 @@ def test_a_folder_without_its_tracker_file_resumes_from_its_newest_complete_chec
 
 def test_a_load_that_names_nothing_is_refused(world):
     root, results = world
-    for result in results:
-        assert result["nothing"]["error"] == (
-            f"CheckpointError: --load {os.path.join(root, 'typo')} does not exist: pass the folder --save wrote, or drop "
-            "--load to start from scratch")
-        assert _trained_nothing(result["nothing"])
+    _refused_on_every_rank(results, "nothing", (
+        f"CheckpointError: --load {os.path.join(root, 'typo')} does not exist: pass the folder --save wrote, or drop "
+        "--load to start from scratch"))
 
 
 def test_a_save_folder_of_another_run_is_refused(world):
     root, results = world
     other = os.path.join(root, "other_run")
-    for result in results:
-        assert result["other_run"]["error"] == (
-            f"CheckpointError: --save {other} already holds checkpoints (up to iteration 4) and this run starts from "
-            f"scratch: saving there would replace them. Resume them with --load {other}, or choose an "
-            "empty --save folder")
+    _refused_on_every_rank(results, "other_run", (
+        f"CheckpointError: --save {other} already holds checkpoints (up to iteration 4) and this run starts from "
+        f"scratch: saving there would replace them. Resume them with --load {other}, or choose an "
+        "empty --save folder"))
     assert _latest(root, "other_run") == "4" and _listing(other) == sorted([LATEST, "iter_0000002", "iter_0000004"])
 
 
@@ -155,14 +148,12 @@ def test_a_checkpoint_at_train_iters_is_done_and_one_past_it_is_refused(world):
     and a summary of NaN losses, exit 0; past --train-iters the same, silently."""
     root, results = world
     ck = os.path.join(root, "ck")
-    for result in results:
-        assert result["done"]["error"] == (
-            f"NothingToTrain: --load {ck} is at iteration 4, which is --train-iters: nothing to train (raise "
-            "--train-iters to train on)")
-        assert result["past"]["error"] == (
-            f"CheckpointError: --load {ck} is at iteration 4, past --train-iters 3: raise --train-iters to "
-            f"train on, or --load one of its earlier checkpoints ({os.path.join(ck, 'iter_NNNNNNN')})")
-        assert _trained_nothing(result["done"]) and _trained_nothing(result["past"])
+    _refused_on_every_rank(results, "done", (
+        f"NothingToTrain: --load {ck} is at iteration 4, which is --train-iters: nothing to train (raise "
+        "--train-iters to train on)"))
+    _refused_on_every_rank(results, "past", (
+        f"CheckpointError: --load {ck} is at iteration 4, past --train-iters 3: raise --train-iters to "
+        f"train on, or --load one of its earlier checkpoints ({os.path.join(ck, 'iter_NNNNNNN')})"))
     assert _latest(root, "ck") == "4"
 
 
@@ -170,17 +161,15 @@ def test_a_resume_with_another_seed_is_refused(world):
     """The random states come from the checkpoint, the data order from --seed: a resume
     with another one would read other samples than the run it continues."""
     root, results = world
-    for result in results:
-        assert result["other_seed"]["error"] == (
-            f"CheckpointError: checkpoint {os.path.join(root, 'ck', 'iter_0000004')} was saved with --seed "
-            "1234, this run has 7: resume with --seed 1234 (the data order and the random states a resume "
-            "continues come from it)")
+    _refused_on_every_rank(results, "other_seed", (
+        f"CheckpointError: checkpoint {os.path.join(root, 'ck', 'iter_0000004')} was saved with --seed "
+        "1234, this run has 7: resume with --seed 1234 (the data order and the random states a resume "
+        "continues come from it)"))
 
 
 def test_a_save_folder_that_is_one_checkpoint_is_refused(world):
     root, results = world
     one = os.path.join(root, "ck", "iter_0000004")
-    for result in results:
-        assert result["save_into_one"]["error"] == (
-            f"CheckpointError: --save {one} is one checkpoint (it holds manifest.json or rank files), not a "
-            f"folder of them: pass its folder, --save {os.path.join(root, 'ck')}")
+    _refused_on_every_rank(results, "save_into_one", (
+        f"CheckpointError: --save {one} is one checkpoint (it holds manifest.json or rank files), not a "
+        f"folder of them: pass its folder, --save {os.path.join(root, 'ck')}"))

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import io
 import os
 import subprocess
 
 import pytest
 
-from driver_runs import TINY_GPT, corpus_cache, driver_ranks
-from megatron_sdp4bit.training.checkpoint import LATEST, MANIFEST, CheckpointError, check_files, read_manifest
-from megatron_sdp4bit.training.metrics import read_metrics
+from driver_runs import TINY_GPT, captured_run, corpus_cache, driver_ranks, train_log
+from megatron_sdp4bit.training.checkpoint import LATEST, MANIFEST, check_files, read_manifest
 
 TINY = TINY_GPT + ["--lr-decay-iters", "3", "--bf16",
                    "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
@@ -69,22 +67,8 @@ def _refused_open(rank: int, target: str, code: int):
 def _world(rank, world_size, root):
     import torch
 
-    from megatron_sdp4bit.training.arguments import parse_args
-    from megatron_sdp4bit.training.run import TrainingRun
-    from megatron_sdp4bit.training.setup import set_up
-
     def go(name, flags, on_step=None):
-        text = io.StringIO()
-        with contextlib.redirect_stdout(text):
-            try:
-                argv = TINY + ["--run-dir", os.path.join(root, "runs", name)] + flags
-                training = TrainingRun(set_up(parse_args(argv)),
-                                       on_step=on_step)
-                training.train()
-                error = None
-            except CheckpointError as exc:
-                error = str(exc)
-        return {"stdout": text.getvalue(), "error": error}
+        return captured_run(TINY + ["--run-dir", os.path.join(root, "runs", name)] + flags, on_step=on_step)
 
     def on_rank0(action):
         """``action()`` on rank 0 while the others wait; its result on every rank."""
@@ -141,10 +125,14 @@ def _assert_failed_at_2(results, folder, words):
                               f"with --load {folder}"), error
 
 
+def _skip_without_tmpfs(results, what: str) -> None:
+    if results[0]["no_mount"]:
+        pytest.skip(f"cannot mount a tmpfs here ({results[0]['no_mount']}): the real {what} is not tested")
+
+
 def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_last_checkpoint(world):
     root, results = world
-    if results[0]["no_mount"]:
-        pytest.skip(f"cannot mount a tmpfs here ({results[0]['no_mount']}): the real full disk is not tested")
+    _skip_without_tmpfs(results, "full disk")
     small = os.path.join(root, "small")
     _assert_failed_at_2([r["full"] for r in results], small, "No space left on device (ENOSPC)")
     assert f"{small}/iter_0000002.tmp/rank_0000" in results[0]["full"]["error"]
@@ -154,17 +142,13 @@ def test_a_full_disk_fails_the_save_in_one_line_and_keeps_the_last_checkpoint(wo
     resumed = results[0]["resumed"]
     assert resumed["error"] is None, resumed["error"]
     assert f"resumed from {small} at iteration 1" in resumed["stdout"]
-    first = {r["iteration"]: r["loss"] for r in read_metrics(os.path.join(root, "runs", "full", "metrics.jsonl"))
-             if r["kind"] == "train"}
-    again = {r["iteration"]: r["loss"] for r in read_metrics(os.path.join(root, "runs", "resumed", "metrics.jsonl"))
-             if r["kind"] == "train"}
+    first, again = train_log(os.path.join(root, "runs"), "full"), train_log(os.path.join(root, "runs"), "resumed")
     assert again[2] == first[2]  # the same step 2 as before the failed save
 
 
 def test_a_folder_turned_read_only_fails_the_save_in_one_line(world):
     root, results = world
-    if results[0]["no_mount"]:
-        pytest.skip(f"cannot mount a tmpfs here ({results[0]['no_mount']}): the real EROFS is not tested")
+    _skip_without_tmpfs(results, "EROFS")
     folder = os.path.join(root, "read_only")
     _assert_failed_at_2([r["read_only"] for r in results], folder, "Read-only file system (EROFS)")
     assert results[0]["read_only_listing"] == sorted([LATEST, "iter_0000001"])
