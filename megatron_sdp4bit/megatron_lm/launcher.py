@@ -67,11 +67,12 @@ def main(argv=None) -> None:
     if argv and argv[0] in ("-h", "--help"):
         print(_help())
         raise SystemExit(0)
+    # Every rank runs this: the refusals come once, from rank 0 (refusals.refuse).
     if not argv:
-        raise SystemExit(USAGE)
+        refuse(f"megatron_sdp4bit.launch: name the training script to run. {USAGE}")
     script = os.path.abspath(argv[0])
     if not os.path.isfile(script):
-        raise SystemExit(f"megatron_sdp4bit.launch: no such script: {argv[0]}\n{USAGE}")
+        refuse(f"megatron_sdp4bit.launch: no such script: {argv[0]}. {USAGE}")
     sys.argv = [script] + argv[1:]
     sys.path.insert(0, os.path.dirname(script))
     taught = _teach_megatron_lm_parser()

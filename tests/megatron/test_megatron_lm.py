@@ -135,7 +135,27 @@ def test_launcher_without_megatron_lm_says_what_to_do(tmp_path):
 
 def test_launcher_refuses_a_missing_script():
     result = _run([sys.executable, "-m", "megatron_sdp4bit.launch", "/no/such/pretrain_gpt.py"])
-    assert result.returncode != 0 and "no such script" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: megatron_sdp4bit.launch: no such script: /no/such/pretrain_gpt.py. "
+                                    "usage: python -m megatron_sdp4bit.launch PATH/TO/pretrain_gpt.py")
+
+
+@pytest.mark.parametrize("argv, words", [([], "name the training script to run"),
+                                         (["/no/such/pretrain_gpt.py"], "no such script")])
+def test_launcher_refusals_come_once_from_rank_0(monkeypatch, capsys, argv, words):
+    """Before: every rank of a torchrun job printed the usage, and the job exited 1."""
+    from megatron_sdp4bit import flag_errors
+    from megatron_sdp4bit.megatron_lm import launcher
+
+    waits = []
+    monkeypatch.setattr(flag_errors.time, "sleep", waits.append)  # the other ranks' wait
+    for rank in ("0", "1", "2"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as info:
+            launcher.main(list(argv))
+        assert info.value.code == 2
+    assert capsys.readouterr().err.count(words) == 1
+    assert waits == [flag_errors.LAUNCHER_GRACE_S] * 2
 
 
 @needs_megatron_lm
