@@ -386,15 +386,22 @@ def test_dispatcher_sends_cuda_tensors_to_triton():
 # --- what a plain (non-interpreter) pytest process runs ---------------------------------
 
 @pytest.mark.slow
-def test_kernels_compile_for_the_gpu_without_fp_contraction_or_ftz():
+def test_kernels_compile_for_the_gpu_without_fp_contraction_or_ftz(tmp_path):
     # The interpreter runs Python, so compile every variant for sm_90 as well:
     # catches code only the compiler rejects, and FMA / FTZ in the PTX.
+    ptx_dir = str(tmp_path / "ptx")
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_sdp4bit.quant.triton_kernels.compile_check", "--arch", "90"],
+        [sys.executable, "-m", "megatron_sdp4bit.quant.triton_kernels.compile_check", "--arch", "90",
+         "--ptx-dir", ptx_dir],
         cwd=REPO_ROOT, env=_python_env(TRITON_INTERPRET="0"), capture_output=True, text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    from megatron_sdp4bit.quant.triton_kernels.compile_check import variant_file_name, variants
+    names = sorted(variant_file_name(name) for name, _ in variants("all"))
+    assert sorted(os.listdir(ptx_dir)) == names and len(set(names)) == len(names)
+    text = open(os.path.join(ptx_dir, names[0])).read()
+    assert ".entry" in text and ".loc" not in text and ".debug" not in text
 
 
 def test_kernel_tests_pass_in_the_triton_interpreter():

@@ -8,17 +8,21 @@ equality with the reference. The variants (``variants.py``) are real op calls,
 recorded as they would launch on a GPU (``launch_record.py``), so what is
 compiled here is what those calls compile.
 
-    python -m megatron_sdp4bit.quant.triton_kernels.compile_check [--arch 90]
+    python -m megatron_sdp4bit.quant.triton_kernels.compile_check [--arch 90] [--ptx-dir DIR]
+
+``--ptx-dir`` also writes each variant's PTX without its debug lines, so a change
+meant to leave the generated code alone can be checked: ``diff -r before after``.
 
 Must run without TRITON_INTERPRET=1 (the kernels must be JIT functions).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from megatron_sdp4bit.quant.triton_kernels.launch_record import Launch, recording
 
@@ -31,6 +35,21 @@ FORBIDDEN_PTX = {
     "flush-to-zero": re.compile(r"\.ftz\b"),
     "approximate division": re.compile(r"\bdiv\.(approx|full)\.f32\b"),
 }
+
+
+# What moves when only the source's line numbers do: .loc/.file directives, the
+# debug-label lines they reference, comments and the DWARF sections.
+_DEBUG_LINE = re.compile(r"^\s*(\.loc\b|\.file\b|//|\$L__tmp\d+:\s*$)")
+
+
+def comparable_ptx(ptx: str) -> str:
+    """``ptx`` without its debug information: equal for equal code."""
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    return "\n".join(line for line in code.splitlines() if line.strip() and not _DEBUG_LINE.match(line)) + "\n"
+
+
+def variant_file_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") + ".ptx"
 
 
 def record_variant(call, arch: int) -> Launch:
@@ -48,8 +67,10 @@ def variants(which: str = "all") -> list:
     return {"real": REAL_CALLS, "coverage": COVERAGE, "all": REAL_CALLS + COVERAGE}[which]
 
 
-def check_all(arch: int = 90, verbose: bool = True, which: str = "all") -> List[str]:
-    """Compile every variant; return the list of problems (empty = all good)."""
+def check_all(arch: int = 90, verbose: bool = True, which: str = "all",
+              ptx_dir: Optional[str] = None) -> List[str]:
+    """Compile every variant; return the list of problems (empty = all good). With
+    ``ptx_dir``, each variant's ``comparable_ptx`` is written there."""
     problems = []
     for name, call in variants(which):
         start = time.perf_counter()
@@ -59,6 +80,10 @@ def check_all(arch: int = 90, verbose: bool = True, which: str = "all") -> List[
             problems.append(f"{name}: does not compile: {type(error).__name__}: {error}")
             continue
         ptx = compiled.asm["ptx"]
+        if ptx_dir is not None:
+            os.makedirs(ptx_dir, exist_ok=True)
+            with open(os.path.join(ptx_dir, variant_file_name(name)), "w") as f:
+                f.write(comparable_ptx(ptx))
         bad = [what for what, pattern in FORBIDDEN_PTX.items() if pattern.search(ptx)]
         if bad:
             problems.append(f"{name}: PTX contains {', '.join(bad)}")
@@ -71,12 +96,14 @@ def check_all(arch: int = 90, verbose: bool = True, which: str = "all") -> List[
 def main(argv: Sequence[str] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (80 = A100)")
+    parser.add_argument("--ptx-dir", default=None,
+                        help="also write each variant's PTX, debug lines removed, to this folder")
     args = parser.parse_args(argv)
     from megatron_sdp4bit.quant.triton_kernels.tile_math import INTERPRETED
     if INTERPRETED:
         print("unset TRITON_INTERPRET: the interpreter's kernels cannot be compiled")
         return 2
-    problems = check_all(args.arch)
+    problems = check_all(args.arch, ptx_dir=args.ptx_dir)
     for problem in problems:
         print("FAIL", problem)
     print("compile check:", "FAIL" if problems else "PASS")
