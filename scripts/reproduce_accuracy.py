@@ -55,6 +55,7 @@ from typing import Optional
 
 from megatron_sdp4bit import recipes
 from megatron_sdp4bit.jobs import checkout_commit, run_driver
+from megatron_sdp4bit.training.figures import axis_labels, pyplot, save_figure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -204,12 +205,8 @@ def plot(results: dict, path: str, title: str):
     overlapping curves hide."""
     if not results:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     base = {seed: dict(map(tuple, r["curves"]["valid"]))
             for (c, seed), r in results.items() if c == "baseline"}
@@ -234,20 +231,11 @@ def plot(results: dict, path: str, title: str):
                for it in shared]
         diff_ax.plot(shared, pct, "o-", color=line.get_color(), markersize=3,
                      label=f"{config} ({len(paired)} seeds)")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("validation loss (mean +- std over seeds)")
-    ax.set_title(title)
+    axis_labels(ax, "iteration", "validation loss (mean +- std over seeds)", title)
     diff_ax.axhline(0.0, color="black", linewidth=0.8)
-    diff_ax.set_xlabel("iteration")
-    diff_ax.set_ylabel("vs baseline, same seed (%, mean over seeds)")
-    diff_ax.set_title("Difference from the exact collectives")
-    for axis in (ax, diff_ax):
-        axis.grid(alpha=0.3)
-        axis.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    axis_labels(diff_ax, "iteration", "vs baseline, same seed (%, mean over seeds)",
+                "Difference from the exact collectives")
+    return save_figure(fig, [ax, diff_ax], path, dpi=110)
 
 
 def analyze(out: str, fingerprint: str, recipe: str) -> dict:

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Optional
 
+from megatron_sdp4bit.training.figures import axis_labels, pyplot, save_figure
+
 TRAIN_FIELDS = (
     "iteration", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
     "bytes_sent", "bytes_exact", "bytes_sent_intra", "bytes_sent_inter", "wire_ratio",
@@ -98,12 +100,8 @@ def plot_losses(metrics_path: str, png_path: str, title: str = "",
     """Train and validation loss against iteration, drawn over ``reference``'s curves
     (``{"train": [[it, loss], ...], "valid": [...]}``) when given; returns the PNG path
     (None without matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     runs = [(label, loss_curves(metrics_path), {})]
     if reference is not None:
@@ -116,12 +114,5 @@ def plot_losses(metrics_path: str, png_path: str, title: str = "",
             ax.plot(*zip(*curves["train"]), label=prefix + "train", **style)
         if curves["valid"]:
             ax.plot(*zip(*curves["valid"]), "o-", label=prefix + "validation", **style)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
-    return png_path
+    axis_labels(ax, "iteration", "loss", title)
+    return save_figure(fig, [ax], png_path, dpi=120)

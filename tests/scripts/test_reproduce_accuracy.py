@@ -90,6 +90,19 @@ def test_summary_pairs_seeds_and_flags_differences_beyond_the_spread():
     assert "| qW | 2.57312 | +12.17% |" in text and "| yes |" in text
 
 
+def test_analysis_draws_every_configuration_and_its_difference_from_baseline(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    fingerprint = _fingerprint()
+    for seed in (1, 2):
+        _write_result(str(tmp_path), "baseline", seed, 5.70, fingerprint)
+        _write_result(str(tmp_path), "SDP4Bit", seed, 5.71, fingerprint)
+    study.main(["--out", str(tmp_path), "--analyze"])
+    png = capsys.readouterr().out.split("curves: ")[1].strip()
+    assert png.startswith(str(tmp_path)) and png.endswith(".png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def test_gpu_recipe_needs_data(capsys):
     with pytest.raises(SystemExit):
         study.parse_args(["--recipe", "gpu-125m"])
