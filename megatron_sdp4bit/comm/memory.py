@@ -47,12 +47,16 @@ def quantized_nbytes(numel: int, bits: int, group_size: int) -> int:
 
 @dataclass(frozen=True)
 class LayerMemory:
+    """What the layer adds to a rank's memory, beyond Megatron's own buffers."""
+
     params: int
     """Model parameters on this rank (the denominator of the per-parameter figures)."""
     held_bytes: int
-    scratch_bytes: int
-    buffer_bytes: int = 0
+    """Kept across steps (fp32 main shards)."""
+    buffer_bytes: int
     """The collectives' reused send and receive buffers."""
+    scratch_bytes: int
+    """Allocated during one collective and freed after it."""
 
     def per_param(self, nbytes: int) -> float:
         return nbytes / self.params if self.params else 0.0

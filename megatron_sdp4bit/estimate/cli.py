@@ -74,21 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nodes", type=pos_int, default=None, help="(required)")
     c.add_argument("--gpus-per-node", type=pos_int, default=None,
                    help="(required unless --cluster-type)")
-    c.add_argument("--tp", type=pos_int, default=None,
-                   help="tensor-parallel size (default: the config's, else 1)")
-    c.add_argument("--pp", type=pos_int, default=None,
-                   help="pipeline-parallel size (default: the config's, else 1)")
+    for flag, kind in (("--tp", "tensor"), ("--pp", "pipeline")):
+        c.add_argument(flag, type=pos_int, default=None,
+                       help=f"{kind}-parallel size (default: the config's, else 1)")
     c.add_argument("--dp", type=pos_int, default=None,
                    help="data-parallel size; must equal nodes x GPUs per node / (TP x PP)")
-    c.add_argument("--intra-gbps", type=pos_float, default=None,
+    n = p.add_argument_group("network")
+    n.add_argument("--intra-gbps", type=pos_float, default=None,
                    help="Gbit/s each GPU sends inside its node (each direction)")
-    c.add_argument("--inter-gbps", type=pos_float, default=None,
+    n.add_argument("--inter-gbps", type=pos_float, default=None,
                    help="Gbit/s each node sends to other nodes, all its NICs together (each "
                    "direction)")
-    c.add_argument("--stream-gbps", type=pos_float, default=None,
+    n.add_argument("--stream-gbps", type=pos_float, default=None,
                    help="Gbit/s one ring (one DP group), or one GPU's share of an all-to-all, "
                    "reaches per node on its own (default: all of --inter-gbps)")
-    c.add_argument("--latency-us", default=None, metavar="CALL,INTRA,INTER,MESSAGE",
+    n.add_argument("--latency-us", default=None, metavar="CALL,INTRA,INTER,MESSAGE",
                    help="microseconds per collective call, per ring step (or all-to-all "
                    "traversal) inside a node and across nodes, per message posted to the "
                    "network (default: NCCL's tuning model, 8.4,3.4,14.0,3.0)")
