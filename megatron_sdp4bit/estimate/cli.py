@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = p.add_argument_group("cluster")
     c.add_argument("--cluster-type", choices=tuple(CLUSTER_TYPES), default=None,
                    help="take the constants of one of the paper's clusters (clusters.py, with "
-                   "their sources) as defaults of the cluster, compute and kernel flags")
+                   "their sources) as defaults of the cluster, network, compute and kernel flags")
     c.add_argument("--nodes", type=pos_int, default=None, help="(required)")
     c.add_argument("--gpus-per-node", type=pos_int, default=None,
                    help="(required unless --cluster-type)")

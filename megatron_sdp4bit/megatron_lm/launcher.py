@@ -71,6 +71,9 @@ def main(argv=None) -> None:
     if not argv:
         refuse(f"megatron_sdp4bit.launch: name the training script to run. {USAGE}")
     script = os.path.abspath(argv[0])
+    if os.path.isdir(script):
+        refuse(f"megatron_sdp4bit.launch: {argv[0]} is a folder: name the script in it "
+               f"(pretrain_gpt.py for Megatron-LM). {USAGE}")
     if not os.path.isfile(script):
         refuse(f"megatron_sdp4bit.launch: no such script: {argv[0]}. {USAGE}")
     sys.argv = [script] + argv[1:]

@@ -141,7 +141,8 @@ def test_launcher_refuses_a_missing_script():
 
 
 @pytest.mark.parametrize("argv, words", [([], "name the training script to run"),
-                                         (["/no/such/pretrain_gpt.py"], "no such script")])
+                                         (["/no/such/pretrain_gpt.py"], "no such script"),
+                                         (["/"], "/ is a folder: name the script in it")])
 def test_launcher_refusals_come_once_from_rank_0(monkeypatch, capsys, argv, words):
     """Before: every rank of a torchrun job printed the usage, and the job exited 1."""
     from megatron_sdp4bit import flag_errors

@@ -1,6 +1,8 @@
 """compile_check's comparable PTX: equal for equal code, whatever lines the source moved."""
 from __future__ import annotations
 
+import pytest
+
 from megatron_sdp4bit.quant.triton_kernels.compile_check import comparable_ptx, variant_file_name
 
 KERNEL = """//
@@ -36,3 +38,11 @@ def test_what_is_kept_is_the_code():
 def test_variant_names_make_plain_file_names():
     assert variant_file_name("grads: dequantize_sum 4-bit + inverse H=32, 8 chunks -> fp32") == \
         "grads_dequantize_sum_4-bit_inverse_H_32_8_chunks_-_fp32.ptx"
+
+
+def test_a_ptx_folder_holding_files_is_refused(tmp_path):
+    from megatron_sdp4bit.quant.triton_kernels.compile_check import check_all
+
+    (tmp_path / "old.ptx").write_text("stale")
+    with pytest.raises(SystemExit, match="is not empty: pass a new or empty folder"):
+        check_all(ptx_dir=str(tmp_path))

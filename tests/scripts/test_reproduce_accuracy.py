@@ -90,7 +90,7 @@ def test_summary_pairs_seeds_and_flags_differences_beyond_the_spread():
     assert "| qW | 2.57312 | +12.17% |" in text and "| yes |" in text
 
 
-def test_analysis_draws_every_configuration_and_its_difference_from_baseline(tmp_path, capsys):
+def test_analysis_writes_the_validation_figure(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     fingerprint = _fingerprint()
     for seed in (1, 2):

@@ -110,7 +110,6 @@ def import_the_driver() -> None:
     import megatron.core.pipeline_parallel  # noqa: F401
 
     import megatron_sdp4bit.cpu_backend  # noqa: F401
-    import megatron_sdp4bit.pretrain  # noqa: F401
     from megatron_sdp4bit.training import checkpoint, fusions, metrics, model  # noqa: F401
 
 

@@ -52,6 +52,14 @@ def variant_file_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") + ".ptx"
 
 
+def _empty_folder(path: str) -> None:
+    """Create ``path``, or refuse one that holds files: stale PTX would mislead a diff."""
+    os.makedirs(path, exist_ok=True)
+    if os.listdir(path):
+        raise SystemExit(f"--ptx-dir {path} is not empty: pass a new or empty folder "
+                         "(files of an earlier run would mislead a diff)")
+
+
 def record_variant(call, arch: int) -> Launch:
     """The one launch ``call`` makes, recorded for ``arch``."""
     with recording(arch) as launches:
@@ -72,6 +80,8 @@ def check_all(arch: int = 90, verbose: bool = True, which: str = "all",
     """Compile every variant; return the list of problems (empty = all good). With
     ``ptx_dir``, each variant's ``comparable_ptx`` is written there."""
     problems = []
+    if ptx_dir is not None:
+        _empty_folder(ptx_dir)
     for name, call in variants(which):
         start = time.perf_counter()
         try:
@@ -81,8 +91,7 @@ def check_all(arch: int = 90, verbose: bool = True, which: str = "all",
             continue
         ptx = compiled.asm["ptx"]
         if ptx_dir is not None:
-            os.makedirs(ptx_dir, exist_ok=True)
-            with open(os.path.join(ptx_dir, variant_file_name(name)), "w") as f:
+            with open(os.path.join(ptx_dir, variant_file_name(name)), "x") as f:  # names are unique
                 f.write(comparable_ptx(ptx))
         bad = [what for what, pattern in FORBIDDEN_PTX.items() if pattern.search(ptx)]
         if bad:
