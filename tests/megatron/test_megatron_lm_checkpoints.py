@@ -11,6 +11,8 @@ minimal pre-training script of ``test_megatron_training_loop.py``:
   the exact main shards, megatron saves the reconstructed ones), stochastic rounding,
   and ``--sdp4bit-grad-start-iter`` after the save (a resume that forgot the step count
   would wait N more steps before quantizing the gradients);
+- with ``--overlap-param-gather``, N saved + N resumed equal a straight run that also
+  saved at N (a save changes the overlapped gathers' noise, see below), bit for bit;
 - a resume of that checkpoint on 2 ranks (another data-parallel size) is refused in one
   line, from one rank, before training;
 - the iteration lines carry the bytes sent vs exact, the replica checks and the sampled
@@ -58,7 +60,7 @@ N = 3
 # order. Overlapped, they run in the forward pass, first needed first, but a save forces
 # them all at once in bucket order; with stochastic rounding they draw from one stream per
 # rank, so the save itself changes which noise each bucket gets (the resumed run equals a
-# straight run that saved at N, not one that did not).
+# straight run that saved at N, not one that did not: tested below with the flag).
 FP32_ARGS = [a for a in LOOP.MEGATRON_LM_ARGS if a not in ("--bf16", "--overlap-param-gather")] + [
     "--hidden-dropout", "0", "--attention-dropout", "0"]
 FP32_ARGS[FP32_ARGS.index("--train-iters") + 1] = str(2 * N)
@@ -140,6 +142,28 @@ def test_resumed_run_equals_straight_run(tmp_path, straight, ckpt_format):
     for rank in range(4):
         assert second_reports[rank]["iteration"] == 2 * N, second_reports[rank]
         assert second_reports[rank]["sha256"] == reports[rank]["sha256"], rank
+
+
+@pytest.mark.slow
+def test_with_overlapped_weight_gathers_a_resume_equals_a_straight_run_that_saved(tmp_path):
+    """--overlap-param-gather: a save forces every weight gather at once, in bucket order,
+    where the overlapped ones run first-needed-first in the next forward; with stochastic
+    rounding each rank's gathers draw from one stream, so the save itself picks the next
+    noise. The checkpoint then holds what a resume needs: N saved + N resumed must equal a
+    straight 2N-iteration run that also saved at N, bit for bit."""
+    overlap = ["--overlap-param-gather", "--ckpt-format", "torch_dist", "--save-interval", str(N)]
+    _, straight_losses, straight_reports = _ok(
+        _launch(tmp_path, "straight", 4, overlap + ["--save", str(tmp_path / "straight_ckpt")]))
+    ckpt = str(tmp_path / "ckpt")
+    _, first_losses, _ = _ok(_launch(tmp_path, "first", 4, overlap + ["--save", ckpt, "--exit-interval", str(N)]))
+    _, second_losses, second_reports = _ok(_launch(tmp_path, "second", 4, overlap + ["--load", ckpt]))
+    assert sorted(straight_losses) == list(range(1, 2 * N + 1)), straight_losses
+    assert first_losses == {i: straight_losses[i] for i in range(1, N + 1)}
+    assert second_losses[N + 1] == straight_losses[N + 1]  # the first step after the save
+    assert {i: second_losses[i] for i in range(N + 3, 2 * N + 1)} == \
+        {i: straight_losses[i] for i in range(N + 3, 2 * N + 1)}
+    for rank in range(4):
+        assert second_reports[rank]["sha256"] == straight_reports[rank]["sha256"], rank
 
 
 @pytest.mark.slow
