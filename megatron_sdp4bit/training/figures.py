@@ -28,7 +28,9 @@ def save_figure(fig, axes: Iterable, path: str, dpi: int) -> str:
         axis.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
+    import matplotlib.pyplot as plt  # imported already: fig came from it
+
+    plt.close(fig)
     return path
 
 

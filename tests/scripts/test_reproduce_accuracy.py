@@ -91,7 +91,7 @@ def test_summary_pairs_seeds_and_flags_differences_beyond_the_spread():
 
 
 def test_analysis_writes_the_validation_figure(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="the figure needs matplotlib: pip install -e .[plots] (make test installs it)")
     fingerprint = _fingerprint()
     for seed in (1, 2):
         _write_result(str(tmp_path), "baseline", seed, 5.70, fingerprint)

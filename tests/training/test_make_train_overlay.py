@@ -26,7 +26,7 @@ def test_the_shipped_reference_is_this_recipe_with_the_exact_collectives():
 
 
 def test_overlay_is_drawn_for_the_recipe_and_says_the_difference(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="the figure needs matplotlib: pip install -e .[plots] (make test installs it)")
     run_dir = str(tmp_path / "run")
     _metrics(run_dir, [8.0, 6.0, 5.7])
     png = demo.overlay_on_reference(run_dir, ["--sdp4bit-preset", "zeropp"])
