@@ -21,12 +21,16 @@ shard):
 Chunk i+1's first hop is in flight while chunk i's second hop runs. A chunk
 holds at most ``MAX_CHUNK_ELEMENTS`` (more chunks than ``pipeline_chunks`` where
 needed), and chunks are launched one after another as earlier ones finish, so
-the buffers are a few chunks' codes whatever the bucket size. With
-``async_op=True`` the first chunk's first hop starts at call time and the rest in
-the handle's ``wait()``: Megatron overlaps a bucket's reduce-scatter with the
-backward pass and completes it when the next bucket's starts (on a GPU that
-enqueues the remaining work without waiting for it); launching every chunk at
-call time would keep all of a bucket's codes, and two buckets', alive at once.
+the buffers are a few chunks' codes whatever the bucket size.
+
+With ``async_op=True`` every stage of every chunk is handed to ``runner``
+(``comm/runner.py``) at call time: a worker thread (gloo) or a side stream (NCCL)
+runs them while the caller goes on, and only the handle's ``wait()`` joins the
+caller with the result. The stages are the synchronous call's, in its order, so
+the result is bit-identical to it (the same rounding draws in the same order).
+The runner runs one collective after another, so a few chunks' buffers are alive
+at a time, however many buckets are in flight. Without a runner the stages run
+at call time on the caller.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import torch.distributed as dist
 
 from megatron_sdp4bit.comm.accounting import WireRecorder, recorder_or_default
 from megatron_sdp4bit.comm.checks import check_float_tensors
-from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
+from megatron_sdp4bit.comm.handles import finish_or_handle
 from megatron_sdp4bit.comm.layout import (
     MAX_CHUNK_ELEMENTS,
     MIN_CHUNK_SHARD_ELEMENTS,
@@ -48,6 +52,7 @@ from megatron_sdp4bit.comm.layout import (
 )
 from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
 from megatron_sdp4bit.comm.rng import pick_generator
+from megatron_sdp4bit.comm.runner import Completion, run_or_submit
 from megatron_sdp4bit.comm.topology import Level, Topology, get_topology, peer_split
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -75,7 +80,8 @@ def quantized_reduce_scatter(
     generator: Optional[torch.Generator] = None,
     workspace: Optional[Workspace] = None,
     recorder: Optional[WireRecorder] = None,
-) -> Optional[PendingCollective]:
+    runner=None,
+) -> Optional[Completion]:
     """Reduce-scatter ``input`` into ``output`` over ``group`` as ``config.grad_mode`` says.
 
     ``op`` is ``ReduceOp.SUM`` or ``ReduceOp.AVG``. ``output`` may be this
@@ -85,8 +91,11 @@ def quantized_reduce_scatter(
     overrides this rank's stochastic-rounding stream. ``workspace`` keeps the send
     and receive buffers for the next call (see ``comm/workspace.py`` for when one
     may be shared); without one they are allocated for this call. The bytes sent
-    count into ``recorder`` (default ``comm.accounting.DEFAULT_RECORDER``). Returns
-    None, or with ``async_op`` a handle whose ``wait()`` finishes the collective.
+    count into ``recorder`` (default ``comm.accounting.DEFAULT_RECORDER``). ``runner``
+    (``comm/runner.py``) runs the collective's stages; with ``async_op`` they are
+    submitted to it and the handle's ``wait()`` joins them. It must be the one runner
+    that uses ``group`` and its subgroups while it runs. Returns None, or with
+    ``async_op`` that handle.
     """
     config = config if config is not None else SDP4BitConfig()
     group = group if group is not None else dist.group.WORLD
@@ -103,17 +112,18 @@ def quantized_reduce_scatter(
                                 async_op)
     if not config.quantize_grads:
         wire.peer_sends(_COLLECTIVE, same, other, values=shard * element_size, elements=shard)
-        return reduce_scatter_flat(output, input, op, group, async_op,
-                                   as_alltoall=config.exact_reduce_scatter == "alltoall")
+        as_alltoall = config.exact_reduce_scatter == "alltoall"
+        if runner is None:  # torch's own async handle
+            return reduce_scatter_flat(output, input, op, group, async_op, as_alltoall=as_alltoall)
+        return run_or_submit(
+            runner, lambda: reduce_scatter_flat(output, input, op, group, False, as_alltoall),
+            async_op, (output, input))
     topology = get_topology(group, config.ranks_per_node)
     run = _QuantizedReduceScatter(output, input, op == dist.ReduceOp.AVG, topology, config,
                                   generator, workspace if workspace is not None else Workspace(),
                                   wire)
-    if async_op:
-        run.launch()  # the first chunk's hop now, in flight while the caller goes on
-        return PendingCollective(run.finish)
-    run.finish()  # chunk by chunk: a few chunks' buffers alive at a time
-    return None
+    # chunk by chunk: a few chunks' buffers alive at a time
+    return run_or_submit(runner, run.finish, async_op, (output, input))
 
 
 def _validate(output: torch.Tensor, input: torch.Tensor, op, dp_size: int) -> None:
@@ -165,12 +175,6 @@ class _QuantizedReduceScatter:
         self.second_hop: deque = deque()  # (chunk, last hop in flight)
 
     # --- steps -------------------------------------------------------------------
-    def launch(self) -> None:
-        """Quantize the first chunk and start its first hop; ``finish`` does the rest
-        in the same order as a synchronous call (the same rounding streams)."""
-        if self.unlaunched:
-            self._start_first_hop()
-
     def finish(self) -> None:
         """Every remaining stage of every chunk, pipelined; the output is complete after."""
         while self.unlaunched:

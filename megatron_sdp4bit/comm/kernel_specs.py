@@ -55,16 +55,15 @@ def reduce_scatter_specs(shard: int, dtype: torch.dtype, levels: Sequence[Tuple[
     return specs
 
 
-def all_gather_specs(shard: int, dp: int, model_dtype: torch.dtype, config: SDP4BitConfig,
-                     whole_bucket: bool) -> List[KernelSpec]:
+def all_gather_specs(shard: int, dp: int, model_dtype: torch.dtype,
+                     config: SDP4BitConfig) -> List[KernelSpec]:
     """The kernels of one quantized weight all-gather of ``shard``-element shards into a
-    ``model_dtype`` buffer; ``whole_bucket``: gathered at once (async), else in slices."""
+    ``model_dtype`` buffer (in slices, overlapped or not)."""
     if dp == 1 or shard == 0 or not config.quantize_weights:
         return []
     fmt = dict(bits=config.weight_bits, group_size=config.weight_group_size)
     specs = []
-    for start, n in weight_slices(shard, dp, config.weight_group_size, whole_bucket,
-                                  MAX_CHUNK_ELEMENTS):
+    for start, n in weight_slices(shard, dp, config.weight_group_size, False, MAX_CHUNK_ELEMENTS):
         if config.weight_mode == "diff":
             specs.append(KernelSpec("quantize_weight_diff", n, rounding=config.rounding,
                                     dtype=model_dtype, **fmt))

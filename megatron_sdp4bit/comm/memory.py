@@ -8,19 +8,15 @@ Three kinds, reported separately because they scale differently:
   while the optimizer steps (another 1/DP). Nothing is held when the weights are
   not quantized or DP is 1.
 - **buffers**: the send and receive buffers the collectives reuse from call to
-  call (``comm/workspace.py``), kept from the first step on. A reduce-scatter
-  works in chunks of at most ``MAX_CHUNK_ELEMENTS`` that take turns on two slots
-  (megatron makes one bucket of every parameter without --overlap-grad-reduce);
-  with --overlap-grad-reduce the layer gives each bucket position of a bucket group
-  its own set (the buckets of a group are in flight together), without it one set
-  serves all (each call completes before the next). A synchronous weight all-gather works in
-  slices of that size, two slots shared by all buckets; an overlapped one gathers
-  a whole bucket, and every bucket keeps its own (all may be in flight).
+  call (``comm/workspace.py``), kept from the first step on. The layer's
+  collectives run one after another on its runner (``comm/runner.py``: one worker
+  thread or one side stream), so one workspace per direction serves every bucket,
+  overlapped or not. A reduce-scatter works in chunks of at most
+  ``MAX_CHUNK_ELEMENTS`` that take turns on two slots; a weight all-gather in
+  slices of that size, on two slots as well.
 - **scratch**, alive while a collective runs: what ``comm`` allocates per call
-  besides those (qW's dequantized weights, and with --overlap-param-gather the
-  buffers of a forced synchronous gather before an evaluation or a checkpoint),
-  counted as the GPU (Triton) path allocates them, whose kernels allocate nothing
-  of their own with ``out=``.
+  besides those (qW's dequantized weights of a slice), counted as the GPU (Triton)
+  path allocates them, whose kernels allocate nothing of their own with ``out=``.
 
 The counts follow ``comm/weights.py``, ``comm/gradients.py`` and the layer's use
 of workspaces (``megatron/grad_sync.py``, ``megatron/param_sync.py``), name for
@@ -29,7 +25,7 @@ name: a change to what those allocate belongs here too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Sequence
+from typing import Dict, Iterable, Sequence
 
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, weight_slices
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -123,67 +119,42 @@ def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
     return _merge_max(demands)
 
 
-def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
-                         whole_bucket: bool) -> Dict[str, int]:
-    """Bytes per workspace buffer name of one bucket's qW/qWD all-gather: this rank's
-    segment and every rank's. (Exact gathers are megatron's own and add nothing.)
-    ``whole_bucket``: gathered at once (async, with --overlap-param-gather); otherwise
-    slice by slice in two slots."""
+def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig) -> Dict[str, int]:
+    """Bytes per workspace buffer name of one bucket's qW/qWD all-gather, slice by slice in
+    two slots: this rank's segment and every rank's. (Exact gathers add nothing.)"""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_weights:
         return {}
     demands = []
-    for index, (_, n) in enumerate(weight_slices(shard, dp, config.weight_group_size, whole_bucket,
-                                                        MAX_CHUNK_ELEMENTS)):
+    for index, (_, n) in enumerate(weight_slices(shard, dp, config.weight_group_size, False,
+                                                 MAX_CHUNK_ELEMENTS)):
         own = segment_nbytes(n, config.weight_bits, config.weight_group_size)
         demands.append({f"weights send {index % 2}": own, f"weights gather {index % 2}": dp * own})
     return _merge_max(demands)
 
 
-def weight_gather_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig,
-                          whole_bucket: bool = True) -> int:
+def weight_gather_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig) -> int:
     """Bytes one bucket's weight all-gather allocates per call besides its workspace:
     qW's dequantized fp32 weights of a slice (qWD adds into the model buffer in place)."""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or config.weight_mode != "direct":
         return 0
-    slices = weight_slices(shard, dp, config.weight_group_size, whole_bucket, MAX_CHUNK_ELEMENTS)
+    slices = weight_slices(shard, dp, config.weight_group_size, False, MAX_CHUNK_ELEMENTS)
     return MAIN_BYTES * dp * max(n for _, n in slices)
 
 
 def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *,
-                 params: int, node_members: int, fp32_params: bool,
-                 grad_bytes: int = 4, overlap_grad_reduce: bool = False,
-                 overlap_param_gather: bool = False,
-                 grad_positions: Optional[Sequence[int]] = None) -> LayerMemory:
+                 params: int, node_members: int, fp32_params: bool) -> LayerMemory:
     """Held bytes, reused buffers and the scratch peak of one rank for buckets of these sizes.
 
-    ``grad_positions``: the gradient workspace each bucket uses (the layer's: its
-    position in its bucket group when reduce-scatters overlap the backward pass, 0 for
-    all when they do not); default all 0. The scratch is the weight gathers' (the
-    reduce-scatter keeps all it uses in its workspace). ``grad_bytes`` and
-    ``overlap_grad_reduce`` no longer change the figures (the first hop reads the
-    gradients in place); they are kept for callers that pass them.
+    One workspace per direction serves every bucket (the runner runs one collective at
+    a time), so the buffers are the largest demand per buffer name; the scratch is the
+    largest weight gather's (the reduce-scatter keeps all it uses in its workspace).
     """
     buckets = [int(n) for n in bucket_numels]
-    positions = list(grad_positions) if grad_positions is not None else [0] * len(buckets)
-    by_position: Dict[int, list] = {}
-    for numel, position in zip(buckets, positions):
-        by_position.setdefault(position, []).append(grad_buffer_demand(numel, dp, config, node_members))
-    grad_buffers = sum(sum(_merge_max(demands).values()) for demands in by_position.values())
-    weight_demands = [weight_buffer_demand(n, dp, config, whole_bucket=overlap_param_gather)
-                      for n in buckets]
-    if overlap_param_gather:  # a workspace per bucket
-        weight_buffers = sum(sum(d.values()) for d in weight_demands)
-    else:  # one workspace for all
-        weight_buffers = sum(_merge_max(weight_demands).values())
-    gathers = sorted((weight_gather_scratch(n, dp, config, overlap_param_gather) for n in buckets),
-                     reverse=True)
-    gather_peak = sum(gathers[:2 if overlap_param_gather else 1])  # next one starts first
-    if overlap_param_gather:  # a forced synchronous gather keeps no buffers: scratch
-        gather_peak = max([gather_peak] + [
-            sum(weight_buffer_demand(n, dp, config, whole_bucket=False).values())
-            + weight_gather_scratch(n, dp, config, whole_bucket=False) for n in buckets])
+    grad_buffers = sum(_merge_max(grad_buffer_demand(n, dp, config, node_members)
+                                  for n in buckets).values())
+    weight_buffers = sum(_merge_max(weight_buffer_demand(n, dp, config) for n in buckets).values())
+    scratch = max([weight_gather_scratch(n, dp, config) for n in buckets], default=0)
     return LayerMemory(params=params, held_bytes=held_bytes(buckets, dp, config, fp32_params),
-                       buffer_bytes=grad_buffers + weight_buffers,
-                       scratch_bytes=gather_peak)
+                       buffer_bytes=grad_buffers + weight_buffers, scratch_bytes=scratch)

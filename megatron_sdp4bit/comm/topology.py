@@ -42,6 +42,7 @@ _BUILT_LAYOUTS: set = set()  # (sorted DP ranks, ranks_per_node) whose subgroups
 _TOPOLOGIES: dict = {}  # (group, ranks_per_node, strict) -> Topology
 _WARNED: set = set()
 _LAYOUTS: dict = {}  # (DP ranks in group order, ranks_per_node) -> NodeLayout
+_PRIVATE: dict = {}  # sorted members -> a group of them only a runner's worker uses (or None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -206,6 +207,36 @@ def build_topologies(all_dp_rank_lists: Sequence[Sequence[int]],
             _create_subgroups(plan_node_layout(ranks, rpn))
 
 
+def build_private_groups(all_dp_rank_lists: Sequence[Sequence[int]]) -> None:
+    """For every listed group, a process group of the same members that nothing but one
+    worker thread uses (``private_group``). Collective over the world: every rank calls
+    it with the same lists in the same order. Groups made earlier are kept."""
+    with _LOCK:
+        for ranks in all_dp_rank_lists:
+            members = tuple(sorted(int(r) for r in ranks))
+            if members in _PRIVATE:
+                continue
+            group = dist.new_group(ranks=list(members))
+            _PRIVATE[members] = group if dist.get_rank() in members else None
+
+
+def private_group(group):
+    """The private twin of ``group`` (``build_private_groups``). Its collectives pair only
+    with one another, so a worker thread may run them beside the caller's own collectives
+    on ``group`` (two threads issuing collectives on one gloo group may pair them wrongly).
+    Its rank order is ``group``'s: torch orders every group's ranks by global rank."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    with _LOCK:
+        twin = _PRIVATE.get(tuple(sorted(ranks)))
+    if twin is None:
+        raise RuntimeError(f"no private process group was built for the group of ranks {list(ranks)}: "
+                           "call megatron_sdp4bit.comm.topology.build_private_groups on every rank first")
+    if tuple(dist.get_process_group_ranks(twin)) != ranks:
+        raise RuntimeError(f"the group of ranks {list(ranks)} is not ordered by global rank, so a "
+                           "private twin cannot stand in for it")
+    return twin
+
+
 def get_topology(group=None, ranks_per_node: Optional[int] = None,
                  strict: bool = False) -> Topology:
     """The (cached) topology of ``group`` (default: the world) on this rank.
@@ -304,6 +335,7 @@ def forget_subgroups() -> None:
         _SUBGROUPS.clear()
         _BUILT_LAYOUTS.clear()
         _LAYOUTS.clear()
+        _PRIVATE.clear()
 
 
 def peer_split(group=None, ranks_per_node: Optional[int] = None) -> tuple[int, int]:

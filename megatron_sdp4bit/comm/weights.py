@@ -25,10 +25,11 @@ import torch.distributed as dist
 
 from megatron_sdp4bit.comm.accounting import WireRecorder, recorder_or_default
 from megatron_sdp4bit.comm.checks import check_float_tensors
-from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
+from megatron_sdp4bit.comm.handles import finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_gather_flat
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, weight_slices
 from megatron_sdp4bit.comm.rng import pick_generator
+from megatron_sdp4bit.comm.runner import Completion, run_or_submit
 from megatron_sdp4bit.comm.topology import peer_split
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -54,7 +55,8 @@ def quantized_all_gather_weights(
     generator: Optional[torch.Generator] = None,
     workspace: Optional[Workspace] = None,
     recorder: Optional[WireRecorder] = None,
-) -> Optional[PendingCollective]:
+    runner=None,
+) -> Optional[Completion]:
     """Update ``model_buffer`` on every rank of ``group`` from all ranks' ``main_shard``.
 
     ``model_buffer`` (P * n elements, same values on every rank) is updated in
@@ -62,10 +64,14 @@ def quantized_all_gather_weights(
     value of ``model_buffer[r*n:(r+1)*n]`` for group rank r. Mode, bits and
     group size come from ``config`` (default: qWD, 4 bits, group 2048,
     stochastic rounding). Like ``all_gather_into_tensor``: returns None, or with
-    ``async_op`` a handle whose ``wait()`` applies the update. Do not touch
-    ``model_buffer`` between the call and ``wait()``. ``workspace`` keeps the send
-    and gather buffers for the next call (``comm/workspace.py``); the bytes sent count
-    into ``recorder`` (default ``comm.accounting.DEFAULT_RECORDER``).
+    ``async_op`` a handle whose ``wait()`` joins the caller with the update. Do not
+    touch ``model_buffer`` between the call and ``wait()``. ``workspace`` keeps the
+    send and gather buffers for the next call (``comm/workspace.py``); the bytes sent
+    count into ``recorder`` (default ``comm.accounting.DEFAULT_RECORDER``). ``runner``
+    (``comm/runner.py``) runs the stages: with ``async_op`` they are submitted to it
+    at call time, the synchronous call's stages in its order (so the result is
+    bit-identical to it); it must be the one runner using ``group`` while it runs.
+    Without a runner they run at call time, on the caller.
     """
     config = config if config is not None else SDP4BitConfig()
     group = group if group is not None else dist.group.WORLD
@@ -81,7 +87,7 @@ def quantized_all_gather_weights(
     if dp_size == 1 or shard == 0:
         return finish_or_handle(lambda: flat.copy_(main_shard.view(-1)), async_op)
     if not config.quantize_weights:
-        return _exact_all_gather(flat, main_shard, group, async_op, wire, (same, other))
+        return _exact_all_gather(flat, main_shard, group, async_op, wire, (same, other), runner)
 
     gen = pick_generator(generator, config.rounding, main_shard.device, config.seed,
                          dist.get_rank(), "weights")
@@ -112,27 +118,29 @@ def quantized_all_gather_weights(
         everyone = wire_view(incoming, dp_size, n, config.weight_bits, config.weight_group_size)
         return _Gather(targets[:, start:stop], everyone, work)
 
-    # Async: every rank's codes of the whole shard in flight at once. Sync: slice by slice
-    # (``_gather_in_slices``), so a bucket of every parameter (megatron's without overlap)
-    # needs a few slices' codes at a time, not the whole bucket's.
-    slices = weight_slices(shard, dp_size, config.weight_group_size, whole=async_op,
+    # Slice by slice (``_gather_in_slices``), so a bucket of every parameter (megatron's
+    # without overlap) needs a few slices' codes at a time, not the whole bucket's.
+    slices = weight_slices(shard, dp_size, config.weight_group_size, whole=False,
                            max_chunk_elements=MAX_CHUNK_ELEMENTS,
                            min_slice_elements=MIN_SLICE_ELEMENTS)
-    if async_op:
-        pending = gather(0, shard, 0)
-        return finish_or_handle(lambda: pending.apply(add), True)
-    _gather_in_slices(gather, slices, add)
-    return None
+    return run_or_submit(runner, lambda: _gather_in_slices(gather, slices, add), async_op,
+                         (model_buffer, main_shard))
 
 
 def _exact_all_gather(flat: torch.Tensor, main_shard: torch.Tensor, group, async_op: bool,
-                      wire: WireRecorder, peers) -> Optional[PendingCollective]:
+                      wire: WireRecorder, peers, runner):
     """The unquantized path: this rank's shard in the buffer's dtype, torch's all-gather."""
     shard = main_shard.numel()
     wire.peer_sends(_COLLECTIVE, *peers, values=shard * flat.element_size(), elements=shard)
-    staged = main_shard.view(-1).to(flat.dtype, copy=True)
-    work = all_gather_flat(flat, staged, group, async_op)
-    return work if async_op else None
+    if runner is None:  # torch's own async handle
+        staged = main_shard.view(-1).to(flat.dtype, copy=True)
+        work = all_gather_flat(flat, staged, group, async_op)
+        return work if async_op else None
+
+    def gather() -> None:
+        all_gather_flat(flat, main_shard.view(-1).to(flat.dtype, copy=True), group, False)
+
+    return run_or_submit(runner, gather, async_op, (flat, main_shard))
 
 
 def _gather_in_slices(gather: Callable[[int, int, int], "_Gather"], slices, add: bool) -> None:

@@ -48,24 +48,23 @@ def reduce_scatter_calls(shard: int, layout: NodeLayout, config: SDP4BitConfig,
 
 
 def weight_slices(shard: int, layout: NodeLayout, config: SDP4BitConfig,
-                  impl: Implementation, whole_bucket: bool) -> int:
+                  impl: Implementation) -> int:
     """Slices a quantized all-gather of this shard runs in (``comm.layout.weight_slices``,
-    what ``comm/weights.py`` runs: a synchronous gather in slices of whole groups)."""
-    if whole_bucket or not impl.sliced_weight_gather or impl.max_chunk_elements is None:
+    what ``comm/weights.py`` runs, overlapped or not: slices of whole groups)."""
+    if not impl.sliced_weight_gather or impl.max_chunk_elements is None:
         return 1
     return len(layout_weight_slices(shard, layout.dp_size, config.weight_group_size, False,
                                     impl.max_chunk_elements, impl.min_slice_elements))
 
 
 def all_gather_calls(shard: int, layout: NodeLayout, config: SDP4BitConfig,
-                     impl: Implementation, whole_bucket: bool) -> Calls:
-    """Calls of one weight all-gather (``whole_bucket``: gathered at once, as with
-    --overlap-param-gather)."""
+                     impl: Implementation) -> Calls:
+    """Calls of one weight all-gather."""
     if layout.dp_size == 1 or shard == 0:
         return Calls()
     if not config.quantize_weights:
         return _ring(layout)
-    slices = weight_slices(shard, layout, config, impl, whole_bucket)
+    slices = weight_slices(shard, layout, config, impl)
     return _ring(layout, calls=slices * impl.messages_per_peer)
 
 

@@ -319,7 +319,7 @@ class _Traffic:
 def _traffic(config, cluster, workload, kernels, layouts, buckets) -> _Traffic:
     """Link bytes of every DP group (concurrent) and bucket (one after another), and the
     calls, bytes and kernels of a rank of the busiest stage."""
-    impl, whole_bucket = workload.implementation, workload.overlap == "full"
+    impl = workload.implementation
     grad = [volume.Links.empty(), volume.Links.empty()]  # per hop (exact: one phase)
     weight = volume.Links.empty()
     phases, pipelined = 0, 1
@@ -339,8 +339,7 @@ def _traffic(config, cluster, workload, kernels, layouts, buckets) -> _Traffic:
         for total, links in zip(grad + [weight], group):
             total.merge(links)
         if stage not in per_stage:  # every DP group of a stage is alike: take its first
-            per_stage[stage] = _rank_work(config, layout, buckets[stage], workload, kernels,
-                                          whole_bucket)
+            per_stage[stage] = _rank_work(config, layout, buckets[stage], workload, kernels)
     # The busiest stage sets the pace (its DP traffic is the largest).
     stage = max(per_stage, key=lambda s: per_stage[s][0].exact_intra + per_stage[s][0].exact_inter)
     grad_sent, weight_sent, grad_calls, weight_calls, ops = per_stage[stage]
@@ -348,7 +347,7 @@ def _traffic(config, cluster, workload, kernels, layouts, buckets) -> _Traffic:
                     weight_sent, ops)
 
 
-def _rank_work(config, layout, stage_buckets, workload, kernels, whole_bucket):
+def _rank_work(config, layout, stage_buckets, workload, kernels):
     """(grad sent, weight sent, grad calls, weight calls, kernel seconds) of a stage's rank."""
     impl, rank, p = workload.implementation, layout.ranks[0], layout.dp_size
     g = w = volume.Sent()
@@ -360,7 +359,7 @@ def _rank_work(config, layout, stage_buckets, workload, kernels, whole_bucket):
         w = w + volume.all_gather_sent(shard, workload.param_element_size, layout, rank, config)
         gc = gc + calls.reduce_scatter_calls(shard, layout, config,
                                              workload.exact_reduce_scatter, impl)
-        wc = wc + calls.all_gather_calls(shard, layout, config, impl, whole_bucket)
+        wc = wc + calls.all_gather_calls(shard, layout, config, impl)
         for op, elements in _kernel_ops(shard, layout, config, impl).items():
             ops[op] = ops.get(op, 0.0) + kernels.seconds(op, elements)
     return g, w, gc, wc, ops
@@ -404,7 +403,4 @@ def _stage_memory(stage, layout, stage_buckets, config, cluster, workload) -> La
     params = stage_params(workload.shape, cluster.tp, cluster.pp, stage).numel
     return layer_memory(stage_buckets, layout.dp_size, config, params=params,
                         node_members=len(layout.nodes[0]) if layout.is_two_level else 0,
-                        fp32_params=workload.param_element_size == 4,
-                        grad_bytes=GRAD_ELEMENT_SIZE,
-                        overlap_grad_reduce=workload.overlap != "none",
-                        overlap_param_gather=workload.overlap == "full")
+                        fp32_params=workload.param_element_size == 4)

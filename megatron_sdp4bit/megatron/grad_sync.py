@@ -9,6 +9,10 @@ staged through host memory, so the layer issues the exact one per bucket itself,
 through ``comm``. It does the same where the config asks for the exact reduce-scatter
 as an all-to-all (``exact_reduce_scatter="alltoall"``). The version-specific work
 megatron does before its collective comes from the adapter.
+
+Every collective the layer issues goes to its runner (``megatron/background.py``):
+with --overlap-grad-reduce the whole reduce-scatter runs there while the backward
+pass goes on, and megatron's ``finish_grad_sync`` waits on its handle.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch
 
 from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm.primitives import all_reduce_flat
+from megatron_sdp4bit.comm.runner import run_or_submit
 from megatron_sdp4bit.megatron import quant_metrics
 from megatron_sdp4bit.megatron.accounting import record_exact
 from megatron_sdp4bit.megatron.checks import check_alltoall_ddp_config, check_ddp_config
@@ -67,27 +72,19 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
     ddp_config = adapter.ddp_config(bucket_group)
     op = torch.distributed.ReduceOp.AVG if ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     async_op = bool(ddp_config.overlap_grad_reduce)
-    if state.grad_reduce_in_flight is not None:
-        # Complete the previous bucket's reduce-scatter (its chunks after the first)
-        # before this one starts, so a few chunks' codes are alive, not every
-        # bucket's until megatron's finish_grad_sync (every rank starts its buckets
-        # in the same order; on a GPU this enqueues the work without waiting for
-        # it). Megatron's own wait on that handle is then a no-op.
-        state.grad_reduce_in_flight.wait()
-        state.grad_reduce_in_flight = None
     config = state.config if quantize else state.exact_config
+    runner, group = state.runner, state.runner.group_for(group)
     handles = []
-    for position, grad_data in enumerate(grads):
+    for grad_data in grads:
         if force_all_reduce:  # the layer's own exact path only (megatron's does this otherwise)
-            handles.append(all_reduce_flat(grad_data, op, group, async_op))
+            handles.append(run_or_submit(
+                runner, lambda data=grad_data: all_reduce_flat(data, op, group, False), async_op,
+                (grad_data,)))
             continue
         shard = grad_data.numel() // size
         local_view = grad_data[rank * shard:(rank + 1) * shard]
         handles.append(comm.quantized_reduce_scatter(
             local_view, grad_data, op=op, group=group, config=config, async_op=async_op,
             generator=state.generator(grad_data.device, "grads") if quantize else None,
-            # in flight together: a workspace each; one after another: one for all
-            workspace=state.grad_workspace(position if async_op else 0), recorder=state.wire))
-    handle = Handles(handles) if async_op else None
-    state.grad_reduce_in_flight = handle
-    adapter.set_grad_reduce_handle(bucket_group, handle)
+            workspace=state.grad_workspace, recorder=state.wire, runner=runner))
+    adapter.set_grad_reduce_handle(bucket_group, Handles(handles) if async_op else None)

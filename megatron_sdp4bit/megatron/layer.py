@@ -25,6 +25,7 @@ from megatron_sdp4bit import comm, quant
 from megatron_sdp4bit.comm.kernel_specs import all_gather_specs, reduce_scatter_specs
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import grad_sync, param_sync
+from megatron_sdp4bit.megatron.background import set_up_runner
 from megatron_sdp4bit.comm.primitives import all_gather_flat, runs_on_host_staged_gloo
 from megatron_sdp4bit.megatron.checks import (
     check_alltoall_ddp_config,
@@ -98,9 +99,11 @@ class SDP4BitLayer:
         return bool(self._originals)
 
     def uninstall(self) -> None:
-        """Put megatron's own methods back."""
+        """Put megatron's own methods back and stop the layer's runner (what it was given
+        runs first)."""
         self._patches.restore()
         self._originals = {}
+        self.state.runner.close()
 
     # -------------------------------------------------------------- checkpoints
 
@@ -108,6 +111,7 @@ class SDP4BitLayer:
         """What a resume needs beyond megatron's own checkpoint: the step count, this
         rank's quantizer RNG streams and, for fp32 params, the exact main shards
         (megatron saves the reconstructed weights as its main params there)."""
+        self.state.runner.drain()  # its collectives advance the streams read below
         main_shards = {}
         for opt in self.adapter.sub_optimizers(optimizer):
             for key, bucket in self.adapter.buffer_buckets(opt):
@@ -121,6 +125,7 @@ class SDP4BitLayer:
     def load_state_dict(self, saved: dict, optimizer) -> None:
         if not saved:
             return
+        self.state.runner.drain()
         self.state.iteration = saved["iteration"]
         self.state.noise.set_states(saved["rng"])
         for opt in self.adapter.sub_optimizers(optimizer):
@@ -163,6 +168,16 @@ def _megatron_collectives_cannot_run(adapter, ddp) -> bool:
     return False
 
 
+def _collective_groups(adapter, ddp) -> list:
+    """The distinct process groups of a model chunk's bucket groups, in their order."""
+    groups = []
+    for bucket_group in adapter.ddp_bucket_groups(ddp):
+        group, size, _rank = adapter.collective_group(bucket_group)
+        if size > 1 and all(group is not known for known in groups):
+            groups.append(group)
+    return groups
+
+
 def _ddp_init(layer, ddp, *args, **kwargs):
     layer.original("ddp", "__init__")(ddp, *args, **kwargs)
     state, adapter = layer.state, layer.adapter
@@ -171,19 +186,25 @@ def _ddp_init(layer, ddp, *args, **kwargs):
         state.own_exact_collectives = True
     if state.config.exact_reduce_scatter == "alltoall":
         check_alltoall_ddp_config(adapter, adapter.ddp_config(ddp))
-    if not state.config.enabled:
+    issues_collectives = (state.config.enabled or state.own_exact_collectives
+                          or state.config.exact_reduce_scatter == "alltoall")
+    if not issues_collectives:
         return
-    check_ddp_config(adapter, adapter.ddp_config(ddp))
-    check_model_config(ddp.config)
-    if not state.config_checked:
-        state.resolve_ranks_per_node()
-        check_same_config_on_all_ranks(state.config)
-        state.config_checked = True
-    for bucket_group in layer.adapter.ddp_bucket_groups(ddp):
-        group, _size, _rank = layer.adapter.collective_group(bucket_group)
-        comm.build_topologies(_all_data_parallel_rank_lists(group), state.config.ranks_per_node)
-        break  # all bucket groups of a model chunk share one group
-    _warm_up_kernels(layer, ddp)
+    if state.config.enabled:
+        check_ddp_config(adapter, adapter.ddp_config(ddp))
+        check_model_config(ddp.config)
+        if not state.config_checked:
+            state.resolve_ranks_per_node()
+            check_same_config_on_all_ranks(state.config)
+            state.config_checked = True
+    groups = _collective_groups(adapter, ddp)
+    rank_lists = [_all_data_parallel_rank_lists(group) for group in groups]
+    if state.config.enabled:
+        for lists in rank_lists:
+            comm.build_topologies(lists, state.config.ranks_per_node)
+    set_up_runner(state, adapter, ddp, groups, rank_lists)
+    if state.config.enabled:
+        _warm_up_kernels(layer, ddp)
 
 
 def _warm_up_kernels(layer, ddp) -> None:
@@ -195,7 +216,9 @@ def _warm_up_kernels(layer, ddp) -> None:
         group, size, _rank = adapter.collective_group(bucket_group)
         if size == 1:
             continue
-        topology = comm.get_topology(group, config.ranks_per_node)
+        # the group the collectives will use (a thread runner's private twin), built now
+        # on every rank: its first topology is a collective over it
+        topology = comm.get_topology(state.runner.group_for(group), config.ranks_per_node)
         levels = [(level.name, level.size) for level in topology.levels]
         ddp_config = adapter.ddp_config(bucket_group)
         for bucket in adapter.group_buckets(bucket_group):
@@ -206,9 +229,7 @@ def _warm_up_kernels(layer, ddp) -> None:
                 average=bool(ddp_config.average_in_collective),
                 ordered=topology.send_order_index(device) is not None)
             if params is not None:
-                for whole in {False, bool(ddp_config.overlap_param_gather)}:
-                    specs += all_gather_specs(params.numel() // size, size, params.dtype,
-                                              config, whole_bucket=whole)
+                specs += all_gather_specs(params.numel() // size, size, params.dtype, config)
     new = [spec for spec in dict.fromkeys(specs) if spec not in state.warmed_up]
     if not new:
         return

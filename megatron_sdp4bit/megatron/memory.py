@@ -26,17 +26,12 @@ def optimizer_memory(layer, optimizer, params: int) -> LayerMemory:
                   if dp > 1 else ())
         node_members = (levels[0].size if len(levels) == 2 else
                         1 if levels and levels[0].name == "inter" else dp)
-        ddp_config = adapter.ddp_config(sub)
         grads = [adapter.bucket_grad_data(bucket) for bucket in buckets]
         params_data = [adapter.bucket_param_data(bucket) for bucket in buckets]
-        # One gradient workspace serves every bucket: with overlapped reduce-scatters
-        # megatron's bucket groups hold one bucket each (partition_buckets without fp8
-        # params, which the layer refuses), without overlap each call completes first.
         part = layer_memory(
             [grad.numel() for grad in grads], dp, state.config, params=params,
             node_members=node_members,
-            fp32_params=any(data is not None and data.dtype == torch.float32 for data in params_data),
-            overlap_param_gather=bool(ddp_config.overlap_param_gather))
+            fp32_params=any(data is not None and data.dtype == torch.float32 for data in params_data))
         held += part.held_bytes
         buffers += part.buffer_bytes
         scratch = max(scratch, part.scratch_bytes)  # one model chunk's collectives at a time

@@ -17,7 +17,9 @@ Three of megatron's methods cooperate, all swapped by the layer:
 With one rank in the group nothing is quantized: megatron's own methods run. So do
 they for the exact all-gather, except where megatron's coalesced one cannot run
 (gloo on CUDA tensors, ``LayerState.own_exact_collectives``): there the layer
-gathers each bucket itself.
+gathers each bucket itself. Every gather the layer issues goes to its runner
+(``megatron/background.py``): with --overlap-param-gather the whole gather runs
+there while the forward pass goes on, until the forward pre-hook waits on it.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 
 from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm.primitives import all_gather_flat
+from megatron_sdp4bit.comm.runner import run_or_submit
 from megatron_sdp4bit.megatron import consistency, quant_metrics
 from megatron_sdp4bit.megatron.accounting import record_exact
 from megatron_sdp4bit.megatron.checks import check_ddp_config, check_optimizer_config
@@ -108,27 +111,21 @@ def copy_main_params_to_model_params(layer, optimizer):
 def _own_exact_param_sync(layer, bucket_group, async_op: bool, force_sync: bool) -> None:
     """Megatron's exact all-gather of each bucket's shard, one bucket at a time through
     ``comm`` (gloo on CUDA, where megatron's coalesced one cannot run)."""
-    adapter = layer.adapter
+    adapter, runner = layer.adapter, layer.state.runner
     group, size, rank = adapter.collective_group(bucket_group)
+    group = runner.group_for(group)
     buffers = adapter.param_buffers(bucket_group)
     record_exact(layer, bucket_group, "all_gather", buffers)
     handles = []
     for param_data in buffers:
         flat = param_data.view(-1)
         shard = flat.numel() // size
-        handles.append(all_gather_flat(flat, flat[rank * shard:(rank + 1) * shard], group, async_op))
+
+        def gather(flat=flat, shard=shard):
+            all_gather_flat(flat, flat[rank * shard:(rank + 1) * shard], group, False)
+
+        handles.append(run_or_submit(runner, gather, async_op, (flat,)))
     adapter.set_param_gather_handle(bucket_group, Handles(handles) if async_op else None, force_sync)
-
-
-def _weight_workspace(layer, bucket_group, bucket_state, async_op: bool):
-    """Overlapped gathers may all be in flight: a workspace per bucket. Synchronous ones
-    run one at a time: one workspace for all, except the rare forced ones of an
-    overlapping run (before an evaluation or a checkpoint), whose buffers are not kept."""
-    if async_op:
-        return bucket_state.workspace
-    if layer.adapter.ddp_config(bucket_group).overlap_param_gather:
-        return None
-    return layer.state.weight_workspace
 
 
 def start_param_sync(layer, bucket_group, force_sync: bool = False):
@@ -152,10 +149,10 @@ def start_param_sync(layer, bucket_group, force_sync: bool = False):
     handles = []
     for param_data, bucket_state in zip(adapter.param_buffers(bucket_group), kept):
         handles.append(comm.quantized_all_gather_weights(
-            param_data, bucket_state.main_shard, group=group, config=state.config,
-            async_op=async_op, generator=state.generator(bucket_state.main_shard.device, "weights"),
-            workspace=_weight_workspace(layer, bucket_group, bucket_state, async_op),
-            recorder=state.wire))
+            param_data, bucket_state.main_shard, group=state.runner.group_for(group),
+            config=state.config, async_op=async_op,
+            generator=state.generator(bucket_state.main_shard.device, "weights"),
+            workspace=state.weight_workspace, recorder=state.wire, runner=state.runner))
         bucket_state.fresh = False
     first_bucket, first = buckets[0], kept[0]
 

@@ -14,6 +14,7 @@ import torch
 
 from megatron_sdp4bit.comm.accounting import WireRecorder
 from megatron_sdp4bit.comm.rng import NoiseStreams
+from megatron_sdp4bit.comm.runner import InlineRunner
 from megatron_sdp4bit.comm.topology import default_ranks_per_node
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -37,10 +38,6 @@ class BucketState:
     sample_error: bool = False
     """Measure this gather's weight quantization error (a metrics iteration)."""
 
-    workspace: Workspace = field(default_factory=Workspace)
-    """This bucket's weight all-gather buffers, when gathers overlap the forward pass
-    (several buckets' in flight at once)."""
-
 
 @dataclass
 class LayerState:
@@ -52,9 +49,6 @@ class LayerState:
     """All ranks were checked to share ``config`` (a collective, done once)."""
     replica_checks_passed: int = 0
     """Run-time replica checks (``check_interval``) that found every replica alike."""
-    grad_reduce_in_flight: Optional[object] = None
-    """The last bucket group's quantized reduce-scatter handle (--overlap-grad-reduce),
-    completed when the next one starts."""
     grad_errors_sampled_at: int = -1
     """One gradient-error sample per iteration, not one per bucket group."""
     own_exact_collectives: bool = False
@@ -66,11 +60,15 @@ class LayerState:
     """This rank's stochastic-rounding streams (saved with the layer's checkpoint state)."""
     wire: WireRecorder = field(default_factory=WireRecorder)
     """The bytes of every bucket collective this layer ran or saw megatron run."""
-    grad_workspaces: dict = field(default_factory=dict)
-    """Reduce-scatter buffers by a bucket's position in its bucket group: the buckets of
-    one group are in flight together, groups one after another (``comm/workspace.py``)."""
+    runner: object = field(default_factory=InlineRunner)
+    """Where the layer's collectives run (``comm/runner.py``): a worker thread or a side
+    stream when megatron overlaps them, else the caller (``megatron/background.py``)."""
+    runner_chosen: bool = False
+    """``runner`` was chosen (at the first DDP construction that overlaps)."""
+    grad_workspace: Workspace = field(default_factory=Workspace)
+    """The reduce-scatters' buffers, shared: the runner runs one collective at a time."""
     weight_workspace: Workspace = field(default_factory=Workspace)
-    """The synchronous weight all-gathers' buffers, shared: one is in flight at a time."""
+    """The weight all-gathers' buffers, shared likewise."""
     warmed_up: set = field(default_factory=set)
     """The ``quant.KernelSpec``s compiled when DDP was built (``layer._warm_up_kernels``)."""
     warm_up_seconds: float = 0.0
@@ -97,16 +95,9 @@ class LayerState:
         if self.config.ranks_per_node is None and torch.distributed.is_initialized():
             self.config = self.config.replace(ranks_per_node=default_ranks_per_node())
 
-    def grad_workspace(self, position: int) -> Workspace:
-        workspace = self.grad_workspaces.get(position)
-        if workspace is None:
-            workspace = self.grad_workspaces[position] = Workspace()
-        return workspace
-
     def buffer_bytes(self) -> int:
         """Bytes of every reused collective buffer the layer holds now."""
-        return (sum(w.nbytes for w in self.grad_workspaces.values()) + self.weight_workspace.nbytes
-                + sum(b.workspace.nbytes for b in self.buckets.values()))
+        return self.grad_workspace.nbytes + self.weight_workspace.nbytes
 
     @property
     def exact_config(self) -> SDP4BitConfig:

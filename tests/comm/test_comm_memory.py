@@ -41,10 +41,10 @@ def test_held_is_one_fp32_main_shard_per_bucket(dp):
 def test_weight_buffers_are_this_ranks_segment_and_every_ranks():
     dp, shard = 8, 4096
     own = segment_nbytes(shard, 4, 2048)
-    assert weight_buffer_demand(dp * shard, dp, SDP, whole_bucket=True) == {
+    assert weight_buffer_demand(dp * shard, dp, SDP) == {
         "weights send 0": own, "weights gather 0": dp * own}
     assert own == quantized_nbytes(shard, 4, 2048) + 8  # scales 16-byte aligned: 2 + 6 pad bytes
-    assert weight_buffer_demand(dp * shard, dp, preset("tlq-hs-only"), True) == {}  # megatron's own
+    assert weight_buffer_demand(dp * shard, dp, preset("tlq-hs-only")) == {}  # megatron's own
     assert weight_gather_scratch(dp * shard, dp, SDP) == 0  # qWD adds in place
     assert weight_gather_scratch(dp * shard, dp, preset("zeropp")) == 4 * dp * shard  # qW's values
 
@@ -85,19 +85,19 @@ def test_an_unaligned_shard_adds_one_fp32_sum_of_its_last_chunk():
     assert grad_buffer_demand(dp * 4100, dp, SDP, 2)["grads sum"] == 4 * 128 * 33  # padded
 
 
-def test_layer_memory_shares_buffers_where_one_collective_runs_at_a_time():
+def test_layer_memory_shares_buffers_because_one_collective_runs_at_a_time():
+    """The layer's runner (comm/runner.py) runs its collectives one after another, also
+    when they overlap the backward and forward passes: one set of buffers per direction."""
     dp, n = 8, 8 * (1 << 20)
     kwargs = dict(params=3 * n, node_members=4, fp32_params=False)
     one = layer_memory([n, n, n], dp, SDP, **kwargs)
     assert one.held_bytes == 3 * 4 * n // dp
     grads = sum(grad_buffer_demand(n, dp, SDP, 4).values())
-    sliced = sum(weight_buffer_demand(n, dp, SDP, whole_bucket=False).values())
+    sliced = sum(weight_buffer_demand(n, dp, SDP).values())
     assert one.buffer_bytes == grads + sliced  # one set for every bucket
-    both = layer_memory([n, n, n], dp, SDP, overlap_grad_reduce=True, overlap_param_gather=True,
-                        **kwargs)
-    whole = sum(weight_buffer_demand(n, dp, SDP, whole_bucket=True).values())
-    assert both.buffer_bytes == grads + 3 * whole  # every bucket's gather may be in flight
-    assert both.scratch_bytes == sliced  # a forced synchronous gather keeps nothing
+    assert one.scratch_bytes == 0  # qWD adds in place
+    assert layer_memory([n], dp, preset("zeropp"), **kwargs).scratch_bytes == \
+        weight_gather_scratch(n, dp, preset("zeropp"))
     assert layer_memory([n], dp, preset("baseline"), **kwargs).total_bytes == 0
     assert "B/param" in one.describe() and one.per_param(one.held_bytes) == pytest.approx(4 / dp)
 
@@ -105,14 +105,14 @@ def test_layer_memory_shares_buffers_where_one_collective_runs_at_a_time():
 def test_sync_weight_gather_works_in_slices():
     dp = 8
     huge = dp * 100 * MAX_CHUNK_ELEMENTS
-    sliced = weight_buffer_demand(huge, dp, SDP, whole_bucket=False)
-    assert sliced == weight_buffer_demand(dp * 10 * MAX_CHUNK_ELEMENTS, dp, SDP, whole_bucket=False)
+    sliced = weight_buffer_demand(huge, dp, SDP)
+    assert sliced == weight_buffer_demand(dp * 10 * MAX_CHUNK_ELEMENTS, dp, SDP)
     # two slots of every rank's 4-bit codes (and its own again) and their scales, slices
     # of MAX_CHUNK_ELEMENTS over all ranks but at least MIN_SLICE_ELEMENTS per rank
     per_rank = max(MAX_CHUNK_ELEMENTS // dp, MIN_SLICE_ELEMENTS)
     assert sum(sliced.values()) == 2 * (dp + 1) * segment_nbytes(per_rank, 4, 2048)
     small = dp * 4096
-    assert weight_buffer_demand(small, dp, SDP, False) == weight_buffer_demand(small, dp, SDP, True)
+    assert set(weight_buffer_demand(small, dp, SDP)) == {"weights send 0", "weights gather 0"}
 
 
 def test_synchronous_gathers_keep_useful_calls_at_many_ranks():

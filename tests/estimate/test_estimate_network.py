@@ -83,7 +83,7 @@ def test_chunks_and_slices_are_the_real_collectives_calls(recorded_calls):
         a2a, ag = real[(rpn, shard, cap)]
         assert a2a % model.calls == 0, (rpn, shard, cap, a2a, model.calls)
         per_hop.add(a2a // model.calls)
-        slices = calls.weight_slices(shard, layout, config, impl, whole_bucket=False)
+        slices = calls.weight_slices(shard, layout, config, impl)
         assert ag % slices == 0, (rpn, shard, cap, ag, slices)
         per_slice.add(ag // slices)
     assert len(per_hop) == 1 and len(per_slice) == 1  # chunk and slice counts match everywhere

@@ -1,0 +1,280 @@
+"""Where a collective's stages run: on the caller, on a worker thread, or on a side stream.
+
+A quantized collective is a chain of stages: quantize, send, wait, sum and
+requantize, send, wait, dequantize. Run on the caller's thread and stream, every
+wait in that chain holds up whatever the caller does next (on a GPU the compute
+stream queues behind each hop; on gloo the thread blocks). A runner takes the
+whole chain off that path: ``submit(job)`` issues it and returns at once, and only
+the returned handle's ``wait()`` joins the caller with it.
+
+- ``InlineRunner``: the job runs now, on the caller (the synchronous path, and the
+  fallback where nothing else can run collectives).
+- ``ThreadRunner`` (gloo): one worker thread runs the jobs one after another, in
+  the order they were submitted. gloo blocks the calling thread in every wait, so
+  only another thread can overlap it. On CUDA tensors (gloo staging them through
+  host memory) the worker also runs them on a side stream, ordered after the
+  caller's stream at submission.
+- ``StreamRunner`` (NCCL): the job's host code runs now, on the caller, but its
+  kernels and collectives go to a side stream that first waits for the caller's
+  stream; waiting on NCCL blocks no host thread, so nothing is left for a thread.
+
+Every job of a runner is ordered after the previous one (one worker, one stream):
+jobs may share buffers (``Workspace``), and every rank issues each process
+group's collectives in submission order, which is the same on every rank when the
+callers submit in the same order. A thread runner's jobs run beside the caller's
+own collectives, so they must use process groups nobody else uses at the same
+time (``ThreadRunner.private_groups``; ``topology.private_group``): two threads
+issuing collectives on one gloo group may pair them wrongly.
+
+A job that raises makes that handle's ``wait()`` raise the same exception, and
+every later job on the runner fails without running (the groups it shares with
+the failed one are in an unknown state): a failure surfaces, it never hangs.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+Job = Callable[[], None]
+
+
+class Completion:
+    """The handle of a submitted job, shaped like ``torch.distributed.Work``."""
+
+    def __init__(self, done: Optional[threading.Event] = None,
+                 device_done: Optional["torch.cuda.Event"] = None,
+                 device: Optional[torch.device] = None) -> None:
+        self._done = done  # set by a worker thread when the job's host part is over
+        self._device_done = device_done  # recorded on the side stream after the job
+        self._device = device
+        self.error: Optional[BaseException] = None
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002  (torch's Work.wait takes one too)
+        """Join the caller with the job: the host waits for a thread's job, the caller's
+        current stream for the side stream's work. Raises what the job raised."""
+        if self._done is not None:
+            self._done.wait()
+        if self.error is not None:
+            raise self.error
+        if self._device_done is not None:
+            torch.cuda.current_stream(self._device).wait_event(self._device_done)
+        return True
+
+    def is_completed(self) -> bool:
+        """The host part is done (a side stream's kernels may still be queued)."""
+        return self._done is None or self._done.is_set()
+
+
+def _done_handle(error: Optional[BaseException] = None) -> Completion:
+    handle = Completion()
+    handle.error = error
+    return handle
+
+
+class InlineRunner:
+    """Runs each job at submission, on the caller's thread and stream."""
+
+    kind = "inline"
+
+    def submit(self, job: Job, tensors: Sequence[torch.Tensor] = ()) -> Completion:  # noqa: ARG002
+        job()
+        return _done_handle()
+
+    def group_for(self, group):
+        return group
+
+    def drain(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class StreamRunner:
+    """NCCL: the job's kernels and collectives on a side stream of ``device``."""
+
+    kind = "stream"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
+
+    def submit(self, job: Job, tensors: Sequence[torch.Tensor] = ()) -> Completion:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            job()
+        for tensor in tensors:  # the caller may free them before the side stream is done
+            tensor.record_stream(self.stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return Completion(device_done=done, device=self.device)
+
+    def group_for(self, group):
+        return group
+
+    def drain(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def close(self) -> None:
+        self.drain()
+
+
+class ThreadRunner:
+    """gloo: one worker thread runs the jobs in submission order.
+
+    ``private_groups`` maps each process group a caller names to one with the same
+    members that only this runner's jobs use (``group_for``).
+    """
+
+    kind = "thread"
+
+    def __init__(self, device: torch.device, private_groups: Optional[dict] = None,
+                 name: str = "sdp4bit-collectives") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.private_groups = dict(private_groups or {})
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._failure: Optional[BaseException] = None
+        self._pid = os.getpid()
+        self._closed = False
+        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def group_for(self, group):
+        """The private twin of ``group`` (``group`` itself if it has none: only this
+        runner may then use it)."""
+        return self.private_groups.get(group, group)
+
+    def submit(self, job: Job, tensors: Sequence[torch.Tensor] = ()) -> Completion:
+        if os.getpid() != self._pid:
+            raise RuntimeError("this collective runner was made in another process (before a "
+                               "fork); install the layer in the process that trains")
+        if self._closed:
+            raise RuntimeError("this collective runner is closed (the layer was uninstalled)")
+        if self._failure is not None:
+            return _done_handle(_failed_before(self._failure))
+        ready = None
+        if self._stream is not None:  # the side stream starts after the caller's work so far
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        handle = Completion(done=threading.Event(), device=self.device,
+                            device_done=torch.cuda.Event() if self._stream is not None else None)
+        self._jobs.put((job, tuple(tensors), ready, handle))
+        return handle
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run (errors are left to their handles)."""
+        if self._closed or not self._thread.is_alive():
+            return
+        marker = threading.Event()
+        self._jobs.put(marker)
+        marker.wait()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the worker. A worker stuck in a collective (a
+        peer died) is left behind as a daemon after 60 s rather than hanging the caller."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------------ the worker
+    def _work(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_device(self.device)
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            job, tensors, ready, handle = item
+            item = None  # the job and its tensors are not kept past it
+            try:
+                if self._failure is not None:
+                    raise _failed_before(self._failure)
+                self._run(job, tensors, ready, handle)
+            except BaseException as error:  # handed to the waiter, never lost
+                handle.error = error
+                if self._failure is None:
+                    self._failure = error
+            finally:
+                job = tensors = None
+                handle._done.set()
+
+    def _run(self, job: Job, tensors, ready, handle: Completion) -> None:
+        with torch.no_grad():
+            if self._stream is None:
+                job()
+                return
+            self._stream.wait_event(ready)
+            with torch.cuda.stream(self._stream):
+                job()
+            for tensor in tensors:
+                tensor.record_stream(self._stream)
+            handle._device_done.record(self._stream)
+
+
+def _failed_before(error: BaseException) -> RuntimeError:
+    failure = RuntimeError(f"an earlier collective of this runner failed ({type(error).__name__}: "
+                           f"{error}); later ones are not run")
+    failure.__cause__ = error
+    return failure
+
+
+def backend_of(group, device: torch.device) -> str:
+    """The backend that serves ``group``'s collectives on tensors of ``device``."""
+    device = torch.device(device)
+    try:
+        return str(group._get_backend(device).name()).lower()  # a mixed "cpu:gloo,cuda:nccl" world
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return str(dist.get_backend(group)).lower()
+
+
+def runner_kind(group, device: torch.device) -> str:
+    """``"stream"`` (NCCL on CUDA), ``"thread"`` (gloo) or ``"inline"`` (any other backend:
+    the collectives then run on the caller, not overlapped)."""
+    backend = backend_of(group, device)
+    if "nccl" in backend and torch.device(device).type == "cuda":
+        return "stream"
+    if "gloo" in backend:
+        return "thread"
+    return "inline"
+
+
+def make_runner(kind: str, device: torch.device, private_groups: Optional[dict] = None):
+    """The runner of ``kind`` (``runner_kind``) for collectives on ``device``."""
+    if kind == "stream":
+        return StreamRunner(device)
+    if kind == "thread":
+        return ThreadRunner(device, private_groups)
+    if kind == "inline":
+        return InlineRunner()
+    raise ValueError(f"unknown runner kind {kind!r}; use 'inline', 'thread' or 'stream'")
+
+
+def run_or_submit(runner, job: Job, async_op: bool, tensors: Sequence[torch.Tensor] = ()):
+    """torch's convention over a runner: with ``async_op`` the job is submitted and its
+    handle returned; without, it runs to completion (through the runner, the one that
+    may use its groups) and None is returned. No runner: the job runs now, here."""
+    if runner is None:
+        job()
+        return _done_handle() if async_op else None
+    handle = runner.submit(job, tensors)
+    if async_op:
+        return handle
+    handle.wait()
+    return None

@@ -1,0 +1,54 @@
+"""Where the layer's collectives run while megatron overlaps them (``comm/runner.py``).
+
+With ``--overlap-grad-reduce`` or ``--overlap-param-gather`` megatron starts a
+bucket's collective and goes on with the backward (forward) pass, waiting on the
+handle only in ``finish_grad_sync`` (the forward pre-hook). The layer hands every
+stage of its collectives to one runner, chosen when the first model chunk's DDP
+is built and kept for the run:
+
+- gloo: a worker thread (``ThreadRunner``) on private twins of the data-parallel
+  groups, made here on every rank in the same order, so its collectives never
+  pair with megatron's own on the same group;
+- NCCL on CUDA: a side stream (``StreamRunner``) ordered after the compute stream;
+- any other backend, or no overlap flag: the caller (``InlineRunner``); with an
+  overlap flag one INFO line says the quantized collectives are not overlapped.
+
+Every rank submits its bucket groups' collectives in megatron's order, and one
+runner runs them in that order: see docs/collectives.md, "Overlap", for why this
+cannot deadlock.
+"""
+from __future__ import annotations
+
+import logging
+
+from megatron_sdp4bit.comm.runner import InlineRunner, backend_of, make_runner, runner_kind
+from megatron_sdp4bit.comm.topology import build_private_groups, private_group
+
+logger = logging.getLogger(__name__)
+
+
+def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
+    """Choose ``state.runner`` at the first DDP construction that overlaps, and give a
+    thread runner private twins of ``groups`` (``rank_lists``: every rank's lists of each,
+    a world collective made by the caller). Called by every rank at every DDP
+    construction, in the same order."""
+    ddp_config = adapter.ddp_config(ddp)
+    if not (ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather) or not groups:
+        return
+    device = adapter.grad_buffers(adapter.ddp_bucket_groups(ddp)[0])[0].device
+    if isinstance(state.runner, InlineRunner) and not state.runner_chosen:
+        state.runner_chosen = True
+        kind = runner_kind(groups[0], device)
+        if kind == "inline":
+            logger.info("SDP4Bit: the %s backend cannot run collectives from a worker thread or a "
+                        "side stream; the quantized collectives run when megatron starts them, "
+                        "not overlapped with the backward and forward passes",
+                        backend_of(groups[0], device))
+            return
+        state.runner = make_runner(kind, device)
+    if getattr(state.runner, "kind", None) != "thread":
+        return
+    for lists in rank_lists:
+        build_private_groups(lists)
+    for group in groups:
+        state.runner.private_groups[group] = private_group(group)

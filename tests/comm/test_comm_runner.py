@@ -1,0 +1,201 @@
+"""comm/runner.py: collectives handed to a worker thread, on real gloo ranks.
+
+Properties checked against the synchronous call and the exact collective:
+
+- a collective submitted to a ``ThreadRunner`` is bit-identical to the same call run
+  synchronously, for both directions, fp32 and bf16, one and several chunks, one and
+  two levels, nearest and stochastic rounding (the same draws in the same order);
+- the call returns before its collective is done (a peer that starts late does not
+  hold the caller), and the caller's own collectives on the original group run
+  meanwhile without pairing with the runner's (the runner uses a private twin);
+- a job that fails makes its wait raise, and every later job fails without running.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from comm_worlds import WORLDS, battery, make_input, ranks_per_node_choices
+from megatron_sdp4bit import comm
+from megatron_sdp4bit.comm import gradients, quantized_all_gather_weights, quantized_reduce_scatter
+from megatron_sdp4bit.comm.runner import InlineRunner, ThreadRunner, run_or_submit
+from megatron_sdp4bit.comm.topology import build_private_groups, private_group
+from megatron_sdp4bit.comm.workspace import Workspace
+from megatron_sdp4bit.config import SDP4BitConfig
+
+pytestmark = pytest.mark.slow  # real gloo processes
+
+DTYPES = (torch.float32, torch.bfloat16)
+LATE_START_S = 1.0  # how long the late rank waits before its call
+
+
+def _runner(world: int) -> ThreadRunner:
+    """A worker thread with a private twin of the world (collective: every rank calls it)."""
+    build_private_groups([list(range(world))])
+    twin = private_group(dist.group.WORLD)
+    return ThreadRunner(torch.device("cpu"), {dist.group.WORLD: twin})
+
+
+def _reduce_scatter(x, config, seed, runner=None, group=None):
+    out = torch.empty(x.numel() // dist.get_world_size(), dtype=x.dtype)
+    handle = quantized_reduce_scatter(
+        out, x, op=dist.ReduceOp.AVG, group=group, config=config, async_op=runner is not None,
+        generator=torch.Generator().manual_seed(seed), workspace=Workspace(), runner=runner)
+    if handle is not None:
+        handle.wait()
+    return out
+
+
+def _gather(model, main, config, seed, runner=None, group=None):
+    model = model.clone()
+    handle = quantized_all_gather_weights(
+        model, main, group=group, config=config, async_op=runner is not None,
+        generator=torch.Generator().manual_seed(seed), workspace=Workspace(), runner=runner)
+    if handle is not None:
+        handle.wait()
+    return model
+
+
+@battery.case(*WORLDS)
+def runner_equals_sync(rank: int, world: int) -> list:
+    """(rpn, rounding, dtype, chunks, direction, bit-identical) for every combination."""
+    runner = _runner(world)
+    twin = runner.group_for(dist.group.WORLD)
+    records = []
+    caps = gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS
+    try:
+        for rpn in ranks_per_node_choices(world):
+            comm.get_topology(twin, rpn)  # built here, on the caller (a collective over it)
+            for rounding in ("nearest", "stochastic"):
+                for dtype in DTYPES:
+                    for chunks in (1, 3):
+                        # a small cap: a bucket of many chunks, several in flight
+                        gradients.MAX_CHUNK_ELEMENTS = world * 256 if chunks > 1 else caps[0]
+                        gradients.MIN_CHUNK_SHARD_ELEMENTS = 1
+                        config = SDP4BitConfig(ranks_per_node=rpn, rounding=rounding,
+                                               pipeline_chunks=chunks)
+                        x = make_input(rank, 7, world * 2050, dtype, integers=False)
+                        sync = _reduce_scatter(x, config, 11 + rank)
+                        overlapped = _reduce_scatter(x, config, 11 + rank, runner, twin)
+                        records.append((rpn, rounding, str(dtype), chunks, "reduce_scatter",
+                                        torch.equal(sync, overlapped)))
+                        model = make_input(0, 3, world * 5000, dtype, integers=False)
+                        main = model.view(world, -1)[rank].float() + 0.01 * make_input(
+                            rank, 4, 5000, torch.float32, integers=False)
+                        sync = _gather(model, main, config, 13 + rank)
+                        overlapped = _gather(model, main, config, 13 + rank, runner, twin)
+                        records.append((rpn, rounding, str(dtype), chunks, "all_gather",
+                                        torch.equal(sync, overlapped)))
+    finally:
+        gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS = caps
+        runner.close()
+    return records
+
+
+def test_a_runner_gives_the_synchronous_result_bit_for_bit(world):
+    for rank, records in enumerate(battery.results(runner_equals_sync, world)):
+        assert len(records) == 2 * 2 * 2 * 2 * len(ranks_per_node_choices(world))
+        different = [r for r in records if not r[-1]]
+        assert not different, f"rank {rank}: overlapped differs from sync for {different}"
+
+
+@battery.case(2, 4)
+def overlap(rank: int, world: int) -> dict:
+    """The last rank starts its reduce-scatter LATE_START_S late. Every other rank's call
+    must return at once (the collective waits on the worker, not on the caller), and the
+    caller's all-reduce on the world group, issued right after, must pair with the late
+    rank's all-reduce, not with the runner's collectives."""
+    runner = _runner(world)
+    twin = runner.group_for(dist.group.WORLD)
+    config = SDP4BitConfig(ranks_per_node=2 if world > 2 else world, rounding="nearest")
+    comm.get_topology(twin, config.ranks_per_node)
+    x = make_input(rank, 21, world * 4096, torch.float32, integers=False)
+    expected = _reduce_scatter(x, config, 0)
+    dist.barrier()
+    late = rank == world - 1
+    if late:
+        token = torch.tensor([float(rank)])
+        dist.all_reduce(token)  # the caller's collective first, then the late start
+        time.sleep(LATE_START_S)
+    out = torch.empty_like(expected)
+    started = time.perf_counter()
+    handle = quantized_reduce_scatter(out, x, op=dist.ReduceOp.AVG, group=twin, config=config,
+                                      async_op=True, workspace=Workspace(), runner=runner)
+    returned_after = time.perf_counter() - started
+    in_flight = not handle.is_completed()
+    if not late:
+        token = torch.tensor([float(rank)])
+        dist.all_reduce(token)  # on the world group while the runner's collective waits
+    handle.wait()
+    waited = time.perf_counter() - started
+    runner.close()
+    return {"late": late, "returned_after": returned_after, "in_flight": in_flight,
+            "waited": waited, "token": float(token), "equal": torch.equal(out, expected)}
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_submitted_collective_returns_at_once_and_runs_beside_the_callers_own(size):
+    if size > max(WORLDS):
+        pytest.skip("world too large")
+    results = battery.results(overlap, size)
+    total = float(sum(range(size)))
+    for rank, r in enumerate(results):
+        assert r["equal"], f"rank {rank}: the overlapped result differs from the synchronous one"
+        assert r["token"] == total, f"rank {rank}: the caller's all-reduce paired wrongly: {r}"
+        if not r["late"]:
+            assert r["returned_after"] < 0.25 * LATE_START_S, r  # did not wait for the late rank
+            assert r["in_flight"], r
+            assert r["waited"] >= 0.8 * LATE_START_S, r  # wait() joined the late collective
+
+
+def test_a_failed_job_raises_at_its_wait_and_later_jobs_do_not_run():
+    runner = ThreadRunner(torch.device("cpu"))
+    ran = []
+
+    def fail():
+        raise ValueError("boom")
+
+    try:
+        first = runner.submit(fail)
+        second = runner.submit(lambda: ran.append(True))
+        with pytest.raises(ValueError, match="boom"):
+            first.wait()
+        with pytest.raises(RuntimeError, match="earlier collective of this runner failed"):
+            second.wait()
+        third = runner.submit(lambda: ran.append(True))
+        with pytest.raises(RuntimeError, match="earlier collective"):
+            third.wait()
+        assert ran == []
+    finally:
+        runner.close()
+
+
+def test_jobs_run_in_submission_order_on_one_thread_and_close_runs_what_is_queued():
+    runner = ThreadRunner(torch.device("cpu"))
+    order, threads = [], set()
+    import threading
+
+    def job(i):
+        time.sleep(0.01 * (5 - i))  # later jobs are quicker: order must still hold
+        order.append(i)
+        threads.add(threading.current_thread().name)
+
+    handles = [runner.submit(lambda i=i: job(i)) for i in range(5)]
+    runner.close()
+    assert order == list(range(5))
+    assert threads == {"sdp4bit-collectives"} and threading.current_thread().name not in threads
+    assert all(h.is_completed() for h in handles)
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.submit(lambda: None)
+
+
+def test_without_a_runner_or_inline_the_job_runs_at_the_call():
+    ran = []
+    assert run_or_submit(None, lambda: ran.append(1), async_op=False) is None
+    handle = run_or_submit(None, lambda: ran.append(2), async_op=True)
+    assert handle.is_completed() and handle.wait() and ran == [1, 2]
+    handle = run_or_submit(InlineRunner(), lambda: ran.append(3), async_op=True)
+    assert handle.is_completed() and ran == [1, 2, 3]

@@ -1,0 +1,129 @@
+"""The layer's collectives overlap megatron's backward and forward passes (issue 26).
+
+With --overlap-grad-reduce / --overlap-param-gather on gloo the layer hands every
+stage of its collectives to a worker thread (``megatron/background.py``,
+``comm/runner.py``). Checked on 4 ranks as 2 nodes x 2, several buckets:
+
+- training with the worker thread is bit-identical to training with every
+  collective run by the caller (the runner forced to ``inline``): losses and the
+  weights' SHA-256 after every step, for overlapped gradients alone and both
+  directions, bf16 and fp32, SDP4Bit (stochastic rounding) and the exact
+  reduce-scatter as an all-to-all (the layer's own exact path);
+- the quantize kernels of both directions run on the worker thread, never on the
+  thread that runs megatron's backward and forward passes;
+- the layer chose a thread runner, made once, and the layer's buffers stay one set
+  per direction (``comm/memory.py``'s bound holds).
+"""
+from __future__ import annotations
+
+import pytest
+
+from harness import spawn_ranks
+from harness.tiny_gpt import TinyGPTSpec
+from megatron_sdp4bit.config import preset
+
+pytestmark = pytest.mark.slow
+
+WORLD, RANKS_PER_NODE, STEPS = 4, 2, 5
+SPECS = {
+    "bf16-grads": TinyGPTSpec(dtype="bf16", overlap_grad_reduce=True, bucket_size=4000),
+    "bf16-both": TinyGPTSpec(dtype="bf16", overlap_grad_reduce=True, overlap_param_gather=True,
+                             bucket_size=4000),
+    "fp32-both": TinyGPTSpec(dtype="fp32", overlap_grad_reduce=True, overlap_param_gather=True,
+                             bucket_size=4000, grad_reduce_in_fp32=True),
+}
+CONFIGS = {
+    "sdp4bit": preset("sdp4bit", ranks_per_node=RANKS_PER_NODE),
+    "exact-a2a": preset("baseline", ranks_per_node=RANKS_PER_NODE, exact_reduce_scatter="alltoall"),
+}
+
+
+def _train(spec, config, inline: bool) -> dict:
+    import threading
+
+    from megatron_sdp4bit import comm
+    from megatron_sdp4bit.comm import gradients, weights
+    from megatron_sdp4bit.megatron import background, patch
+    from harness.tiny_gpt import TinyGPTTrainer
+
+    patch.uninstall()
+    comm.reset_generators()
+    threads = set()
+    originals = {}
+
+    def spy(module, name):
+        original = originals[(module, name)] = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            threads.add(threading.current_thread().name)
+            return original(*args, **kwargs)
+
+        setattr(module, name, wrapped)
+
+    real_kind = background.runner_kind
+    if inline:
+        background.runner_kind = lambda group, device: "inline"
+    spy(gradients, "hadamard_quantize_rows")
+    spy(weights, "quantize_weight_diff")
+    try:
+        patch.install(config)
+        trainer = TinyGPTTrainer(spec)
+        records = trainer.train_steps(STEPS)
+        layer = patch.installed_layer()
+        kind = layer.state.runner.kind
+        params = sum(p.numel() for p in trainer.model.parameters())
+        reported = patch.memory(trainer.optimizer, params).buffer_bytes
+        buffers = layer.state.buffer_bytes()
+    finally:
+        background.runner_kind = real_kind
+        for (module, name), original in originals.items():
+            setattr(module, name, original)
+        patch.uninstall()
+    return {"losses": [r.loss for r in records], "hashes": [r.weights_sha256 for r in records],
+            "buckets": trainer.num_buckets, "kind": kind, "threads": sorted(threads),
+            "main": threading.current_thread().name, "buffers": (buffers, reported)}
+
+
+def _world(rank, world_size, cases):
+    return [_train(*case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cases, names = [], []
+    for spec_name, spec in SPECS.items():
+        for config_name, config in CONFIGS.items():
+            if config_name == "exact-a2a" and spec_name != "bf16-both":
+                continue  # the exact path once is enough
+            for inline in (False, True):
+                cases.append((spec, config, inline))
+                names.append((spec_name, config_name, inline))
+    per_rank = spawn_ranks(_world, WORLD, cases, timeout_s=900)
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
+
+
+@pytest.mark.parametrize("spec_name,config_name", [
+    ("bf16-grads", "sdp4bit"), ("bf16-both", "sdp4bit"), ("fp32-both", "sdp4bit"),
+    ("bf16-both", "exact-a2a")])
+def test_overlapped_training_is_bit_identical_to_the_callers_own(runs, spec_name, config_name):
+    overlapped, inline = runs[(spec_name, config_name, False)], runs[(spec_name, config_name, True)]
+    for rank, (a, b) in enumerate(zip(overlapped, inline)):
+        assert a["kind"] == "thread" and b["kind"] == "inline", (a["kind"], b["kind"])
+        assert a["buckets"] > 2, "the model must have several buckets"
+        assert a["losses"] == b["losses"], f"rank {rank}: losses differ"
+        assert a["hashes"] == b["hashes"], f"rank {rank}: weights differ"
+
+
+@pytest.mark.parametrize("spec_name", list(SPECS))
+def test_the_quantize_kernels_run_on_the_worker_thread(runs, spec_name):
+    for rank, run in enumerate(runs[(spec_name, "sdp4bit", False)]):
+        assert run["threads"] == ["sdp4bit-collectives"], (rank, run["threads"])
+        assert run["main"] != "sdp4bit-collectives"
+    for run in runs[(spec_name, "sdp4bit", True)]:
+        assert run["threads"] == [run["main"]]
+
+
+def test_the_buffers_stay_one_set_per_direction(runs):
+    for name, per_rank in runs.items():
+        for held, reported in (run["buffers"] for run in per_rank):
+            assert held <= reported, (name, held, reported)
