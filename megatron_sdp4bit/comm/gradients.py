@@ -43,28 +43,13 @@ import torch.distributed as dist
 from megatron_sdp4bit.comm.accounting import WireRecorder, recorder_or_default
 from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import finish_or_handle
-from megatron_sdp4bit.comm.layout import (
-    MAX_CHUNK_ELEMENTS,
-    MIN_CHUNK_SHARD_ELEMENTS,
-    Chunk,
-    chunk_count,
-    chunk_plan,
-)
 from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
+from megatron_sdp4bit.comm.reduce_scatter_plan import ReduceScatterPlan
 from megatron_sdp4bit.comm.rng import pick_generator
 from megatron_sdp4bit.comm.runner import Completion, run_or_submit
-from megatron_sdp4bit.comm.topology import Level, Topology, get_topology, peer_split
+from megatron_sdp4bit.comm.topology import Topology, get_topology, peer_split
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
-from megatron_sdp4bit.quant import (
-    QuantizedTensor,
-    dequantize_sum,
-    dequantize_sum_requantize,
-    hadamard_quantize_rows,
-    segment_layout,
-    segment_nbytes,
-    wire_view,
-)
 
 _COLLECTIVE = "reduce_scatter"
 
@@ -119,9 +104,14 @@ def quantized_reduce_scatter(
             runner, lambda: reduce_scatter_flat(output, input, op, group, False, as_alltoall),
             async_op, (output, input))
     topology = get_topology(group, config.ranks_per_node)
-    run = _QuantizedReduceScatter(output, input, op == dist.ReduceOp.AVG, topology, config,
-                                  generator, workspace if workspace is not None else Workspace(),
-                                  wire)
+    average = op == dist.ReduceOp.AVG
+    space = workspace if workspace is not None else Workspace()
+    plan = space.plan(input, ("reduce_scatter", input.data_ptr(), output.data_ptr(), shard,
+                              average, id(topology), config),
+                      lambda: ReduceScatterPlan(output, input, average, topology, config, space))
+    gen = pick_generator(generator, config.rounding, input.device, config.seed,
+                         topology.global_rank, "grads")
+    run = _QuantizedReduceScatter(plan, gen, wire, topology)
     # chunk by chunk: a few chunks' buffers alive at a time
     return run_or_submit(runner, run.finish, async_op, (output, input))
 
@@ -141,127 +131,63 @@ def _validate(output: torch.Tensor, input: torch.Tensor, op, dp_size: int) -> No
 
 
 class _QuantizedReduceScatter:
-    """State of one quantized reduce-scatter across its pipeline chunks.
+    """One quantized reduce-scatter run through its plan's chunks, pipelined.
 
     A chunk goes through up to three stages: quantize and start the first hop;
     (two levels) wait for it, sum, requantize and start the second hop; wait and
     write the output. Chunk i+1's hop is in flight while chunk i is summed. Each hop
     sends one buffer (every peer's codes and scales in one segment,
-    ``quant.wire_view``), taken from ``workspace`` in two slots that the chunks
-    use in turn: chunk i + 2 takes chunk i's, whose hops have completed by then.
+    ``quant.wire_view``), in two slots of the workspace that the chunks use in turn:
+    chunk i + 2 takes chunk i's, whose hops have completed by then.
     """
 
-    def __init__(self, output, input, average, topology: Topology, config, generator,
-                 workspace: Workspace, recorder: WireRecorder):
-        self.output = output.view(-1)
-        self.topology = topology
-        self.config = config
-        self.workspace = workspace
+    def __init__(self, plan: ReduceScatterPlan, generator, recorder: WireRecorder,
+                 topology: Topology):
+        self.plan = plan
+        self.generator = generator
         self.recorder = recorder
-        self.levels = topology.levels
-        self.formats = [config.grad_hop_format(level.name) for level in self.levels]
-        self.block = config.grad_hadamard_block
-        align = config.grad_alignment([level.name for level in self.levels])
-        self.shard = output.numel()
-        chunks = chunk_count(self.shard, topology.dp_size, config.pipeline_chunks,
-                             MAX_CHUNK_ELEMENTS, MIN_CHUNK_SHARD_ELEMENTS)
-        self.unlaunched = deque(enumerate(chunk_plan(self.shard, align, chunks)))
-        self.rows = input.view(topology.dp_size, self.shard)
-        self.order = topology.send_order_index(input.device)
-        self.scale = 1.0 / topology.dp_size if average else 1.0
-        self.generator = pick_generator(generator, config.rounding, input.device, config.seed,
-                                        topology.global_rank, "grads")
-        self.first_hop: deque = deque()  # (chunk, first hop in flight)
-        self.second_hop: deque = deque()  # (chunk, last hop in flight)
+        self.topology = topology
+        self.first_hop: deque = deque()  # (chunk steps, first hop in flight)
+        self.second_hop: deque = deque()  # (chunk steps, last hop in flight)
 
-    # --- steps -------------------------------------------------------------------
     def finish(self) -> None:
-        """Every remaining stage of every chunk, pipelined; the output is complete after."""
-        while self.unlaunched:
-            self._start_first_hop()
+        """Every stage of every chunk, pipelined; the output is complete after."""
+        for steps in self.plan.chunks:
+            steps.quantize(self.generator)
+            self.first_hop.append((steps, self._exchange(steps.hops[0])))
             self._advance(keep=1)  # the chunk just launched stays in flight
         self._advance(keep=0)
         while self.second_hop:
             self._write(*self.second_hop.popleft())
 
-    def _start_first_hop(self) -> None:
-        index, chunk = self.unlaunched.popleft()
-        bits, group_size = self.formats[0]
-        outgoing, send = self._send_buffer(index, 0, self.topology.dp_size * chunk.padded)
-        hadamard_quantize_rows(self.rows, self.order, chunk.start, chunk.valid, chunk.padded,
-                               bits=bits, group_size=group_size, hadamard_block=self.block,
-                               rounding=self.config.rounding, generator=self.generator,
-                               scale=self.scale, out=send)
-        self.first_hop.append(((index, chunk), self._exchange(index, outgoing, send, 0)))
-
     def _advance(self, keep: int) -> None:
         """Move all but ``keep`` first-hop chunks on to their last hop, writing each
         chunk out once the next one's last hop is in flight."""
         while len(self.first_hop) > keep:
-            (index, chunk), state = self.first_hop.popleft()
-            if len(self.levels) == 1:  # the first hop was the last: write it now, so that
-                self._write(chunk, state)  # its slot is free before chunk i + 2 takes it
+            steps, work = self.first_hop.popleft()
+            if steps.requantize is None:  # the first hop was the last: write it now, so
+                self._write(steps, work)  # that its slot is free before chunk i + 2 takes it
                 continue
-            self.second_hop.append((chunk, self._second_hop(index, chunk, state)))
+            work.wait()
+            steps.requantize(self.generator)  # the node's L pieces summed, requantized
+            self.second_hop.append((steps, self._exchange(steps.hops[1])))
             while len(self.second_hop) > 1:
                 self._write(*self.second_hop.popleft())
 
-    def _second_hop(self, index: int, chunk: Chunk, state):
-        """Sum the node's L pieces, requantize, start the inter-node hop."""
-        bits, group_size = self.formats[1]
-        numel = self.topology.dp_size * chunk.padded // self.levels[0].size
-        outgoing, send = self._send_buffer(index, 1, numel)
-        dequantize_sum_requantize(self._arrived(state), num_chunks=self.levels[0].size, bits=bits,
-                                  group_size=group_size, rounding=self.config.rounding,
-                                  generator=self.generator, out=send)
-        return self._exchange(index, outgoing, send, 1)
-
-    # --- helpers -----------------------------------------------------------------
-    def _send_buffer(self, index: int, hop: int, numel: int):
-        """Hop ``hop``'s send buffer for ``numel`` elements (bytes, and their wire view with
-        one segment per peer), in the slot of chunk ``index``."""
-        peers = self.levels[hop].size
-        bits, group_size = self.formats[hop]
-        nbytes = peers * segment_nbytes(numel // peers, bits, group_size)
-        buffer = self.workspace.buffer(f"grads hop {hop} send {index % 2}", nbytes,
-                                       self.rows.device)
-        return buffer, wire_view(buffer, peers, numel // peers, bits, group_size)
-
-    def _exchange(self, index: int, outgoing: torch.Tensor, send: QuantizedTensor, hop: int):
-        """Start hop ``hop``'s all-to-all of ``outgoing`` (``send``'s bytes); record them."""
-        level = self.levels[hop]
-        bits, group_size = self.formats[hop]
-        chunk_numel = send.numel // level.size
-        incoming = self.workspace.buffer(f"grads hop {hop} receive {index % 2}",
-                                         outgoing.numel(), self.rows.device)
-        work = all_to_all_equal(incoming, outgoing, level.group)
-        self._record(level, segment_layout(chunk_numel, bits, group_size), chunk_numel)
-        return wire_view(incoming, level.size, chunk_numel, bits, group_size), work
-
-    def _record(self, level: Level, layout, chunk_numel: int) -> None:
-        if len(self.levels) == 1:  # a flat hop reaches peers on this node and others
+    def _exchange(self, hop):
+        """Start ``hop``'s all-to-all and record its bytes."""
+        work = all_to_all_equal(hop.incoming, hop.outgoing, hop.level.group)
+        if len(self.plan.levels) == 1:  # a flat hop reaches peers on this node and others
             intra, inter = self.topology.same_node_peers, self.topology.other_node_peers
         else:
-            intra, inter = (level.size - 1, 0) if level.name == "intra" else (0, level.size - 1)
-        scales = 4 * layout.groups
-        self.recorder.peer_sends(_COLLECTIVE, intra, inter, codes=layout.codes_nbytes,
-                                 scales=scales, padding=layout.nbytes - layout.codes_nbytes - scales,
-                                 elements=chunk_numel)
+            intra, inter = ((hop.level.size - 1, 0) if hop.level.name == "intra"
+                            else (0, hop.level.size - 1))
+        codes, scales, padding, elements = hop.sent_per_peer
+        self.recorder.peer_sends(_COLLECTIVE, intra, inter, codes=codes, scales=scales,
+                                 padding=padding, elements=elements)
+        return work
 
     @staticmethod
-    def _arrived(state) -> QuantizedTensor:
-        received, work = state
+    def _write(steps, work) -> None:
         work.wait()
-        return received
-
-    def _write(self, chunk: Chunk, state) -> None:
-        received = self._arrived(state)
-        peers = self.levels[-1].size
-        dest = self.output[chunk.start: chunk.start + chunk.valid]
-        if chunk.valid == chunk.padded:
-            dequantize_sum(received, num_chunks=peers, inverse_hadamard_block=self.block, out=dest)
-        else:  # the shard's unaligned end: the sum's padding is not the caller's
-            total = self.workspace.buffer("grads sum", 4 * chunk.padded, self.rows.device)
-            total = dequantize_sum(received, num_chunks=peers, inverse_hadamard_block=self.block,
-                                   out=total.view(torch.float32))
-            dest.copy_(total[: chunk.valid])
+        steps.write()

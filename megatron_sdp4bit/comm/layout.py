@@ -147,12 +147,15 @@ def chunk_plan(shard_numel: int, align: int, max_chunks: int) -> list[Chunk]:
     return chunks
 
 
-MAX_CHUNK_ELEMENTS = 1 << 22
+MAX_CHUNK_ELEMENTS = 1 << 24
 """At most this many elements (over all DP shards) per pipeline chunk. Without
 --overlap-grad-reduce megatron puts every parameter in one bucket; chunks of at
-most 4M elements keep the reduce-scatter's scratch near 40 MiB (comm/memory.py),
-under 1 byte per parameter at DP 8 even for a 125M model, while each kernel
-still streams 16 MiB of fp32 and each first hop moves 4 MiB of 8-bit codes."""
+most 16M elements keep the reduce-scatter's buffers near 70 MiB (two slots of a
+chunk's 8-bit codes sent and received, comm/memory.py), under 1 byte per parameter
+at DP 8 even for a 125M model. Each chunk costs the host two seed draws, three
+launches and two collective calls (scripts/count_chunk_work.py), so the cap also
+sets the chunks per step: megatron's 40M-element buckets are 3 chunks each
+(4M elements made them 10; docs/performance.md, "Host work per chunk")."""
 
 
 MIN_CHUNK_SHARD_ELEMENTS = 1 << 18

@@ -30,7 +30,7 @@ __all__ = [
     "dequantize_add_", "hadamard_quantize", "hadamard_quantize_rows",
     "dequantize_sum_requantize", "dequantize_sum", "backend_for",
     "SEGMENT_ALIGN", "segment_layout", "segment_nbytes", "wire_view", "empty_wire",
-    "KernelSpec", "warm_up",
+    "KernelSpec", "warm_up", "prepare",
 ]
 
 
@@ -44,10 +44,12 @@ def _triton_ops():
 
 
 def backend_for(t: torch.Tensor):
-    """The module implementing the ops for tensor ``t``'s device."""
-    if t.is_cuda and os.environ.get("SDP4BIT_QUANT_BACKEND", "auto") != "torch":
+    """The module implementing the ops for tensor ``t``'s device: Triton on CUDA, and on
+    any device inside ``launch_record.recording()``, where its launches are recorded
+    rather than run (what the same call on a GPU would launch); the reference elsewhere."""
+    if os.environ.get("SDP4BIT_QUANT_BACKEND", "auto") != "torch":
         ops = _triton_ops()
-        if ops is not None:
+        if ops is not None and (t.is_cuda or ops.launch_record.active()):
             return ops
     return reference
 
@@ -63,6 +65,13 @@ def _dispatch(name: str):
     op.__name__ = name
     op.__doc__ = getattr(reference, name).__doc__
     return op
+
+
+def prepare(name: str, first, *args, **kwargs):
+    """Op ``name``'s call ``(first, *args, **kwargs)`` bound, checked and worked out once, on
+    the backend of ``first``'s device: returns ``run(generator=None)``, which makes the same
+    call again on the same tensors, drawing from ``generator`` (``arguments.api_op``)."""
+    return getattr(backend_for(_tensor_of(first)), name).prepare(first, *args, **kwargs)
 
 
 quantize = _dispatch("quantize")

@@ -11,6 +11,14 @@ contiguous ``base`` to add into) stays in that backend.
 Binding builds a dict from the parameter names: 2-4 us a call on the 2-core
 development VM under load, where ``inspect.Signature.bind`` took 18-35 us (the
 collectives issue tens of ops a step).
+
+``op.prepare(*args, **kwargs)`` binds and checks a call once and returns
+``run(generator=None)``, which makes the same call again on the same tensors (a
+fresh ``generator`` each time: the one thing that changes from step to step). A
+collective that issues the same calls every step prepares them once
+(``comm/gradients.py``). A backend whose body is ``planned`` returns ``(result,
+launch)`` and leaves the launch to ``launch(generator)``, so that everything the
+body works out (the Triton ops: strides, tiling, kernel variant) is worked out once.
 """
 from __future__ import annotations
 
@@ -157,12 +165,14 @@ def _bind(op: str, names: tuple, defaults: Dict[str, Any], args: tuple,
     return bound
 
 
-def api_op(specification: Optional[Callable] = None) -> Callable[[Callable], Callable]:
+def api_op(specification: Optional[Callable] = None,
+           planned: bool = False) -> Callable[[Callable], Callable]:
     """Decorate a backend's body of an API op (see the module docstring).
 
     ``specification``: the reference op whose signature the body implements (the
     body takes every argument positionally, in that order); None for the
-    reference's own ops.
+    reference's own ops. ``planned``: the body returns ``(result, launch)`` and
+    ``launch(generator)`` does the work.
     """
 
     def decorate(body: Callable) -> Callable:
@@ -173,13 +183,42 @@ def api_op(specification: Optional[Callable] = None) -> Callable[[Callable], Cal
                     if p.default is not inspect.Parameter.empty}
         contract = CONTRACTS[spec.__name__]
 
-        @functools.wraps(body)
-        def op(*args, **kwargs):
+        def checked(args, kwargs) -> Dict[str, Any]:
             bound = _bind(spec.__name__, names, defaults, args, kwargs)
             contract(SimpleNamespace(**bound))
-            return body(*(bound[name] for name in names))
+            return bound
+
+        @functools.wraps(body)
+        def op(*args, **kwargs):
+            bound = checked(args, kwargs)
+            if not planned:
+                return body(*(bound[name] for name in names))
+            result, launch = body(*(bound[name] for name in names))
+            launch(bound.get("generator"))
+            return result
+
+        def prepare(*args, **kwargs) -> Callable:
+            bound = checked(args, kwargs)
+            if planned:
+                result, launch = body(*(bound[name] for name in names))
+
+                def run_planned(generator=None):
+                    launch(generator)
+                    return result
+
+                return run_planned
+            values = [bound[name] for name in names]
+            at = names.index("generator") if "generator" in names else None
+
+            def run(generator=None):
+                if at is not None:
+                    values[at] = generator
+                return body(*values)
+
+            return run
 
         op.__signature__ = signature
+        op.prepare = prepare
         return op
 
     return decorate

@@ -95,19 +95,17 @@ def _codes_bytes(q: QuantizedTensor) -> torch.Tensor:
     return q.codes.view(torch.int8 if q.bits == 8 else torch.uint8)
 
 
-def _launch_quantize(out: QuantizedTensor, rounding: str, generator: Optional[torch.Generator],
-                     *, x: Optional[torch.Tensor] = None, y: Optional[torch.Tensor] = None,
-                     multiplier: float = 1.0, source: Optional[QuantizedTensor] = None,
-                     num_chunks: int = 1, rows: Optional[Tuple] = None,
-                     hadamard_block: Optional[int] = None) -> QuantizedTensor:
-    """Fill ``out`` (flat or k chunks) from a float tensor ``x`` (- ``y``), from
-    ``source``'s chunks, or (``rows`` = (order, start, valid, padded)) from rows ``x``."""
+def _plan_quantize(out: QuantizedTensor, rounding: str,
+                   *, x: Optional[torch.Tensor] = None, y: Optional[torch.Tensor] = None,
+                   multiplier: float = 1.0, source: Optional[QuantizedTensor] = None,
+                   num_chunks: int = 1, rows: Optional[Tuple] = None,
+                   hadamard_block: Optional[int] = None) -> "_KernelCall":
+    """The launch that fills ``out`` (flat or k chunks) from a float tensor ``x`` (- ``y``),
+    from ``source``'s chunks, or (``rows`` = (order, start, valid, padded)) from rows ``x``."""
     n = out.chunk_numel
     if out.numel == 0:
-        return out
+        return _NO_LAUNCH
     groups = out.num_groups // out.num_chunks
-    seed = (launch.seed_tensor(generator, out.codes.device) if rounding == "stochastic"
-            else out.scales)  # never read: the pointer argument just needs a tensor
     block, groups_per_program, grid = launch.quantize_tiling(groups, out.group_size,
                                                              out.num_chunks)
     codes_stride, scales_stride = _chunk_strides(out, out.num_chunks)
@@ -135,13 +133,15 @@ def _launch_quantize(out: QuantizedTensor, rounding: str, generator: Optional[to
         out.bits, out.group_size, hadamard_block or 0, sizes,
         None if source is None else (src_bits, src_group, _words_aligned(source, num_chunks)),
         _words_aligned(out, out.num_chunks))
-    with launch.device_guard(out.codes):
-        quantize_kernel[grid](
-            x_view, y_view, float(multiplier),
-            src_codes, src_scales, src_strides[0], src_strides[1],
-            order, row_stride, start, valid, groups_per_row,
-            _codes_bytes(out), out.scales, codes_stride, scales_stride, seed,
-            n, groups, 0,
+    return _KernelCall(
+        quantize_kernel, grid, out.codes, rounding == "stochastic",
+        [x_view, y_view, float(multiplier),
+         src_codes, src_scales, src_strides[0], src_strides[1],
+         order, row_stride, start, valid, groups_per_row,
+         _codes_bytes(out), out.scales, codes_stride, scales_stride,
+         out.scales,  # the seed: drawn per launch, or (nearest) a tensor never read
+         n, groups, 0],
+        dict(
             SOURCE=(SOURCE_ROWS if rows is not None else
                     SOURCE_TENSOR if source is None else SOURCE_CHUNKS),
             X_BF16=x_bf16, HAS_Y=y is not None, Y_BF16=y_bf16, SCALED=float(multiplier) != 1.0,
@@ -152,20 +152,19 @@ def _launch_quantize(out: QuantizedTensor, rounding: str, generator: Optional[to
             STRIPS=strips, X_HALF=x_view.element_size() == 2, Y_HALF=y_view.element_size() == 2,
             X_WORDS=x_bf16 and even_starts and x_view.data_ptr() % 4 == 0,
             Y_WORDS=y_bf16 and even_starts and y_view.data_ptr() % 4 == 0,
-            num_warps=launch.num_warps_for(block * groups_per_program), **_EXACT,
-        )
-    return out
+            num_warps=launch.num_warps_for(block * groups_per_program), **_EXACT))
 
 
-def _launch_dequantize(q: QuantizedTensor, out: torch.Tensor, out_stride: int,
-                       num_chunks: int = 1, hadamard_block: Optional[int] = None,
-                       accumulate: bool = False) -> torch.Tensor:
-    """Write (``accumulate``: add) into ``out`` the sum of ``q``'s ``num_chunks`` chunks
-    (> 1), or each of q's chunks c at ``c * out_stride`` elements (``num_chunks`` 1)."""
+def _plan_dequantize(q: QuantizedTensor, out: torch.Tensor, out_stride: int,
+                     num_chunks: int = 1, hadamard_block: Optional[int] = None,
+                     accumulate: bool = False) -> "_KernelCall":
+    """The launch that writes (``accumulate``: adds) into ``out`` the sum of ``q``'s
+    ``num_chunks`` chunks (> 1), or each of q's chunks c at ``c * out_stride`` elements
+    (``num_chunks`` 1)."""
     written = q.num_chunks if num_chunks == 1 else 1
     numel = q.numel // max(num_chunks, written)
     if numel == 0:
-        return out
+        return _NO_LAUNCH
     out_view, out_bf16 = launch.kernel_view(out)
     codes_stride, scales_stride = _chunk_strides(q, max(num_chunks, written))
     block, grid = launch.dequantize_tiling(numel, hadamard_block or 0, written)
@@ -175,51 +174,85 @@ def _launch_dequantize(q: QuantizedTensor, out: torch.Tensor, out_stride: int,
     # bf16 read as 32-bit words: every strip (a multiple of 32 into each output chunk)
     # starts 4-byte aligned.
     out_words = out_bf16 and out_view.data_ptr() % 4 == 0 and out_stride % 2 == 0
-    with launch.device_guard(q.codes):
-        dequantize_kernel[grid](
-            _codes_bytes(q), q.scales, out_view, numel, codes_stride, scales_stride, out_stride, 0,
-            NUM_CHUNKS=num_chunks, BITS=q.bits, GROUP=q.group_size, BLOCK=block,
-            HADAMARD=hadamard_block or 0, OUT_BF16=out_bf16, ACCUMULATE=accumulate,
-            STRIPS=strips, OUT_HALF=out_view.element_size() == 2, OUT_WORDS=out_words,
-            TAIL=numel % 32 != 0, num_warps=launch.num_warps_for(block), **_EXACT,
-        )
-    return out
+    return _KernelCall(
+        dequantize_kernel, grid, q.codes, False,
+        [_codes_bytes(q), q.scales, out_view, numel, codes_stride, scales_stride, out_stride, 0],
+        dict(NUM_CHUNKS=num_chunks, BITS=q.bits, GROUP=q.group_size, BLOCK=block,
+             HADAMARD=hadamard_block or 0, OUT_BF16=out_bf16, ACCUMULATE=accumulate,
+             STRIPS=strips, OUT_HALF=out_view.element_size() == 2, OUT_WORDS=out_words,
+             TAIL=numel % 32 != 0, num_warps=launch.num_warps_for(block), **_EXACT))
+
+
+class _KernelCall:
+    """One kernel launch worked out once: ``call(generator)`` launches it (a seed drawn
+    from ``generator`` first for stochastic rounding, the only argument that changes)."""
+
+    SEED = 16  # the quantize kernel's seed argument
+
+    def __init__(self, kernel, grid, on: torch.Tensor, stochastic: bool, args: list,
+                 kwargs: dict) -> None:
+        self.kernel, self.grid, self.on = kernel, grid, on
+        self.stochastic, self.args, self.kwargs = stochastic, args, kwargs
+
+    def __call__(self, generator: Optional[torch.Generator] = None) -> None:
+        args = self.args
+        if self.stochastic:
+            args = list(args)
+            args[self.SEED] = launch.seed_tensor(generator, self.on.device)
+        with launch.device_guard(self.on):
+            self.kernel[self.grid](*args, **self.kwargs)
+
+
+def _no_launch(generator: Optional[torch.Generator] = None) -> None:
+    return None
+
+
+_NO_LAUNCH = _no_launch  # an empty tensor: nothing to launch
 
 
 # --- the API: reference.py's signatures and contract (quant/arguments.py), fused ---------
+# Every body is ``planned``: it works out the launch and returns (result, launch); the
+# decorator launches it, or ``op.prepare`` keeps it for calls that repeat.
 
-@api_op(reference.quantize)
-def quantize(x, bits, group_size, rounding, generator, out) -> QuantizedTensor:
+@api_op(reference.quantize, planned=True)
+def quantize(x, bits, group_size, rounding, generator, out):
     """Group-wise symmetric quantization of ``x`` (flattened), into ``out`` if given."""
     _check_cuda(x)
     flat = launch.flat_input(x)
     result = _output(out, flat.numel(), bits, group_size, x.dtype, x.device)
-    return _launch_quantize(result, rounding, generator, x=flat)
+    return result, _plan_quantize(result, rounding, x=flat)
 
 
-@api_op(reference.dequantize)
-def dequantize(q, dtype) -> torch.Tensor:
+@api_op(reference.dequantize, planned=True)
+def dequantize(q, dtype):
     """Values of ``q`` as a flat tensor of ``q.numel`` elements in ``dtype`` (default q.dtype)."""
     _check_cuda(q.codes)
     out_dtype = dtype or q.dtype
     if out_dtype not in launch.NATIVE_FLOATS and out_dtype != torch.bfloat16:
-        return dequantize(q, torch.float32).to(out_dtype)  # e.g. an integer dtype: as the reference
+        values = torch.empty(q.numel, dtype=torch.float32, device=q.device)
+        into_fp32 = _plan_dequantize(q, values, q.chunk_numel if q.num_chunks > 1 else 0)
+        result = torch.empty(q.numel, dtype=out_dtype, device=q.device)
+
+        def then_cast(generator=None):  # e.g. an integer dtype: as the reference
+            into_fp32()
+            result.copy_(values)
+
+        return result, then_cast
     out = torch.empty(q.numel, dtype=out_dtype, device=q.device)
-    return _launch_dequantize(q, out, q.chunk_numel if q.num_chunks > 1 else 0)
+    return out, _plan_dequantize(q, out, q.chunk_numel if q.num_chunks > 1 else 0)
 
 
-@api_op(reference.quantize_weight_diff)
-def quantize_weight_diff(main_shard, model_shard, bits, group_size, rounding, generator,
-                         out) -> QuantizedTensor:
+@api_op(reference.quantize_weight_diff, planned=True)
+def quantize_weight_diff(main_shard, model_shard, bits, group_size, rounding, generator, out):
     """Quantize ``main_shard (fp32) - model_shard (bf16/fp32)``: the qWD payload."""
     _check_cuda(main_shard)
     main, model = launch.flat_input(main_shard), launch.flat_input(model_shard)
     result = _output(out, main.numel(), bits, group_size, torch.float32, main.device)
-    return _launch_quantize(result, rounding, generator, x=main, y=model)
+    return result, _plan_quantize(result, rounding, x=main, y=model)
 
 
-@api_op(reference.dequantize_add_)
-def dequantize_add_(base, q) -> torch.Tensor:
+@api_op(reference.dequantize_add_, planned=True)
+def dequantize_add_(base, q):
     """``base += dequantize(q)`` in place, summed in fp32 and rounded once to base's dtype.
 
     ``base``: ``q.numel`` elements, or for k-chunk ``q`` also a [k, n] tensor
@@ -227,7 +260,7 @@ def dequantize_add_(base, q) -> torch.Tensor:
     """
     _check_cuda(base)
     if q.numel == 0:
-        return base
+        return base, _NO_LAUNCH
     n = q.chunk_numel
     if tuple(base.shape) == (q.num_chunks, n) and (n < 2 or base.stride(1) == 1):
         target, stride = base, base.stride(0)
@@ -240,13 +273,11 @@ def dequantize_add_(base, q) -> torch.Tensor:
         )
     if base.dtype != torch.bfloat16 and base.dtype not in launch.NATIVE_FLOATS:
         raise ValueError(f"base must be a float tensor, got {base.dtype}")
-    _launch_dequantize(q, target, stride if q.num_chunks > 1 else 0, accumulate=True)
-    return base
+    return base, _plan_dequantize(q, target, stride if q.num_chunks > 1 else 0, accumulate=True)
 
 
-@api_op(reference.hadamard_quantize)
-def hadamard_quantize(x, bits, group_size, hadamard_block, rounding, generator, scale,
-                      out) -> QuantizedTensor:
+@api_op(reference.hadamard_quantize, planned=True)
+def hadamard_quantize(x, bits, group_size, hadamard_block, rounding, generator, scale, out):
     """Quantize ``H(scale * x)`` (no transform when ``hadamard_block`` is None).
 
     ``scale`` folds the 1/DP of an averaging reduce-scatter into the same pass.
@@ -255,13 +286,13 @@ def hadamard_quantize(x, bits, group_size, hadamard_block, rounding, generator, 
     _check_cuda(x)
     flat = launch.flat_input(x)
     result = _output(out, flat.numel(), bits, group_size, x.dtype, x.device)
-    return _launch_quantize(result, rounding, generator, x=flat, multiplier=scale,
-                            hadamard_block=hadamard_block)
+    return result, _plan_quantize(result, rounding, x=flat, multiplier=scale,
+                                  hadamard_block=hadamard_block)
 
 
-@api_op(reference.hadamard_quantize_rows)
+@api_op(reference.hadamard_quantize_rows, planned=True)
 def hadamard_quantize_rows(rows, order, start, valid, padded, bits, group_size, hadamard_block,
-                           rounding, generator, scale, out) -> QuantizedTensor:
+                           rounding, generator, scale, out):
     """``hadamard_quantize`` of the send-order staging of a pipeline chunk, without staging it.
 
     ``rows``: [P, shard], each row contiguous. The quantized tensor has P *
@@ -272,13 +303,12 @@ def hadamard_quantize_rows(rows, order, start, valid, padded, bits, group_size, 
     """
     _check_cuda(rows)
     result = _output(out, rows.shape[0] * padded, bits, group_size, rows.dtype, rows.device)
-    return _launch_quantize(result, rounding, generator, x=rows, multiplier=scale,
-                            rows=(order, start, valid, padded), hadamard_block=hadamard_block)
+    return result, _plan_quantize(result, rounding, x=rows, multiplier=scale,
+                                  rows=(order, start, valid, padded), hadamard_block=hadamard_block)
 
 
-@api_op(reference.dequantize_sum_requantize)
-def dequantize_sum_requantize(q, num_chunks, bits, group_size, rounding, generator,
-                              out) -> QuantizedTensor:
+@api_op(reference.dequantize_sum_requantize, planned=True)
+def dequantize_sum_requantize(q, num_chunks, bits, group_size, rounding, generator, out):
     """Dequantize k received chunks, sum them in fp32, quantize the sum again.
 
     The step between the two all-to-all hops; bits and group size may differ
@@ -287,11 +317,11 @@ def dequantize_sum_requantize(q, num_chunks, bits, group_size, rounding, generat
     _check_cuda(q.codes)
     chunk = q.numel // num_chunks
     result = _output(out, chunk, bits, group_size, q.dtype, q.device)
-    return _launch_quantize(result, rounding, generator, source=q, num_chunks=num_chunks)
+    return result, _plan_quantize(result, rounding, source=q, num_chunks=num_chunks)
 
 
-@api_op(reference.dequantize_sum)
-def dequantize_sum(q, num_chunks, inverse_hadamard_block, out) -> torch.Tensor:
+@api_op(reference.dequantize_sum, planned=True)
+def dequantize_sum(q, num_chunks, inverse_hadamard_block, out):
     """Dequantize k chunks, sum in fp32, then H^-1 per block if asked.
 
     Returns fp32, or writes (cast) into ``out`` and returns it.
@@ -303,9 +333,12 @@ def dequantize_sum(q, num_chunks, inverse_hadamard_block, out) -> torch.Tensor:
     direct = out is not None and out.is_contiguous() and (
         out.dtype == torch.bfloat16 or out.dtype in launch.NATIVE_FLOATS)
     target = out.view(-1) if direct else torch.empty(chunk, dtype=torch.float32, device=q.device)
-    _launch_dequantize(q, target, 0, num_chunks, inverse_hadamard_block)  # one chunk written
-    if out is None:
-        return target
-    if not direct:
+    sum_into_target = _plan_dequantize(q, target, 0, num_chunks, inverse_hadamard_block)
+    if out is None or direct:
+        return (target if out is None else out), sum_into_target
+
+    def then_copy(generator=None):
+        sum_into_target()
         out.copy_(target.view(out.shape))
-    return out
+
+    return out, then_copy

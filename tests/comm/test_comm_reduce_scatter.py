@@ -125,11 +125,11 @@ def _capped_chunks(rank: int, world: int, config, x) -> dict:
     or async, the output aliasing the input. Both take
     the same steps in the same order, so with stochastic rounding they draw the same
     random numbers: bit-identical too."""
-    from megatron_sdp4bit.comm import gradients
+    from megatron_sdp4bit.comm import reduce_scatter_plan
 
     avg, shard = dist.ReduceOp.AVG, x.numel() // world
-    caps = gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS
-    gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS = world * 256, 1
+    caps = reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS
+    reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS = world * 256, 1
     try:
         capped_sync = x.clone()
         capped_view = capped_sync[rank * shard:(rank + 1) * shard]
@@ -140,7 +140,7 @@ def _capped_chunks(rank: int, world: int, config, x) -> dict:
                                       generator=torch.Generator().manual_seed(5 + rank))
                    for async_op in (False, True)]
     finally:
-        gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS = caps
+        reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS = caps
     return {"sync": capped_view, "async": capped_async, "rounded": rounded}
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from comm_worlds import WORLDS, battery, make_input, ranks_per_node_choices
 from megatron_sdp4bit import comm
-from megatron_sdp4bit.comm import gradients, quantized_all_gather_weights, quantized_reduce_scatter
+from megatron_sdp4bit.comm import quantized_all_gather_weights, quantized_reduce_scatter, reduce_scatter_plan
 from megatron_sdp4bit.comm.runner import InlineRunner, ThreadRunner, run_or_submit
 from megatron_sdp4bit.comm.topology import build_private_groups, private_group
 from megatron_sdp4bit.comm.workspace import Workspace
@@ -65,7 +65,7 @@ def runner_equals_sync(rank: int, world: int) -> list:
     runner = _runner(world)
     twin = runner.group_for(dist.group.WORLD)
     records = []
-    caps = gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS
+    caps = reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS
     try:
         for rpn in ranks_per_node_choices(world):
             comm.get_topology(twin, rpn)  # built here, on the caller (a collective over it)
@@ -73,8 +73,8 @@ def runner_equals_sync(rank: int, world: int) -> list:
                 for dtype in DTYPES:
                     for chunks in (1, 3):
                         # a small cap: a bucket of many chunks, several in flight
-                        gradients.MAX_CHUNK_ELEMENTS = world * 256 if chunks > 1 else caps[0]
-                        gradients.MIN_CHUNK_SHARD_ELEMENTS = 1
+                        reduce_scatter_plan.MAX_CHUNK_ELEMENTS = world * 256 if chunks > 1 else caps[0]
+                        reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS = 1
                         config = SDP4BitConfig(ranks_per_node=rpn, rounding=rounding,
                                                pipeline_chunks=chunks)
                         x = make_input(rank, 7, world * 2050, dtype, integers=False)
@@ -90,7 +90,7 @@ def runner_equals_sync(rank: int, world: int) -> list:
                         records.append((rpn, rounding, str(dtype), chunks, "all_gather",
                                         torch.equal(sync, overlapped)))
     finally:
-        gradients.MAX_CHUNK_ELEMENTS, gradients.MIN_CHUNK_SHARD_ELEMENTS = caps
+        reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS = caps
         runner.close()
     return records
 

@@ -118,3 +118,49 @@ def test_reused_buffers_change_no_bit_and_are_allocated_once():
             # receive buffer (what is left is the shard's unaligned end: one sum).
             assert allocations[0] > allocations[1] == allocations[2], f"{case}: {allocations}"
             assert allocations[1] <= 1, f"{case}: {allocations}"
+
+
+# --- plans: what a call works out once, kept with the buffers ---------------------------------
+
+def test_a_plan_is_kept_per_input_and_key_and_built_once():
+    space, built = Workspace(), []
+    x, y = torch.zeros(4), torch.zeros(4)
+
+    def build(tag):
+        built.append(tag)
+        return tag
+
+    assert space.plan(x, ("a",), lambda: build("x-a")) == "x-a"
+    assert space.plan(x, ("a",), lambda: build("again")) == "x-a"  # kept: not built again
+    assert space.plan(x, ("b",), lambda: build("x-b")) == "x-b"  # another key
+    assert space.plan(y, ("a",), lambda: build("y-a")) == "y-a"  # another input
+    assert built == ["x-a", "x-b", "y-a"]
+
+
+def test_a_moved_buffer_drops_every_plan():
+    """A plan holds views of the buffers: a larger request replaces a buffer, and a plan
+    still pointing into the old one would write where nobody reads."""
+    space, built = Workspace(), []
+    x = torch.zeros(4)
+    space.buffer("b", 16, "cpu")
+    space.plan(x, ("a",), lambda: built.append(1) or 1)
+    space.buffer("b", 8, "cpu")  # fits: nothing moves, the plan stays
+    space.plan(x, ("a",), lambda: built.append(2) or 2)
+    space.buffer("b", 32, "cpu")  # moves
+    assert space.plan(x, ("a",), lambda: built.append(3) or 3) == 3
+    assert built == [1, 3]
+
+
+def test_a_plan_goes_with_its_input():
+    """Plans hold views of their input's storage: an input the caller dropped must not be
+    kept alive by the workspace (a caller passing new tensors every call would leak)."""
+    import gc
+    import weakref
+
+    space = Workspace()
+    x = torch.zeros(1 << 16)
+    storage = weakref.ref(x.untyped_storage())
+    space.plan(x, ("a",), lambda: x.detach().view(2, -1))  # a view, as plans hold
+    del x
+    gc.collect()
+    assert storage() is None and not space._plans

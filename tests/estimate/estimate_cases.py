@@ -63,12 +63,12 @@ FLOORS = (1, 2048)  # the chunk and slice floors lowered with the cap, so that c
 def count_calls(rank: int, world: int) -> dict:
     """{(rpn, shard, cap): (all-to-all calls of one SDP4Bit reduce-scatter, all-gather calls
     of one synchronous quantized weight gather)} with ``MAX_CHUNK_ELEMENTS`` set to ``cap``."""
-    from megatron_sdp4bit.comm import gradients, weights
+    from megatron_sdp4bit.comm import gradients, reduce_scatter_plan, weights
 
     counts = {"a2a": 0, "ag": 0}
     a2a, ag, caps = gradients.all_to_all_equal, weights.all_gather_flat, (
-        gradients.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS,
-        gradients.MIN_CHUNK_SHARD_ELEMENTS, weights.MIN_SLICE_ELEMENTS)
+        reduce_scatter_plan.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS,
+        reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS, weights.MIN_SLICE_ELEMENTS)
 
     def counting(key, fn):
         def wrapped(*args, **kwargs):
@@ -79,8 +79,8 @@ def count_calls(rank: int, world: int) -> dict:
     out = {}
     try:
         for rpn, shard, cap in CALL_CASES:
-            gradients.MAX_CHUNK_ELEMENTS = weights.MAX_CHUNK_ELEMENTS = cap
-            gradients.MIN_CHUNK_SHARD_ELEMENTS, weights.MIN_SLICE_ELEMENTS = FLOORS
+            reduce_scatter_plan.MAX_CHUNK_ELEMENTS = weights.MAX_CHUNK_ELEMENTS = cap
+            reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS, weights.MIN_SLICE_ELEMENTS = FLOORS
             config = preset("sdp4bit", ranks_per_node=rpn)
             counts.update(a2a=0, ag=0)
             quantized_reduce_scatter(torch.empty(shard), torch.randn(world * shard),
@@ -91,6 +91,6 @@ def count_calls(rank: int, world: int) -> dict:
             out[(rpn, shard, cap)] = (rs, counts["ag"])
     finally:
         gradients.all_to_all_equal, weights.all_gather_flat = a2a, ag
-        (gradients.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS,
-         gradients.MIN_CHUNK_SHARD_ELEMENTS, weights.MIN_SLICE_ELEMENTS) = caps
+        (reduce_scatter_plan.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS,
+         reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS, weights.MIN_SLICE_ELEMENTS) = caps
     return out

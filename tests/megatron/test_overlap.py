@@ -9,8 +9,9 @@ stage of its collectives to a worker thread (``megatron/background.py``,
   weights' SHA-256 after every step, for overlapped gradients alone and both
   directions, bf16 and fp32, SDP4Bit (stochastic rounding) and the exact
   reduce-scatter as an all-to-all (the layer's own exact path);
-- the quantize kernels of both directions run on the worker thread, never on the
-  thread that runs megatron's backward and forward passes;
+- the collectives of both directions (and so the kernels between them, which run
+  in the same job) are issued on the worker thread, never on the thread that runs
+  megatron's backward and forward passes;
 - the layer chose a thread runner, made once, and the layer's buffers stay one set
   per direction (``comm/memory.py``'s bound holds).
 """
@@ -63,8 +64,8 @@ def _train(spec, config, inline: bool) -> dict:
     real_kind = background.runner_kind
     if inline:
         background.runner_kind = lambda group, device: "inline"
-    spy(gradients, "hadamard_quantize_rows")
-    spy(weights, "quantize_weight_diff")
+    spy(gradients, "all_to_all_equal")  # the reduce-scatter's hops
+    spy(weights, "all_gather_flat")  # the weight gathers
     try:
         patch.install(config)
         trainer = TinyGPTTrainer(spec)
@@ -115,7 +116,7 @@ def test_overlapped_training_is_bit_identical_to_the_callers_own(runs, spec_name
 
 
 @pytest.mark.parametrize("spec_name", list(SPECS))
-def test_the_quantize_kernels_run_on_the_worker_thread(runs, spec_name):
+def test_the_collectives_run_on_the_worker_thread(runs, spec_name):
     for rank, run in enumerate(runs[(spec_name, "sdp4bit", False)]):
         assert run["threads"] == ["sdp4bit-collectives"], (rank, run["threads"])
         assert run["main"] != "sdp4bit-collectives"

@@ -331,6 +331,55 @@ def test_stochastic_codes_do_not_depend_on_the_tiling():
         assert all(torch.equal(results[0], r) for r in results[1:]), (bits, group)
 
 
+@pytest.mark.parametrize("module", ["triton", "reference"])
+def test_a_prepared_call_repeats_the_call_with_fresh_draws(module):
+    """``op.prepare`` binds, checks and works out a call once; each ``run(generator)`` then
+    writes what the plain call writes with that generator (the collectives' every-step
+    path), for the three ops a reduce-scatter chunk makes and the two of a weight gather."""
+    ops = T if module == "triton" else R
+    device = DEVICE if module == "triton" else "cpu"
+    rows = awkward_input(4 * 96, 32, 8, seed=4, specials=False).to(device).view(4, 96)
+    order = torch.tensor([2, 0, 3, 1], device=device)
+    main = awkward_input(300, 64, 4, seed=5, specials=False).to(device)
+    model = awkward_input(300, 64, 4, seed=6, specials=False).to(device).to(torch.bfloat16)
+
+    def calls(out, summed, received, base, prepared):
+        first = dict(rows=rows, order=order, start=16, valid=80, padded=128, bits=8,
+                     group_size=32, hadamard_block=32, rounding="stochastic", scale=0.25, out=out)
+        second = dict(q=received, num_chunks=4, bits=4, group_size=64, rounding="stochastic",
+                      out=summed)
+        diff = dict(main_shard=main, model_shard=model, bits=4, group_size=64,
+                    rounding="stochastic")
+        if prepared:
+            runs = [ops.hadamard_quantize_rows.prepare(**first),
+                    ops.dequantize_sum_requantize.prepare(**second),
+                    ops.quantize_weight_diff.prepare(**diff)]
+            return lambda gen: [run(gen) for run in runs] + [
+                ops.dequantize_sum.prepare(summed, 2, 32, None)(),
+                ops.dequantize_add_.prepare(base, summed)()]
+        return lambda gen: [ops.hadamard_quantize_rows(**first, generator=gen),
+                            ops.dequantize_sum_requantize(**second, generator=gen),
+                            ops.quantize_weight_diff(**diff, generator=gen),
+                            ops.dequantize_sum(summed, 2, 32, None),
+                            ops.dequantize_add_(base, summed)]
+
+    results = {}
+    for prepared in (False, True):
+        out = ops.quantize(torch.zeros(512, device=device), 8, 32, "nearest")
+        received = ops.quantize(awkward_input(512, 32, 8, seed=7, specials=False).to(device),
+                                8, 32, "nearest")
+        summed = ops.quantize(torch.zeros(128, device=device), 4, 64, "nearest")
+        base = torch.zeros(128, device=device)
+        run = calls(out, summed, received, base, prepared)
+        gen = torch.Generator(device).manual_seed(11)
+        results[prepared] = [[t.codes.cpu().clone() if hasattr(t, "codes") else t.cpu().clone()
+                              for t in run(gen)] for _ in range(2)]  # two steps: two draws
+    for step_plain, step_prepared in zip(results[False], results[True]):
+        for a, b in zip(step_plain, step_prepared):
+            assert torch.equal(a, b)
+    assert not torch.equal(results[True][0][0], results[True][1][0])  # the second step drew anew
+
+
 def test_philox2x32_matches_the_published_known_answers():
     # Random123's kat_vectors for philox2x32 with 10 rounds: (ctr0, ctr1, key) -> out.
     vectors = [((0x00000000, 0x00000000, 0x00000000), (0xFF1DAE59, 0x6CD10DF2)),

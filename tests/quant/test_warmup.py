@@ -149,9 +149,22 @@ def test_the_keys_tell_variants_apart():
 
 def test_warm_up_does_nothing_where_the_reference_serves(monkeypatch):
     monkeypatch.undo()  # the real dispatcher: CPU tensors go to the reference
+    assert warmup.warm_up(grad_specs(torch.float32) + WEIGHT_SPECS, "cpu") == 0.0
+    # Inside a recording the dispatcher sends every device to the Triton ops (what a GPU
+    # would launch), unless the reference is forced; then nothing is recorded either.
+    monkeypatch.setenv("SDP4BIT_QUANT_BACKEND", "torch")
     with recording() as launches:
         assert warmup.warm_up(grad_specs(torch.float32) + WEIGHT_SPECS, "cpu") == 0.0
     assert launches == []
+
+
+def test_inside_a_recording_the_dispatcher_sends_cpu_tensors_to_the_triton_ops(monkeypatch):
+    from megatron_sdp4bit.quant import triton_ops
+
+    monkeypatch.undo()
+    assert quant.backend_for(torch.empty(0)) is not triton_ops
+    with recording():
+        assert quant.backend_for(torch.empty(0)) is triton_ops
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -4,7 +4,10 @@ Presets: ``baseline`` (exact collectives; gloo's reduce_scatter is a ring
 *all-reduce*, twice a ring reduce-scatter's bytes), ``baseline-a2a`` (exact, with
 the reduce-scatter as an all-to-all plus local sum, ``comm/exact_alltoall.py``, the
 driver's ``--sdp4bit-exact-reduce-scatter alltoall``: the bytes per rank of a ring
-reduce-scatter), ``sdp4bit``, ``zeropp``.
+reduce-scatter), ``sdp4bit``, ``zeropp``; and each of them with ``-overlap``:
+Megatron's ``--overlap-grad-reduce --overlap-param-gather`` with buckets of
+``OVERLAP_BUCKET_SIZE`` parameters (6 buckets of the 5.3 M-parameter model), the
+overlap study's rows.
 """
 from __future__ import annotations
 
@@ -29,10 +32,26 @@ PRESET_LABELS = {"baseline": "exact (gloo reduce_scatter, fp32)",
                  "baseline-a2a": "exact, reduce-scatter as all-to-all (fp32)",
                  "sdp4bit": "SDP4Bit (qWD 4-bit, TLq-HS 8/4)",
                  "zeropp": "ZeRO++ (qW 4-bit, ULq 4/4)"}
+OVERLAP = "-overlap"
+OVERLAP_BUCKET_SIZE = 1_000_000  # parameters per bucket: 6 buckets of the 5.3 M model
+OVERLAP_FLAGS = ["--overlap-grad-reduce", "--overlap-param-gather",
+                 "--bucket-size", str(OVERLAP_BUCKET_SIZE)]
+for _name in list(PRESET_FLAGS):
+    PRESET_FLAGS[_name + OVERLAP] = PRESET_FLAGS[_name] + OVERLAP_FLAGS
+    PRESET_LABELS[_name + OVERLAP] = PRESET_LABELS[_name] + ", overlapped"
 DRIVER_ENTRY = ["-m", "megatron_sdp4bit.pretrain"]  # what each rank runs
 # How the estimator sees each preset: (variant, exact reduce-scatter algorithm).
 PRESET_ESTIMATE = {"baseline": ("baseline", "allreduce"), "baseline-a2a": ("baseline", "alltoall"),
                    "sdp4bit": ("sdp4bit", "ring"), "zeropp": ("zeropp", "ring")}
+
+
+def base_preset(preset: str) -> str:
+    """``sdp4bit-overlap`` -> ``sdp4bit``."""
+    return preset[:-len(OVERLAP)] if preset.endswith(OVERLAP) else preset
+
+
+def overlapped(preset: str) -> bool:
+    return preset.endswith(OVERLAP)
 STATISTICS = ("median", "fastest")  # step statistics compared with the estimator
 FIRST_PORT = 29600  # inside the private namespaces every port is free
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Iterator, List, Optional
 
 _ACTIVE: Optional[list] = None  # the launches of the recording in progress
@@ -46,6 +47,10 @@ class Launch:
     options: object
     target: object
     key: str
+    record_s: float = 0.0
+    """CPU time this thread spent recording the launch (binding and keying, as a cache
+    miss of ``JITFunction.run`` does): what a measurement of the caller's own host time
+    subtracts."""
 
     @property
     def name(self) -> str:
@@ -69,6 +74,7 @@ def _recorder(kernel, target, backend, launches: list):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
 
     def run(*args, grid, warmup, **kwargs):
+        started = time.thread_time()
         # The options JITFunction.run adds before binding, so that the key matches
         # (Triton 3.9 added the float-sanitizer knob; 3.6, on the lent GPUs, has none).
         kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
@@ -82,7 +88,7 @@ def _recorder(kernel, target, backend, launches: list):
         if callable(grid):
             grid = grid(bound_args)
         launches.append(Launch(kernel, tuple(grid), signature, constexprs, attrs, parsed,
-                               target, key))
+                               target, key, time.thread_time() - started))
 
     return run
 
