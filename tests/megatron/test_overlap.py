@@ -128,3 +128,31 @@ def test_the_buffers_stay_one_set_per_direction(runs):
     for name, per_rank in runs.items():
         for held, reported in (run["buffers"] for run in per_rank):
             assert held <= reported, (name, held, reported)
+
+
+def test_a_backend_that_cannot_overlap_says_so_in_one_info_line(monkeypatch, caplog):
+    """A world whose backend can run collectives neither from a worker thread nor on a
+    side stream keeps them on the caller, with one INFO line saying they are not
+    overlapped (never a hang)."""
+    import logging
+    import types
+
+    import torch
+
+    from megatron_sdp4bit.comm.runner import InlineRunner
+    from megatron_sdp4bit.megatron import background
+    from megatron_sdp4bit.megatron.state import LayerState
+
+    monkeypatch.setattr(background, "runner_kind", lambda group, device: "inline")
+    monkeypatch.setattr(background, "backend_of", lambda group, device: "mpi")
+    ddp_config = types.SimpleNamespace(overlap_grad_reduce=True, overlap_param_gather=False)
+    adapter = types.SimpleNamespace(
+        ddp_config=lambda ddp: ddp_config, ddp_bucket_groups=lambda ddp: ["bucket group"],
+        grad_buffers=lambda bucket_group: [torch.zeros(4)])
+    state = LayerState(config=preset("sdp4bit"))
+    with caplog.at_level(logging.INFO, logger=background.__name__):
+        background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])
+        background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])  # a 2nd chunk
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "mpi backend" in lines[0] and "not overlapped" in lines[0]
+    assert isinstance(state.runner, InlineRunner) and state.runner_chosen

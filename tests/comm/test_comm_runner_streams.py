@@ -1,0 +1,155 @@
+"""comm/runner.py on CUDA, without a GPU: the stream and event calls, in their order.
+
+A side stream is only correct if it starts after the compute stream's work so far
+(the gradients it reads), if the compute stream waits for it only where the caller
+waits on the handle, and if the tensors it uses stay allocated until it is done.
+These orders are what a GPU would get wrong silently (a race, not an error), so they
+are checked here against a stand-in of ``torch.cuda`` that logs every call; on a GPU,
+scripts/gpu_check.sh runs the runners for real (its overlap step).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+from megatron_sdp4bit.comm import runner as runner_module
+from megatron_sdp4bit.comm.runner import StreamRunner, ThreadRunner
+
+
+class FakeCuda:
+    """Streams and events that log what is done with them."""
+
+    def __init__(self):
+        self.log = []
+        self.current = self.Stream(name="compute")
+        self.active = threading.local()
+
+    def Stream(self, device=None, name=None):  # noqa: N802  (torch.cuda's name)
+        cuda = self
+        name = name or f"side{sum(1 for e in cuda.log if e[0] == 'new stream' and e[1] != 'compute')}"
+        cuda.log.append(("new stream", name))
+
+        class S:
+            def __repr__(self):
+                return name
+
+            def wait_stream(self, other):
+                cuda.log.append(("wait_stream", name, repr(other)))
+
+            def wait_event(self, event):
+                cuda.log.append(("wait_event", name, event.name))
+
+        return S()
+
+    def Event(self):  # noqa: N802
+        cuda = self
+        index = sum(1 for e in cuda.log if e[0] == "new event")
+        cuda.log.append(("new event", f"event{index}"))
+
+        class E:
+            name = f"event{index}"
+
+            def record(self, stream=None):
+                cuda.log.append(("record", self.name, repr(stream)))
+
+        return E()
+
+    def current_stream(self, device=None):
+        return getattr(self.active, "stream", self.current)
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        previous = getattr(self.active, "stream", self.current)
+        self.active.stream = s
+        self.log.append(("enter", repr(s)))
+        try:
+            yield
+        finally:
+            self.active.stream = previous
+            self.log.append(("exit", repr(s)))
+
+    def set_device(self, device):
+        self.log.append(("set_device", str(device)))
+
+    def current_device(self):
+        return 0
+
+
+class FakeTensor:
+    def __init__(self, cuda, name):
+        self.cuda, self.name = cuda, name
+
+    def record_stream(self, stream):
+        self.cuda.log.append(("record_stream", self.name, repr(stream)))
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    fake = FakeCuda()
+    for name in ("Stream", "Event", "current_stream", "stream", "set_device", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    return fake
+
+
+def _job(cuda, name):
+    def job():
+        cuda.log.append(("job", name, repr(cuda.current_stream())))
+    return job
+
+
+def test_a_side_stream_starts_after_the_callers_work_and_the_caller_waits_only_in_wait(cuda):
+    side = StreamRunner(torch.device("cuda", 0))
+    handle = side.submit(_job(cuda, "rs"), (FakeTensor(cuda, "grads"),))
+    log = [e for e in cuda.log if e[0] != "new stream"]
+    assert log == [("wait_stream", "side0", "compute"),  # after the gradients' kernels
+                   ("enter", "side0"), ("job", "rs", "side0"), ("exit", "side0"),
+                   ("record_stream", "grads", "side0"),  # not reused before side0 is done
+                   ("new event", "event0"), ("record", "event0", "side0")]
+    assert not any(e[0] == "wait_event" for e in cuda.log)  # the caller did not wait yet
+    handle.wait()
+    assert cuda.log[-1] == ("wait_event", "compute", "event0")
+
+
+def test_a_worker_thread_on_cuda_runs_its_jobs_on_a_side_stream_after_the_submitters_work(cuda):
+    worker = ThreadRunner(torch.device("cuda", 0))
+    try:
+        handle = worker.submit(_job(cuda, "rs"), (FakeTensor(cuda, "grads"),))
+        handle.wait()
+    finally:
+        worker.close()
+    log = [e for e in cuda.log if e[0] not in ("new stream", "new event")]
+    ready = ("record", "event0", "compute")  # recorded on the submitter's stream
+    assert log.index(ready) < log.index(("wait_event", "side0", "event0"))
+    assert ("set_device", "cuda:0") in log
+    job = log.index(("job", "rs", "side0"))  # the worker's current stream is the side one
+    assert log.index(("wait_event", "side0", "event0")) < job
+    assert log.index(("record_stream", "grads", "side0")) > job
+    done = log.index(("record", "event1", "side0"))
+    assert done > job and log[-1] == ("wait_event", "compute", "event1")
+
+
+def test_drain_and_close_order_the_caller_after_the_side_stream(cuda):
+    side = StreamRunner(torch.device("cuda", 0))
+    side.close()
+    assert cuda.log[-1] == ("wait_stream", "compute", "side0")
+
+
+def test_the_runner_kind_follows_the_backend_that_serves_the_device(monkeypatch):
+    class Group:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def _get_backend(self, device):
+            class B:
+                def name(_self):
+                    return self.backend[torch.device(device).type]
+            return B()
+
+    mixed = Group({"cpu": "gloo", "cuda": "nccl"})
+    assert runner_module.runner_kind(mixed, torch.device("cuda", 0)) == "stream"
+    assert runner_module.runner_kind(mixed, torch.device("cpu")) == "thread"
+    assert runner_module.runner_kind(Group({"cpu": "mpi", "cuda": "mpi"}), "cpu") == "inline"
+    assert runner_module.runner_kind(Group({"cpu": "gloo", "cuda": "gloo"}), "cuda") == "thread"
