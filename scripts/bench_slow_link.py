@@ -143,6 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                   and args.compute_s is None)):
         p.error("--estimate needs --probe on, and 'loopback' in --rates or --calibrate (compute "
                 "is calibrated with no limit) or --compute-s")
+    if args.estimate and args.compute_s is None and args.preset_list[0].endswith("-overlap"):
+        p.error(f"--estimate calibrates compute on the first preset, which must not overlap: "
+                f"put {args.preset_list[0][:-len('-overlap')]} (or another preset) first")
     if args.calibrate and (not args.estimate or args.compute_s is not None
                            or None in args.rate_list):
         p.error("--calibrate needs --estimate, no --compute-s and no 'loopback' in --rates")

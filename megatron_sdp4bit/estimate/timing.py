@@ -28,11 +28,17 @@ The model, stated once (docs/performance.md, "Estimator"):
   buckets after it (Megatron's ``--overlap-grad-reduce``): exposed =
   ``max(comm / B, comm - backward x (B - 1) / B)`` with B buckets and
   backward = 2/3 of compute. ``full`` also hides the all-gather under the
-  next forward pass (1/3 of compute; ``--overlap-param-gather``). This
-  project's quantized reduce-scatter of bucket i starts its first chunk when
-  the bucket is ready and the rest (inter-node hop included) when bucket i+1
-  starts, which on a GPU enqueues them behind bucket i+1's backward work
-  (``megatron/grad_sync.py``): all of it but the last bucket's can hide.
+  next forward pass (1/3 of compute; ``--overlap-param-gather``). That is this
+  project's schedule (``comm/runner.py``): every stage of bucket i's collective
+  is issued when megatron starts it, on a side stream or a worker thread that
+  runs the buckets' collectives one after another, so it hides behind the
+  backward (forward) work of the buckets after (before) it, all but the last
+  bucket's reduce-scatter and the first bucket's gather, unless the collectives
+  outrun that work (then the queue grows and the excess is exposed: the
+  ``comm - window x (B - 1) / B`` term). The quantization kernels stay counted
+  in full: they share the device (on a GPU they may run on SMs the backward
+  leaves idle, which this model does not credit; on the CPU emulation they take
+  cores the backward needs).
 """
 from __future__ import annotations
 

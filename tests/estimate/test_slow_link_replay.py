@@ -50,3 +50,35 @@ def test_replay_uses_the_probed_latency_and_reads_older_files(tmp_path):
     cluster = probed.cluster(100.0)
     assert (cluster.latency.intra_us, cluster.latency.inter_us) == (7.0, 2000.0)
     assert cluster.inter_gbps == 0.0958 and cluster.intra_gbps == 10.0
+
+
+def test_the_overlap_study_shows_the_link_wait_each_preset_leaves_exposed(tmp_path):
+    """L (no limit), S_R and O_R of a preset with and without overlap: the link wait is
+    S_R - L, of which O_R - L stays exposed; the estimator's prediction stands beside it."""
+    run = lambda step: RunResult([step], 5.0e6, 2.0e6, 1.0e7, 3.0, 0.4)  # noqa: E731
+    cells = {(rate, preset): Cell([run(step)]) for (rate, preset), step in {
+        (None, "baseline-a2a"): 1.5, (100.0, "baseline-a2a"): 5.0,
+        (None, "sdp4bit"): 1.0, (100.0, "sdp4bit"): 2.0,
+        (None, "sdp4bit-overlap"): 1.1, (100.0, "sdp4bit-overlap"): 1.3}.items()}
+    probed = Probed(10.0, {None: 9.0, 100.0: 0.0958}, 7.0, {None: 8.0, 100.0: 2000.0})
+    path = tmp_path / "overlap.json"
+    write_json(str(path), COMMAND.replace("baseline-a2a,sdp4bit",
+                                          "baseline-a2a,sdp4bit,sdp4bit-overlap"),
+               probed, cells, None)
+    proc = _replay(path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if "exposed O_R - L" in line):]
+    row = next(line for line in table if line.startswith("| 100 Mbit/s | SDP4Bit"))
+    fields = [f.strip() for f in row.split("|")[1:-1]]
+    # L 1.0, S_R 2.0, O_R 1.3: wait 1.0 s, 0.3 s of it exposed (30%), 0.2 s against L_O
+    assert fields[2:9] == ["1.000", "2.000", "1.300", "1.000", "0.300", "30%", "0.200"]
+    assert fields[9] == "1.54x" and len(fields) == 12  # and the two predicted columns
+    assert float(fields[11]) < float(fields[10])  # the estimator hides part of the wait too
+
+
+def test_estimating_needs_a_first_preset_without_overlap():
+    proc = subprocess.run([sys.executable, SCRIPT, "--estimate", "--rates", "loopback,100",
+                           "--presets", "sdp4bit-overlap,sdp4bit"], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 2 and "put sdp4bit (or another preset) first" in proc.stderr

@@ -18,8 +18,9 @@ from typing import Dict, Optional
 from megatron_sdp4bit.benchmarks.emulated_nodes import NUM_NODES
 from megatron_sdp4bit.benchmarks.link_probes import probe_bytes, probe_goodput, probe_latency
 from megatron_sdp4bit.benchmarks.slow_link.presets import (GLOBAL_BATCH, MODEL_FLAGS,
-                                                           PRESET_ESTIMATE, PRESET_LABELS,
-                                                           RANKS_PER_NODE, STATISTICS,
+                                                           OVERLAP_BUCKET_SIZE, PRESET_ESTIMATE,
+                                                           PRESET_LABELS, RANKS_PER_NODE,
+                                                           STATISTICS, base_preset, overlapped,
                                                            rate_label)
 from megatron_sdp4bit.benchmarks.slow_link.runs import Cell
 
@@ -55,7 +56,10 @@ def probe_link(args, probed: Probed, rate: Optional[float]) -> None:
 def estimate_rows(args, cells: Dict[tuple, Cell], probed_links: Probed) -> dict:
     """The estimator's step time for every (rate, preset).
 
-    Compute is calibrated on the first preset with no limit (or ``--compute-s``).
+    Compute is calibrated on the first preset with no limit (or ``--compute-s``; the
+    first preset is one without overlap, whose step is compute plus everything else).
+    An ``-overlap`` preset is estimated with megatron's overlap of both directions and
+    its buckets (the estimator hides what the schedule can, docs/performance.md).
     Every rank is taken to have cpu_count / ranks cores; with ``--cpu-correction``
     and runs that probed the CPU (``probe_cpu``), compute is taken as core-seconds
     of work, so a run whose ranks got less CPU (other jobs on the machine) is
@@ -79,13 +83,18 @@ def estimate_rows(args, cells: Dict[tuple, Cell], probed_links: Probed) -> dict:
     def share(cell) -> float:
         return (probed(cell) or nominal) if args.cpu_correction else nominal
 
-    def overhead(rate, preset, cores) -> float:  # predicted step minus compute
-        variant, exact = PRESET_ESTIMATE[preset]
+    def step(rate, preset, cores, compute_s) -> float:  # the predicted step
+        variant, exact = PRESET_ESTIMATE[base_preset(preset)]
+        overlap = dict(overlap="full", bucket_size=OVERLAP_BUCKET_SIZE) if overlapped(preset) else {}
         work = Workload(shape=shape, global_batch=GLOBAL_BATCH, micro_batch=shape.micro_batch_size,
-                        compute_s=0.0, exact_reduce_scatter=exact, param_element_size=param_bytes)
+                        compute_s=compute_s, exact_reduce_scatter=exact,
+                        param_element_size=param_bytes, **overlap)
         return estimate(probed_links.cluster(rate), work, KernelModel("cpu", cores_per_rank=cores),
                         ["baseline", variant] if variant != "baseline" else ["baseline"]
                         ).variants[variant].step_s
+
+    def overhead(rate, preset, cores) -> float:  # predicted step minus compute (no overlap)
+        return step(rate, preset, cores, 0.0)
 
     reference = args.preset_list[0]
     calibrating = args.compute_s is None
@@ -106,10 +115,9 @@ def estimate_rows(args, cells: Dict[tuple, Cell], probed_links: Probed) -> dict:
                    "latency_us": probed_links.latency_us.get(rate),
                    "cpu_share": cores, "probed_cpu_share": probed(cell),
                    "calibration": rate is None and preset == reference and calibrating}
-            rest = overhead(rate, preset, cores)
             for statistic in STATISTICS:
                 measured = cell.step(statistic)
-                predicted = out["compute_core_s"][statistic] / cores + rest
+                predicted = step(rate, preset, cores, out["compute_core_s"][statistic] / cores)
                 row[statistic] = {"measured_s": measured, "predicted_s": predicted,
                                   "error": predicted / measured - 1}
             out["rows"].append(row)

@@ -13,8 +13,9 @@ from typing import Dict, Optional
 
 from megatron_sdp4bit.benchmarks.slow_link.estimates import (Probed, estimate_rows,
                                                              print_estimate)
-from megatron_sdp4bit.benchmarks.slow_link.presets import (GLOBAL_BATCH, PRESET_LABELS,
-                                                           SEQ_LENGTH, rate_label)
+from megatron_sdp4bit.benchmarks.slow_link.presets import (GLOBAL_BATCH, OVERLAP,
+                                                           PRESET_LABELS, SEQ_LENGTH, overlapped,
+                                                           rate_label)
 from megatron_sdp4bit.benchmarks.slow_link.runs import Cell, RunResult
 
 
@@ -43,6 +44,63 @@ def markdown_table(args, cells: Dict[tuple, Cell]) -> str:
                 f"| {GLOBAL_BATCH * SEQ_LENGTH / step:,.0f} | {ref_step / step:.2f}x "
                 f"| {mib(sent)} ({mib(inter)}) | {mib(link)} "
                 f"| {statistics.median(r.load for r in runs):.1f} |")
+    return "\n".join(lines)
+
+
+def overlap_pairs(args) -> list:
+    """The presets run both without and with ``-overlap``, when the grid has a no-limit
+    rate to measure compute plus arithmetic (L) on."""
+    if None not in args.rate_list:
+        return []
+    return [p for p in args.preset_list if not overlapped(p) and p + OVERLAP in args.preset_list]
+
+
+def overlap_rows(args, cells: Dict[tuple, Cell], est: Optional[dict] = None) -> list:
+    """Per (rate, preset pair): the link wait each exposes. With no limit the preset's
+    step is compute plus arithmetic, L; at rate R it is S_R without overlap, O_R with:
+    the link wait is S_R - L, of which O_R - L stays exposed with overlap (O_R - L_O,
+    against the overlapped run with no limit, L_O, is shown beside it)."""
+    predicted = {}
+    if est is not None:
+        predicted = {(r["rate"], r["preset"]): r["median"]["predicted_s"] for r in est["rows"]}
+    rows = []
+    for rate in args.rate_list:
+        if rate is None:
+            continue
+        for preset in overlap_pairs(args):
+            both = preset + OVERLAP
+            loop, loop_o = cells[(None, preset)].median_step(), cells[(None, both)].median_step()
+            s, o = cells[(rate, preset)].median_step(), cells[(rate, both)].median_step()
+            row = {"rate": rate, "preset": preset, "L": loop, "L_O": loop_o, "S": s, "O": o,
+                   "wait": s - loop, "exposed": o - loop, "exposed_vs_L_O": o - loop_o}
+            row["exposed_share"] = row["exposed"] / row["wait"] if row["wait"] > 0 else None
+            if predicted:
+                row["predicted_wait"] = predicted[(rate, preset)] - predicted[(None, preset)]
+                row["predicted_exposed"] = predicted[(rate, both)] - predicted[(None, preset)]
+            rows.append(row)
+    return rows
+
+
+def overlap_table(args, cells: Dict[tuple, Cell], est: Optional[dict] = None) -> str:
+    """The overlap study (docs/performance.md, "Overlap"): one row per (rate, preset)."""
+    rows = overlap_rows(args, cells, est)
+    if not rows:
+        return ""
+    head = ("| link | collectives | L s (no limit) | S_R s | O_R s (overlapped) "
+            "| link wait S_R - L s | exposed O_R - L s | exposed share | O_R - L_O s "
+            "| overlapped vs not |")
+    lines = [head, "|---|---|" + "---:|" * 8]
+    if est is not None:
+        lines[0] += " predicted wait s | predicted exposed s |"
+        lines[1] += "---:|---:|"
+    for r in rows:
+        share = "-" if r["exposed_share"] is None else f"{100 * r['exposed_share']:.0f}%"
+        line = (f"| {rate_label(r['rate'])} | {PRESET_LABELS[r['preset']]} | {r['L']:.3f} "
+                f"| {r['S']:.3f} | {r['O']:.3f} | {r['wait']:.3f} | {r['exposed']:.3f} | {share} "
+                f"| {r['exposed_vs_L_O']:.3f} | {r['S'] / r['O']:.2f}x |")
+        if est is not None:
+            line += f" {r['predicted_wait']:.3f} | {r['predicted_exposed']:.3f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -93,5 +151,10 @@ def replay(args) -> int:
     print()
     print(markdown_table(args, cells))
     print()
-    print_estimate(args, cells, estimate_rows(args, cells, probed))
+    est = estimate_rows(args, cells, probed)
+    print_estimate(args, cells, est)
+    overlap = overlap_table(args, cells, est)
+    if overlap:
+        print(overlap)
+        print()
     return 0

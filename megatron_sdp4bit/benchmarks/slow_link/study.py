@@ -24,7 +24,8 @@ from megatron_sdp4bit.benchmarks.slow_link.estimates import (Probed, estimate_ro
                                                              probe_link)
 from megatron_sdp4bit.benchmarks.slow_link.presets import (FIRST_PORT, GLOBAL_BATCH,
                                                            RANKS_PER_NODE, SEQ_LENGTH, rate_label)
-from megatron_sdp4bit.benchmarks.slow_link.report import markdown_table, mib, write_json
+from megatron_sdp4bit.benchmarks.slow_link.report import (markdown_table, mib, overlap_table,
+                                                          write_json)
 from megatron_sdp4bit.benchmarks.slow_link.runs import Cell, run_once
 
 
@@ -110,6 +111,10 @@ def run_study(args, command: str) -> int:
         print_estimate(args, cells, est)
         if args.json:
             write_json(args.json, command, probed, cells, est)
+    overlap = overlap_table(args, cells, est)
+    if overlap:  # the overlap study: what each preset's link wait leaves exposed
+        print(overlap)
+        print()
     _print_footer(args, command, out_dir, time.monotonic() - t0)
     return 0
 
