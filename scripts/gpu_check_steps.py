@@ -9,15 +9,22 @@ Steps (docs/gpu_check.md says what each checks):
   large        the ~33M-element bit-identity check of the kernels against the reference
   bench        the kernel speed table (scripts/bench_quant.py)
   dp4          4 data-parallel ranks on the one GPU over gloo (2 emulated nodes x 2): the
-               quantized collectives on CUDA against the CPU reference, then the driver
-               for 30 iterations with SDP4Bit and exact side by side, replicas checked every step
+               quantized collectives on CUDA against the CPU reference (the async ones on a
+               worker thread with its side stream), then the driver with
+               --overlap-grad-reduce --overlap-param-gather and several buckets, SDP4Bit and
+               exact side by side, replicas checked every step
+  overlap      the same 4 ranks, SDP4Bit overlapped: 3 steps profiled (torch.profiler), the
+               share of the quantization kernels' time that runs beside other kernels
+               (megatron_sdp4bit.diagnostics.overlap_profile; target >= 0.8)
   train        the driver, 125M GPT on one GPU, presets sdp4bit / baseline, step times
   megatron_lm  Megatron-LM's pretrain_gpt.py via the launcher and via the patch
                (only with MEGATRON_LM_PATH at a core_v0.16.1 checkout)
 
 ``--cpu-smoke`` runs the same logic on CPU with tiny sizes (the self-test that
 tests/scripts/test_gpu_check.py runs). Each step runs its work in a subprocess
-with a time limit, so one crash or hang is one FAIL, not the end of the check.
+with a time limit, so one crash or hang is one FAIL, not the end of the check; a
+step the budget (``--budget-s``) leaves no time for is reported SKIP, "not run
+(budget)", and the steps run in the order of what a GPU has not yet shown.
 Only small files go to --out (the device tool returns at most 8); everything
 else goes to a work folder (--work, default a fresh temporary folder).
 """
@@ -43,8 +50,11 @@ import time
 from typing import Callable, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# dp4 before train: the quantized path at DP>1 on CUDA has never run, the DP=1 overhead has
-STEPS = ("env", "triton", "large", "bench", "dp4", "train", "megatron_lm")
+# What a GPU has not shown yet first: the quantized path at DP>1 on CUDA and its overlap,
+# then the kernels' speed and the DP=1 overhead.
+STEPS = ("env", "triton", "large", "dp4", "overlap", "bench", "train", "megatron_lm")
+OVERLAP_TARGET = 0.8  # share of the quantization kernels' time beside other kernels'
+OVERLAP_PROFILE = dict(after=4, steps=3)
 # zeropp at DP=1 takes the same path as sdp4bit (one rank: nothing is quantized)
 PRESETS = ("sdp4bit", "baseline")
 DP4_PRESETS = ("sdp4bit", "baseline")
@@ -53,14 +63,16 @@ RATIO_TARGET = 1.02  # sdp4bit step time / baseline step time
 CORPUS_FILES = ("tokenizer.json", "stdlib_text_document.bin", "stdlib_text_document.idx")
 
 # The paper's 125M shape (seq 1024 here) on one GPU; and a tiny one for the CPU self-test.
-GPU_TRAIN = dict(layers=12, hidden=768, heads=12, seq=1024, micro_batch=8, iters=60,
+GPU_TRAIN = dict(layers=12, hidden=768, heads=12, seq=1024, micro_batch=8, iters=40,
                  log_interval=10, warmup_iters=20)
 CPU_TRAIN = dict(layers=2, hidden=64, heads=4, seq=64, micro_batch=2, iters=4,
                  log_interval=1, warmup_iters=2)
-# 4 ranks on one GPU over gloo (every collective through host memory): a small model.
-GPU_DP4 = dict(layers=4, hidden=512, heads=8, seq=512, micro_batch=4, iters=30,
-               log_interval=5, warmup_iters=10, shard=1 << 20)
-CPU_DP4 = dict(CPU_TRAIN, shard=3000)
+# 4 ranks on one GPU over gloo (every collective through host memory): a small model, in
+# buckets of bucket_size parameters (17 M parameters: 5 buckets), overlapped.
+GPU_DP4 = dict(layers=4, hidden=512, heads=8, seq=512, micro_batch=4, iters=20,
+               log_interval=5, warmup_iters=10, shard=1 << 20, bucket_size=4_000_000)
+CPU_DP4 = dict(CPU_TRAIN, iters=8, shard=3000, bucket_size=40_000)
+OVERLAP_FLAGS = ["--overlap-grad-reduce", "--overlap-param-gather"]
 
 
 # --- results -----------------------------------------------------------------------
@@ -463,15 +475,15 @@ def step_dp4(report: Report, ctx: dict) -> None:
     rows = {}
     for name in DP4_PRESETS:
         cmd = train_command(name, shape, corpus, ctx["work"], launcher=torchrun(4), dp=4,
-                            run_name=f"dp4-{name}") + [
-            "--distributed-backend", "gloo", "--sdp4bit-ranks-per-node", "2",
+                            run_name=f"dp4-{name}") + dp4_flags(shape) + [
             "--sdp4bit-check-interval", "1"]
         rows[name], output = run_training(report, ctx, f"dp4.train.{name}", cmd, shape,
                                           f"dp4-{name}", 120 if ctx["smoke"] else 150)
         found = REPLICA_CHECKS.search(output)
         rows[name]["replica_checks"] = int(found.group(1)) if found else 0
     print(f"\n    DP=4 on one {'CPU' if ctx['smoke'] else 'GPU'} over gloo, 2 emulated nodes x 2 "
-          f"(GPT {shape['layers']}x{shape['hidden']}, seq {shape['seq']}, {shape['iters']} iterations):")
+          f"(GPT {shape['layers']}x{shape['hidden']}, seq {shape['seq']}, {shape['iters']} iterations, "
+          f"overlapped, buckets of {shape['bucket_size']} parameters):")
     print(f"    {'preset':10s} {'ms/step':>9s} {'final loss':>11s} {'replica checks':>15s}")
     for name, row in rows.items():
         ms = f"{row['step_time_s'] * 1e3:9.1f}" if row["step_time_s"] else f"{'-':>9s}"
@@ -490,6 +502,51 @@ def step_dp4(report: Report, ctx: dict) -> None:
               f"{DP4_LOSS_TOLERANCE:.0%}); replicas bit-identical at every step ({checks})")
     report.add("dp4.loss", "FAIL" if problems else "PASS", "; ".join(problems) or detail,
                loss_gap=gap, replica_checks=checks)
+
+
+def dp4_flags(shape: dict) -> List[str]:
+    """The 4 gloo ranks on one device, 2 emulated nodes x 2, overlapped, several buckets."""
+    return ["--distributed-backend", "gloo", "--sdp4bit-ranks-per-node", "2", *OVERLAP_FLAGS,
+            "--bucket-size", str(shape["bucket_size"])]
+
+
+def step_overlap(report: Report, ctx: dict) -> None:
+    """3 overlapped SDP4Bit steps profiled: the quantization kernels' share beside others'."""
+    shape = dict(CPU_DP4 if ctx["smoke"] else GPU_DP4)
+    shape["iters"] = OVERLAP_PROFILE["after"] + OVERLAP_PROFILE["steps"] + 1
+    if not ctx["env"]["megatron_core"]["present"]:
+        report.add("overlap", "SKIP", "megatron-core is missing")
+        return
+    corpus = corpus_or_fail(report, ctx, "overlap")
+    if corpus is None:
+        return
+    out_json = os.path.join(ctx["work"], "overlap_profile.json")  # its figures go to gpu_check.json
+    driver = train_command("sdp4bit", shape, corpus, ctx["work"], dp=4, run_name="overlap")
+    cmd = torchrun(4) + ["-m", "megatron_sdp4bit.diagnostics.overlap_profile",
+                         "--profile-after", str(OVERLAP_PROFILE["after"]),
+                         "--profile-steps", str(OVERLAP_PROFILE["steps"]), "--json", out_json,
+                         "--"] + driver[driver.index("megatron_sdp4bit.pretrain") + 1:] + dp4_flags(shape)
+    start = time.perf_counter()
+    rc, _ = run_logged(cmd, timeout=time_limit(ctx, 120), env=python_env())
+    seconds = time.perf_counter() - start
+    result = {}
+    if os.path.isfile(out_json):
+        with open(out_json, encoding="utf-8") as f:
+            result = json.load(f)
+    share = result.get("share")
+    if rc != 0 or share is None:
+        why = "timed out" if rc is None else f"exit {rc}" + ("" if share is not None else ", no share")
+        report.add("overlap", "FAIL", why, seconds, **result)
+        return
+    detail = (f"{share:.1%} of the quantization {result['mode']} time ran beside other work "
+              f"({result['overlapped_s']:.3f} of {result['quantized_s']:.3f} s, "
+              f"{OVERLAP_PROFILE['steps']} steps; target >= {OVERLAP_TARGET:.0%})")
+    if ctx["smoke"]:
+        report.add("overlap", "SKIP", detail + "; CPU self-test: 4 ranks share 2 cores",
+                   seconds, **result)
+    else:
+        report.add("overlap", "PASS" if share >= OVERLAP_TARGET else "FAIL", detail, seconds,
+                   **result)
 
 
 # --- (g) Megatron-LM --------------------------------------------------------------------
@@ -571,7 +628,7 @@ def step_megatron_lm(report: Report, ctx: dict) -> None:
 
 RUNNERS: Dict[str, Callable[[Report, dict], None]] = {
     "env": step_env, "triton": step_triton, "bench": step_bench, "train": step_train,
-    "dp4": step_dp4, "megatron_lm": step_megatron_lm,
+    "dp4": step_dp4, "overlap": step_overlap, "megatron_lm": step_megatron_lm,
 }
 
 
@@ -581,9 +638,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--work", default=None, help="folder for everything else (default: a temp folder)")
     parser.add_argument("--cpu-smoke", action="store_true", help="run every step on CPU, tiny sizes")
     parser.add_argument("--steps", default=",".join(STEPS), help=f"subset of {','.join(STEPS)}")
-    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 380)),
-                        help="time for the whole check (default 380 s, or $GPU_CHECK_BUDGET_S): "
-                        "steps are cut short or skipped so the summary is written within it")
+    parser.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S", 330)),
+                        help="time for the whole check (default 330 s, or $GPU_CHECK_BUDGET_S): "
+                        "steps are cut short or skipped (SKIP, 'not run (budget)') so the "
+                        "summary is written within it")
     args = parser.parse_args(argv)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
@@ -606,7 +664,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"\n--- {name if name != 'triton' else 'triton' + (' + large' if 'large' in steps else '')}",
               flush=True)
         if name != "env" and ctx["deadline"] - time.time() < 30:
-            report.add(name, "FAIL", f"not run: the {args.budget_s:.0f} s budget is spent")
+            report.add(name, "SKIP", f"not run (budget): the {args.budget_s:.0f} s budget is spent")
             continue
         try:
             RUNNERS["triton" if name == "large" else name](report, ctx)

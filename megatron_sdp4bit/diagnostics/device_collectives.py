@@ -12,7 +12,10 @@ reduce-scatter runs both hops (8-bit inside an emulated node, 4-bit across).
 
 Per case: the SDP4Bit reduce-scatter (TLq-HS) and the qWD weight all-gather; fp32
 and bf16; synchronous with 1 pipeline chunk, asynchronous with 4 (and the two
-mixed); an unaligned shard and a large one. What must hold:
+mixed); an unaligned shard and a large one. The asynchronous calls on ``--device``
+go to a worker thread (``comm.runner.ThreadRunner`` on a private twin of the world
+group: on CUDA its own side stream, what the patch layer runs with an overlap flag
+on gloo). What must hold:
 
 - nearest rounding: the device result equals the CPU reference bit for bit;
 - stochastic rounding: every element within the error bound the collectives state
@@ -40,6 +43,8 @@ from megatron_sdp4bit.comm import (
     quantized_reduce_scatter,
 )
 from megatron_sdp4bit.comm.error_bounds import reduce_scatter_bound, tolerance, weight_bound
+from megatron_sdp4bit.comm.runner import ThreadRunner
+from megatron_sdp4bit.comm.topology import build_private_groups, get_topology, private_group
 from megatron_sdp4bit.config import SDP4BitConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -67,7 +72,15 @@ def _same_bytes_everywhere(t: torch.Tensor) -> bool:
     return len(set(everyone)) == 1
 
 
-def reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, seed) -> dict:
+def _on(where, device, async_op: bool, runner) -> dict:
+    """The async calls on the checked device go to the runner, on its private group."""
+    if async_op and where == device:
+        return dict(async_op=True, runner=runner, group=runner.group_for(dist.group.WORLD))
+    return dict(async_op=async_op)
+
+
+def reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, seed,
+                        runner) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     config = SDP4BitConfig(ranks_per_node=rpn, pipeline_chunks=chunks, rounding=rounding)
     op = dist.ReduceOp.AVG if async_op else dist.ReduceOp.SUM
@@ -75,7 +88,8 @@ def reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, s
     outputs = {}
     for where in (device, torch.device("cpu")):
         out = torch.empty(shard, dtype=dtype, device=where)
-        _finish(quantized_reduce_scatter(out, x.to(where), op=op, config=config, async_op=async_op))
+        _finish(quantized_reduce_scatter(out, x.to(where), op=op, config=config,
+                                         **_on(where, device, async_op, runner)))
         outputs[where.type] = out.cpu()
     result = {}
     if rounding == "nearest":
@@ -92,7 +106,7 @@ def reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, s
     return result
 
 
-def all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed) -> dict:
+def all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed, runner) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     config = SDP4BitConfig(ranks_per_node=rpn, rounding=rounding)
     model = torch.randn(world * shard, generator=torch.Generator().manual_seed(seed)).to(dtype)
@@ -102,7 +116,8 @@ def all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed) -> dict
     buffers = {}
     for where in (device, torch.device("cpu")):
         buffer = model.clone().to(where)
-        _finish(quantized_all_gather_weights(buffer, main.to(where), config=config, async_op=async_op))
+        _finish(quantized_all_gather_weights(buffer, main.to(where), config=config,
+                                             **_on(where, device, async_op, runner)))
         buffers[where.type] = buffer.cpu()
     result = {"replicas_identical": _same_bytes_everywhere(buffers[device.type])}
     if rounding == "nearest":
@@ -118,16 +133,17 @@ def passed(result: dict) -> bool:
             and result.get("replicas_identical", True))
 
 
-def run_cases(device: torch.device, shards, rpn: int) -> List[dict]:
+def run_cases(device: torch.device, shards, rpn: int, runner) -> List[dict]:
     cases = []
     combos = itertools.product(DTYPES.items(), SCHEDULES, ROUNDINGS, shards)
     for seed, ((dname, dtype), (async_op, chunks), rounding, shard) in enumerate(combos):
         name = (f"{dname} {'async' if async_op else 'sync'} chunks={chunks} {rounding} "
                 f"shard={shard}")
-        rs = reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, seed)
+        rs = reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, seed,
+                                 runner)
         cases.append(dict(rs, collective="reduce_scatter", case=name))
         if chunks == 1:  # the all-gather has no pipeline chunks
-            ag = all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed)
+            ag = all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed, runner)
             cases.append(dict(ag, collective="all_gather", case=name.replace(" chunks=1", "")))
     for case in cases:
         case["passed"] = passed(case)
@@ -166,7 +182,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         world = dist.get_world_size()
         if world % args.ranks_per_node:
             raise SystemExit(f"--ranks-per-node {args.ranks_per_node} does not divide {world} ranks")
-        cases = run_cases(device, (4101, args.shard), args.ranks_per_node)
+        build_private_groups([list(range(world))])
+        twin = private_group(dist.group.WORLD)
+        get_topology(twin, args.ranks_per_node)  # built here: its first use is a collective
+        runner = ThreadRunner(device, {dist.group.WORLD: twin})
+        try:
+            cases = run_cases(device, (4101, args.shard), args.ranks_per_node, runner)
+        finally:
+            runner.close()
         everyone: List[Optional[list]] = [None] * world
         dist.all_gather_object(everyone, cases)
     finally:

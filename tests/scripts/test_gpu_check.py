@@ -57,9 +57,13 @@ def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
         "env", "triton.compile", "triton.tests", "triton.dispatch", "large", "bench",
         "dp4.collectives", "dp4.train.sdp4bit", "dp4.train.baseline", "dp4.loss",
         "train.sdp4bit", "train.baseline")}
-    expected.update({"train.ratio": "SKIP", "megatron_lm": "SKIP"})
+    expected.update({"train.ratio": "SKIP", "megatron_lm": "SKIP", "overlap": "SKIP"})
     assert got == expected, result.stdout[-6000:]
-    assert "SUMMARY: 12 PASS, 0 FAIL, 2 SKIP -> PASS" in result.stdout
+    assert "SUMMARY: 12 PASS, 0 FAIL, 3 SKIP -> PASS" in result.stdout
+    # the overlap step's machinery ran: a profile, a share (the target is a GPU's)
+    assert re.search(r"\[SKIP\] overlap \(\d+ s\): \d+\.\d% of the quantization cpu threads time",
+                     result.stdout), result.stdout[-6000:]
+    assert "--overlap-grad-reduce --overlap-param-gather --bucket-size" in result.stdout  # dp4
     assert re.search(r"sdp4bit / baseline = \d+\.\d{4}", result.stdout)  # the side-by-side ratio
     assert "MEGATRON_LM_PATH is not set" in result.stdout
 
@@ -79,6 +83,8 @@ def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
         assert probe["present"] == (importlib.util.find_spec(steps.OPTIONAL[name][1]) is not None)
     ratio = [r for r in report["steps"] if r["name"] == "train.ratio"][0]
     assert ratio["ratio"] > 0
+    profile = [r for r in report["steps"] if r["name"] == "overlap"][0]
+    assert 0 <= profile["share"] <= 1 and profile["intervals"] > 0
     log = (out / "gpu_check.log").read_text()
     assert "SUMMARY:" in log and "[PASS] dp4.loss" in log
     collectives = json.loads((out / "device_collectives.json").read_text())
@@ -184,16 +190,17 @@ def test_carried_corpus_is_found_by_its_files(tmp_path, monkeypatch):
 
 
 def test_a_failed_step_makes_the_exit_status_nonzero(tmp_path):
-    # GPU mode on a machine without a GPU: env fails (no CUDA device); out of budget: triton fails.
+    # GPU mode on a machine without a GPU: env fails (no CUDA device); out of budget, triton
+    # is not run, which is said and is not a failure of its own.
     result = subprocess.run(["bash", SCRIPT, "--steps", "env,triton", "--budget-s", "25"],
                             cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
     statuses = _statuses(result.stdout)
-    assert statuses["env"] == "FAIL" and statuses["triton"] == "FAIL"
-    assert "torch sees no CUDA device" in result.stdout and "budget is spent" in result.stdout
-    assert "-> FAIL (env, triton)" in result.stdout
+    assert statuses["env"] == "FAIL" and statuses["triton"] == "SKIP"
+    assert "torch sees no CUDA device" in result.stdout and "not run (budget)" in result.stdout
+    assert "-> FAIL (env)" in result.stdout
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert report["result"] == "FAIL" and report["failed"] == ["env", "triton"]
+    assert report["result"] == "FAIL" and report["failed"] == ["env"]
 
 
 def test_a_step_past_its_time_limit_is_killed_with_its_children():

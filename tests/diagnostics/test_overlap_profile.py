@@ -1,0 +1,43 @@
+"""diagnostics/overlap_profile.py: the share of the quantized work that runs beside the rest.
+
+The arithmetic on time lines is checked here on hand-made traces (what the GPU
+check's "overlap" step reports rests on it); the profile itself runs in
+scripts/gpu_check.sh (``--cpu-smoke`` too, tests/scripts/test_gpu_check.py).
+"""
+from __future__ import annotations
+
+import pytest
+
+from megatron_sdp4bit.diagnostics.overlap_profile import covered, kernel_spans, thread_spans
+
+
+def test_covered_counts_the_time_some_other_interval_runs_beside_each_target():
+    # target 0-10 overlaps 2-4 and 3-6 (union 2-6: 4) and 9-12 (1); target 20-30 none
+    assert covered([(0, 10), (20, 30)], [(3, 6), (2, 4), (9, 12), (40, 50)]) == (20.0, 5.0)
+    assert covered([(0, 10)], []) == (10.0, 0.0)
+    assert covered([], [(0, 1)]) == (0.0, 0.0)
+    # overlapping targets are counted once, and an other spanning several targets in full
+    assert covered([(0, 4), (2, 6), (8, 10)], [(1, 9)]) == (8.0, 6.0)
+
+
+@pytest.mark.parametrize("n", [2000])
+def test_covered_is_one_pass_over_many_intervals(n):
+    targets = [(3.0 * i, 3.0 * i + 1) for i in range(n)]
+    others = [(3.0 * i + 0.5, 3.0 * i + 2) for i in range(n)]
+    assert covered(targets, others) == (float(n), 0.5 * n)
+
+
+def test_kernels_and_threads_are_told_apart_by_name_and_thread():
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "quantize_kernel", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "dequantize_kernel", "ts": 20, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "ampere_bf16_gemm", "ts": 5, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 3, "tid": 7},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1, "dur": 1, "tid": 9},
+        {"ph": "M", "name": "thread_name", "tid": 7},
+    ]
+    quant, other = kernel_spans(events)
+    assert quant == [(0.0, 10.0), (20.0, 25.0)] and other == [(5.0, 25.0)]
+    assert covered(quant, other) == (15.0, 10.0)
+    worker, main = thread_spans(events, worker_tid=9, main_tid=7)
+    assert worker == [(1.0, 2.0)] and main == [(0.0, 3.0)]
