@@ -147,15 +147,16 @@ def chunk_plan(shard_numel: int, align: int, max_chunks: int) -> list[Chunk]:
     return chunks
 
 
-MAX_CHUNK_ELEMENTS = 1 << 24
+MAX_CHUNK_ELEMENTS = 1 << 23
 """At most this many elements (over all DP shards) per pipeline chunk. Without
 --overlap-grad-reduce megatron puts every parameter in one bucket; chunks of at
-most 16M elements keep the reduce-scatter's buffers near 70 MiB (two slots of a
-chunk's 8-bit codes sent and received, comm/memory.py), under 1 byte per parameter
-at DP 8 even for a 125M model. Each chunk costs the host two seed draws, three
-launches and two collective calls (scripts/count_chunk_work.py), so the cap also
-sets the chunks per step: megatron's 40M-element buckets are 3 chunks each
-(4M elements made them 10; docs/performance.md, "Host work per chunk")."""
+most 8M elements keep the reduce-scatter's buffers near 45 MiB (two slots of a
+chunk's 8-bit codes sent and received, comm/memory.py): the layer stays under 1
+byte per parameter at DP 8 even for a 125M model (16M elements would take it to
+1.3). Each chunk costs the host two seed draws, three launches and two collective
+calls (scripts/count_chunk_work.py), so the cap also sets the chunks per step:
+megatron's 40M-element buckets are 5 chunks each (4M elements made them 10;
+docs/performance.md, "Host work per chunk")."""
 
 
 MIN_CHUNK_SHARD_ELEMENTS = 1 << 18

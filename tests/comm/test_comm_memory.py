@@ -123,7 +123,7 @@ def test_synchronous_gathers_keep_useful_calls_at_many_ranks():
     slices = weight_slices(shard, 128, 2048, False, MAX_CHUNK_ELEMENTS)
     assert len(slices) == 10 and all(n >= MIN_SLICE_ELEMENTS for _, n in slices[:-1])
     assert all(start % 2048 == 0 for start, _ in slices) and sum(n for _, n in slices) == shard
-    # at DP 8 the cap over all ranks is the larger: 2M elements a rank, 5 slices
-    assert MAX_CHUNK_ELEMENTS // 8 > MIN_SLICE_ELEMENTS
-    assert len(weight_slices(shard, 8, 2048, False, MAX_CHUNK_ELEMENTS)) == 5
+    # at DP 8 the cap over all ranks is the floor: 1M elements a rank, 10 slices
+    assert MAX_CHUNK_ELEMENTS // 8 == MIN_SLICE_ELEMENTS
+    assert len(weight_slices(shard, 8, 2048, False, MAX_CHUNK_ELEMENTS)) == 10
     assert weight_slices(shard, 128, 2048, True, MAX_CHUNK_ELEMENTS) == [(0, shard)]
