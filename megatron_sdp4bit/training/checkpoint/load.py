@@ -17,7 +17,7 @@ from megatron_sdp4bit.training.checkpoint.common import (
     LATEST, RANK_FILE, CheckpointError, adapter, all_gather, first_line, model_holder, rank_and_world,
     rank_file)
 from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, current_layout
-from megatron_sdp4bit.training.checkpoint.overrides import adam_settings, load_schedule_and_settle
+from megatron_sdp4bit.training.checkpoint.overrides import group_settings, settle_schedule
 from megatron_sdp4bit.training.checkpoint.reshard import load_resharded, read_rank_file
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
 from megatron_sdp4bit.training.console import log0
@@ -43,7 +43,7 @@ def _legacy_layout(directory: str) -> dict:
 
 def _load_same_layout(directory: str, model, optimizer, scheduler, global_batch_size: Optional[int]) -> dict:
     rank, _ = rank_and_world()
-    asked = adam_settings(optimizer)
+    asked = group_settings(optimizer)
     state = read_rank_file(rank_file(directory, rank))
     model_state = state["model"]
     if model_state is None:
@@ -55,7 +55,7 @@ def _load_same_layout(directory: str, model, optimizer, scheduler, global_batch_
         if param_state is not None:
             adapter().load_parameter_state(opt, param_state)
         adapter().after_optimizer_load(opt)
-    load_schedule_and_settle(state, directory, optimizer, scheduler, asked, global_batch_size)
+    settle_schedule(state, directory, optimizer, scheduler, asked, global_batch_size)
     set_rng_state(state["rng"])
     return state
 

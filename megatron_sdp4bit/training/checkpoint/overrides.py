@@ -3,17 +3,17 @@ hyper-parameters.
 
 Loading megatron-core's scheduler state replaces this run's ``--lr``, ``--min-lr``,
 warm-up, ``--lr-decay-iters``, decay style and weight decay by the checkpoint's
-(its default), and loading the optimizer's state replaces ``--adam-beta1/2`` and
-``--adam-eps``: a resume that asks for another schedule (extending a run with a
-longer ``--train-iters``) would silently train at the old one. As in Megatron-LM, a
-difference is refused unless the run says which to use:
-``--override-opt_param-scheduler`` (this run's flags; the iteration count comes from
-the checkpoint) or ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's).
-The same two flags decide Adam's hyper-parameters.
+(its default), and loading the optimizer's state replaces its param groups: the
+``max_lr`` / ``min_lr`` megatron's scheduler reads the learning rate from, and
+``--adam-beta1/2`` and ``--adam-eps``. A resume that asks for another schedule
+(extending a run with a longer ``--train-iters``) would silently train at the old
+one. As in Megatron-LM, a difference is refused unless the run says which to use:
+``--override-opt_param-scheduler`` (this run's flags, in the scheduler and in every
+param group; the iteration count comes from the checkpoint) or
+``--use-checkpoint-opt_param-scheduler`` (the checkpoint's, in both).
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Dict, List, Optional
 
 from megatron_sdp4bit.training.checkpoint.common import CheckpointError
@@ -33,6 +33,10 @@ _SCHEDULE_FLAGS = (
 )
 _ADAM_FLAGS = (("--adam-beta1", lambda g: g["betas"][0]), ("--adam-beta2", lambda g: g["betas"][1]),
                ("--adam-eps", lambda g: g["eps"]))
+# What this run's flags put into each param group (megatron's scheduler reads the
+# learning rates from there; Adam its betas and epsilon). Not ``step`` (the count of
+# steps done, which some optimizers keep there), nor the fields that name a group.
+GROUP_SETTINGS = ("max_lr", "min_lr", "start_wd", "end_wd", "betas", "eps")
 
 
 def _shown(value, samples: bool, global_batch_size: Optional[int]):
@@ -65,36 +69,9 @@ def _mode(scheduler) -> str:
     return "checkpoint" if scheduler.use_checkpoint_opt_param_scheduler else "ask"
 
 
-@contextmanager
-def _taking_checkpoint_values(scheduler):
-    """megatron's scheduler asserts every value equal unless told which to use; the
-    settings that matter were compared already, so it may take the checkpoint's."""
-    saved = scheduler.use_checkpoint_opt_param_scheduler
-    scheduler.use_checkpoint_opt_param_scheduler = True
-    try:
-        yield
-    finally:
-        scheduler.use_checkpoint_opt_param_scheduler = saved
-
-
-def load_schedule(scheduler, saved: dict, directory: str, global_batch_size: Optional[int]) -> None:
-    """Load the checkpoint's schedule state: refused on a difference unless one of the
-    two flags says which values to use (then one line says what was chosen)."""
-    mode = _mode(scheduler)
-    changed = schedule_differences(saved, scheduler.state_dict(), global_batch_size)
-    if changed and mode == "ask":
-        raise CheckpointError(
-            f"checkpoint {directory} was saved with another learning-rate schedule ({', '.join(changed)}), "
-            f"which loading it would silently keep: resume with the checkpoint's values, {CHOICES}")
-    if changed:
-        which = "this run's flags (--override-opt_param-scheduler)" if mode == "override" else \
-            "the checkpoint's values (--use-checkpoint-opt_param-scheduler)"
-        log0(f"learning-rate schedule: {', '.join(changed)}; training continues with {which}")
-    if mode == "ask":
-        with _taking_checkpoint_values(scheduler):
-            scheduler.load_state_dict(saved)
-    else:
-        scheduler.load_state_dict(saved)
+def _which(mode: str) -> str:
+    return ("this run's flags (--override-opt_param-scheduler)" if mode == "override" else
+            "the checkpoint's values (--use-checkpoint-opt_param-scheduler)")
 
 
 def adam_settings(optimizer) -> Dict[str, float]:
@@ -105,31 +82,52 @@ def adam_settings(optimizer) -> Dict[str, float]:
     return {flag: read(group) for flag, read in _ADAM_FLAGS}
 
 
-def settle_adam_settings(optimizer, asked: Dict[str, float], scheduler, directory: str) -> None:
-    """After the optimizer's state was loaded (its param groups are the checkpoint's):
-    keep them, put this run's back, or refuse, by the same rule as the schedule."""
+def group_settings(optimizer) -> List[dict]:
+    """What this run's flags set in each of the optimizer's param groups (``GROUP_SETTINGS``),
+    taken before a checkpoint's optimizer state replaces them."""
+    return [{key: group[key] for key in GROUP_SETTINGS if key in group} for group in optimizer.param_groups]
+
+
+def _adam_differences(optimizer, asked: List[dict]) -> List[str]:
     loaded = adam_settings(optimizer)
-    changed = [f"{flag} {loaded[flag]:g} -> {asked[flag]:g}" for flag in asked if loaded.get(flag) != asked[flag]]
-    if not changed:
-        return
+    wanted = {flag: read(asked[0]) for flag, read in _ADAM_FLAGS} if asked and "betas" in asked[0] else {}
+    return [f"{flag} {loaded[flag]:g} -> {wanted[flag]:g}" for flag in wanted if loaded.get(flag) != wanted[flag]]
+
+
+def _refuse(directory: str, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {directory} was saved with {what}, which loading it would silently "
+                           f"keep: resume with the checkpoint's values, {CHOICES}")
+
+
+def settle_schedule(state: dict, directory: str, optimizer, scheduler, asked: List[dict],
+                    global_batch_size: Optional[int]) -> None:
+    """After the optimizer's state was loaded (its param groups are the checkpoint's):
+    load the scheduler's state and keep the checkpoint's settings, put this run's back
+    (in the scheduler and in every param group), or refuse, as the module docstring
+    says; one line says which values differ and which were chosen. ``asked``: the
+    ``group_settings`` taken before the optimizer's state was loaded."""
     mode = _mode(scheduler)
-    if mode == "ask":
-        raise CheckpointError(
-            f"checkpoint {directory} was saved with other Adam settings ({', '.join(changed)}), which "
-            f"loading it would silently keep: resume with the checkpoint's values, {CHOICES}")
+    schedule = schedule_differences(state["scheduler"], scheduler.state_dict(), global_batch_size)
+    adam = _adam_differences(optimizer, asked)
+    if mode == "ask" and schedule:
+        raise _refuse(directory, f"another learning-rate schedule ({', '.join(schedule)})")
+    if mode == "ask" and adam:
+        raise _refuse(directory, f"other Adam settings ({', '.join(adam)})")
     if mode == "override":
-        for group in optimizer.param_groups:
-            group["betas"] = (asked["--adam-beta1"], asked["--adam-beta2"])
-            group["eps"] = asked["--adam-eps"]
-    which = "this run's flags (--override-opt_param-scheduler)" if mode == "override" else \
-        "the checkpoint's values (--use-checkpoint-opt_param-scheduler)"
-    log0(f"Adam: {', '.join(changed)}; training continues with {which}")
-
-
-def load_schedule_and_settle(state: dict, directory: str, optimizer, scheduler, asked: dict,
-                             global_batch_size: Optional[int]) -> None:
-    """The scheduler's state, and Adam's hyper-parameters the optimizer's state brought
-    along, kept, replaced or refused by ``--override-opt_param-scheduler`` /
-    ``--use-checkpoint-opt_param-scheduler`` (``overrides``)."""
-    load_schedule(scheduler, state["scheduler"], directory, global_batch_size)
-    settle_adam_settings(optimizer, asked, scheduler, directory)
+        for group, settings in zip(optimizer.param_groups, asked):
+            group.update(settings)
+    # megatron's scheduler asserts every value equal unless told which to use; where
+    # neither flag was given, everything that matters was found equal above.
+    taking_checkpoint = scheduler.use_checkpoint_opt_param_scheduler
+    scheduler.use_checkpoint_opt_param_scheduler = mode != "override"
+    try:
+        scheduler.load_state_dict(state["scheduler"])
+    finally:
+        scheduler.use_checkpoint_opt_param_scheduler = taking_checkpoint
+    # Its load sets the param groups' learning rate and weight decay before it takes
+    # the weight decay's values: once more, with the values chosen, for the first step.
+    scheduler.step(0)
+    if schedule:
+        log0(f"learning-rate schedule: {', '.join(schedule)}; training continues with {_which(mode)}")
+    if adam:
+        log0(f"Adam: {', '.join(adam)}; training continues with {_which(mode)}")
