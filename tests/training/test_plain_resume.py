@@ -54,7 +54,8 @@ def test_a_plain_run_resumes_bit_for_bit(plain_world, precision):
         resumed, straight = result[f"resumed_{precision}"], result[f"straight_{precision}"]
         assert resumed["error"] is None, resumed["error"]
         assert resumed["hashes"] == straight["hashes"][2:]
-    assert f"resumed from {os.path.join(root, 'ck_' + precision)} at iteration 2" in results[0][f"resumed_{precision}"]["stdout"]
+    ck = os.path.join(root, f"ck_{precision}")
+    assert f"resumed from {ck} at iteration 2" in results[0][f"resumed_{precision}"]["stdout"]
     resumed = train_log(root, f"resumed_{precision}")
     assert sorted(resumed) == [3, 4]
     assert resumed == {i: train_log(root, f"straight_{precision}")[i] for i in (3, 4)}

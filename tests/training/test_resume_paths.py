@@ -159,12 +159,13 @@ def test_a_checkpoint_at_train_iters_is_done_and_one_past_it_is_refused(world):
 
 def test_a_resume_with_another_seed_is_refused(world):
     """The random states come from the checkpoint, the data order from --seed: a resume
-    with another one would read other samples than the run it continues."""
+    with another one would read other samples than the run it continues (the rule of
+    every data flag: test_resume_data.py)."""
     root, results = world
     _refused_on_every_rank(results, "other_seed", (
         f"CheckpointError: checkpoint {os.path.join(root, 'ck', 'iter_0000004')} was saved with --seed "
-        "1234, this run has 7: resume with --seed 1234 (the data order and the random states a resume "
-        "continues come from it)"))
+        "1234 (this run: 7): this run would train on other samples than the run it continues; resume with "
+        "--seed 1234"))
 
 
 def test_a_save_folder_that_is_one_checkpoint_is_refused(world):

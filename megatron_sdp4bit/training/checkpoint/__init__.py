@@ -18,8 +18,12 @@ One module per concern:
 - ``rng``: the RNG states;
 - ``layout``: what a checkpoint records about the run's layout (world, data-,
   tensor- and pipeline-parallel sizes, megatron-core version, SDP4Bit config,
-  the optimizer's buckets, the global batch size), and whether another run may
-  load it (refused in one line, loaded with a warning, or resharded);
+  the optimizer's buckets), and whether another run may load it (refused in one
+  line, loaded with a warning, or resharded);
+- ``training_data``: what decides the training samples a run reads (seed,
+  sequence length, data and corpus, split, tokenizer, global batch size, the
+  samples before the checkpoint), recorded with the layout; the one rule that
+  refuses a resume that would train on other samples;
 - ``manifest``: each file's size and SHA-256, verified collectively before
   anything is loaded; a damaged latest checkpoint names the bad file and the
   newest earlier checkpoint that verifies, which ``fallback`` (``--load-fallback``)
@@ -41,6 +45,7 @@ from megatron_sdp4bit.training.checkpoint.manifest import (
     check_files, choose_checkpoint, file_digest, read_manifest, verify, write_manifest)
 from megatron_sdp4bit.training.checkpoint.rng import rng_state, set_rng_state
 from megatron_sdp4bit.training.checkpoint.save import check_writable, save_checkpoint
+from megatron_sdp4bit.training.checkpoint.training_data import TrainingData, compare_data
 
 __all__ = [
     "LATEST", "MANIFEST", "CheckpointError",
@@ -50,4 +55,5 @@ __all__ = [
     "check_files", "choose_checkpoint", "file_digest", "read_manifest", "verify", "write_manifest",
     "rng_state", "set_rng_state",
     "check_writable", "save_checkpoint",
+    "TrainingData", "compare_data",
 ]

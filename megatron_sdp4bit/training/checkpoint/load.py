@@ -35,10 +35,11 @@ def latest_iteration(load_dir: str) -> Optional[int]:
 
 
 def _legacy_layout(directory: str) -> dict:
-    """What a checkpoint without a manifest tells of its layout: its number of rank files."""
+    """What a checkpoint without a manifest tells of its layout: its number of rank files
+    (and nothing of its data: ``choose_checkpoint``'s warning says so)."""
     ranks = [n for n in os.listdir(directory) if RANK_FILE.match(n)]
     return {"world_size": len(ranks), "data_parallel_size": len(ranks),
-            "tensor_model_parallel_size": None, "pipeline_model_parallel_size": None}
+            "tensor_model_parallel_size": None, "pipeline_model_parallel_size": None, "data": {}}
 
 
 def _load_same_layout(directory: str, model, optimizer, scheduler, global_batch_size: Optional[int]) -> dict:
@@ -60,10 +61,10 @@ def _load_same_layout(directory: str, model, optimizer, scheduler, global_batch_
     return state
 
 
-def _agreed_layout(directory: str, saved_layout: dict, model, optimizer, global_batch_size, seed) -> tuple:
+def _agreed_layout(directory: str, saved_layout: dict, model, optimizer, data: Optional[dict]) -> tuple:
     """Collective: (reshard, this run's layout), or the first rank's refusal on every rank
     (a pipeline stage may differ alone)."""
-    layout = current_layout(model, optimizer, global_batch_size=global_batch_size, seed=seed)
+    layout = current_layout(model, optimizer, data=data)
     reshard, warnings, refusal = False, [], None
     try:
         reshard, warnings = compare_layouts(directory, saved_layout, layout)
@@ -97,19 +98,21 @@ def _agreed_load(directory: str, saved_layout: dict, reshard: bool, model, optim
 
 
 def load_checkpoint(directory: str, manifest: Optional[dict], model, optimizer, scheduler,
-                    global_batch_size: Optional[int] = None, seed: Optional[int] = None) -> dict:
+                    data: Optional[dict] = None) -> dict:
     """Restore everything ``save_checkpoint`` saved in ``directory`` (a checkpoint
     ``choose_checkpoint`` verified, with its ``manifest``; None for an older save).
 
     Collective. Compares the checkpoint's layout with this run's before anything
     is loaded, and raises ``CheckpointError`` on every rank alike when any rank
-    cannot load. ``global_batch_size``, ``seed``: this run's, refused when they
-    differ from the recorded ones. The returned state carries ``directory``; its
+    cannot load. ``data``: what decides this run's training samples at the
+    checkpoint's iteration (``TrainingData.record``), refused when it differs from the
+    recorded one (``training_data.compare_data``). The returned state carries ``directory``; its
     ``extra["sdp4bit"]`` is the layer's state for this rank, resharded when the
     data-parallel size changed.
     """
     saved_layout = manifest["layout"] if manifest is not None else _legacy_layout(directory)
-    reshard, layout = _agreed_layout(directory, saved_layout, model, optimizer, global_batch_size, seed)
+    reshard, layout = _agreed_layout(directory, saved_layout, model, optimizer, data)
+    global_batch_size = (data or {}).get("global_batch_size")  # the schedule's lines count iterations
     if reshard:
         log0(f"{directory} was saved with data-parallel size {saved_layout['data_parallel_size']}, "
              f"this run has {layout['data_parallel_size']}: resharding the optimizer state")

@@ -170,7 +170,8 @@ def choose_checkpoint(load_dir: str, fallback: bool,
         if problem is None:
             if manifest is None:
                 log0(f"warning: {directory} has no {MANIFEST} (saved by an older version): its files "
-                     "are not verified and its layout is taken from its rank files")
+                     "are not verified, its layout is taken from its rank files and its data settings "
+                     "are not checked")
             return directory, manifest, damaged
         damaged.append(wanted)
         unreadable = f"checkpoint {directory} is damaged: {problem}"

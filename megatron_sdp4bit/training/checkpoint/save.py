@@ -181,12 +181,11 @@ def _tracker(save_dir: str) -> Optional[int]:
 
 
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler,
-                    extra: Optional[dict] = None, global_batch_size: Optional[int] = None,
-                    seed: Optional[int] = None) -> str:
+                    extra: Optional[dict] = None, data: Optional[dict] = None) -> str:
     """Collective: every rank writes its file; returns the checkpoint directory.
-    ``global_batch_size`` and ``seed`` are recorded in the manifest (see
-    ``current_layout``); a failure raises ``CheckpointError`` on every rank (see
-    the module docstring)."""
+    ``data`` (what decides the training samples, ``TrainingData.record``) is
+    recorded in the manifest (see ``current_layout``); a failure raises
+    ``CheckpointError`` on every rank (see the module docstring)."""
     save = _Save(save_dir, iteration)
     save.agree(*(_attempt(lambda: _fresh_folder(save.tmp), save.tmp) if save.rank == 0 else (None, None)))
     path = rank_file(save.tmp, save.rank)
@@ -200,7 +199,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler,
     stage_buckets = dict(all_gather((pipeline_stage(), own_buckets(optimizer))))
     outcome = (None, None)
     if save.rank == 0:
-        layout = current_layout(model, optimizer, stage_buckets, global_batch_size, seed)
+        layout = current_layout(model, optimizer, stage_buckets, data)
         outcome = _attempt(lambda: (write_manifest(save.tmp, iteration, layout, entries),
                                     _publish(save_dir, save.tmp, save.final, iteration)), save.tmp)
     save.agree(None, outcome[1])
