@@ -164,3 +164,25 @@ def test_use_checkpoint_keeps_every_saved_setting_from_the_first_step(world):
         assert rank["keep_every_flag"]["error"] is None, rank["keep_every_flag"]["error"]
         assert rank["keep_every_flag"]["groups"] == rank["same_schedule"]["groups"]
     assert train_log(root, "keep_every_flag") == train_log(root, "same_schedule")
+
+
+def test_saved_param_groups_are_paired_by_identity_and_given_this_runs_settings():
+    """megatron-core 0.19 pairs a checkpoint's param groups with this run's by their
+    max_lr / min_lr among others: a resume with another --lr died on megatron's
+    KeyError (None, 0.001, 0.0001, ...) whichever flag was given (test_resume_overrides
+    under MCORE=0.19.2). The saved groups get this run's settings before megatron loads
+    them; the saved ones come back, in this run's group order, for the flags to decide."""
+    from types import SimpleNamespace
+
+    from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups
+
+    def group(wd_mult, lr, min_lr, beta2):
+        return {"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
+                "max_lr": lr, "min_lr": min_lr, "betas": (0.9, beta2), "eps": 1e-8, "params": [0]}
+
+    saved = {"state": {}, "param_groups": [group(0.0, 3e-3, 3e-4, 0.95), group(1.0, 3e-3, 3e-4, 0.95)]}  # FP32's form
+    ours = SimpleNamespace(param_groups=[group(1.0, 1e-3, 1e-4, 0.99), group(0.0, 1e-3, 1e-4, 0.99)])
+    settings = align_saved_groups([ours], [saved])
+    assert settings == [{"max_lr": 3e-3, "min_lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8}] * 2
+    assert [(g["wd_mult"], g["max_lr"], g["min_lr"], g["betas"]) for g in saved["param_groups"]] == \
+        [(0.0, 1e-3, 1e-4, (0.9, 0.99)), (1.0, 1e-3, 1e-4, (0.9, 0.99))]

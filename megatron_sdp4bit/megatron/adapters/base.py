@@ -177,6 +177,11 @@ class MegatronAdapter:
         """Fix-ups megatron needs after ``load_state_dict`` to continue the same run."""
         raise NotImplementedError
 
+    def saved_param_groups(self, optimizer_state: dict) -> List[dict]:
+        """The param groups (hyper-parameters, no tensors) inside a state an optimizer's
+        ``state_dict()`` returned, as the very dicts ``load_state_dict`` will read."""
+        raise NotImplementedError
+
     def bucket_layout(self, optimizer) -> Optional[list]:
         """Per param buffer: its ``[param dtype, grad dtype]`` names and each bucket's
         element count without the end padding (which depends on the data-parallel

@@ -170,6 +170,11 @@ class Adapter(MegatronAdapter):
             if torch.is_tensor(step):
                 state["step"] = step.clone()
 
+    def saved_param_groups(self, optimizer_state: dict) -> List[dict]:
+        """The distributed and mixed-precision optimizers nest torch's state under
+        ``"optimizer"``; ``FP32Optimizer``'s is torch's own."""
+        return optimizer_state.get("optimizer", optimizer_state)["param_groups"]
+
     def bucket_layout(self, optimizer) -> Optional[list]:
         if not hasattr(optimizer, "per_bucket_numel_unpadded"):
             return None

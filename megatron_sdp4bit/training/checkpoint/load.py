@@ -17,7 +17,7 @@ from megatron_sdp4bit.training.checkpoint.common import (
     LATEST, RANK_FILE, CheckpointError, adapter, all_gather, first_line, model_holder, rank_and_world,
     rank_file)
 from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, current_layout
-from megatron_sdp4bit.training.checkpoint.overrides import group_settings, settle_schedule
+from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
 from megatron_sdp4bit.training.checkpoint.reshard import load_resharded, read_rank_file
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
 from megatron_sdp4bit.training.console import log0
@@ -50,13 +50,14 @@ def _load_same_layout(directory: str, model, optimizer, scheduler, global_batch_
     if model_state is None:
         model_state = read_rank_file(rank_file(directory, model_holder()[1]), mmap=True)["model"]
     model.load_state_dict(model_state)
+    saved_groups = align_saved_groups(adapter().sub_optimizers(optimizer), state["optimizer"])
     for opt, opt_state, param_state in zip(adapter().sub_optimizers(optimizer), state["optimizer"],
                                            state["param_state"]):
         opt.load_state_dict(opt_state)
         if param_state is not None:
             adapter().load_parameter_state(opt, param_state)
         adapter().after_optimizer_load(opt)
-    settle_schedule(state, directory, optimizer, scheduler, asked, global_batch_size)
+    settle_schedule(state, directory, optimizer, scheduler, asked, saved_groups, global_batch_size)
     set_rng_state(state["rng"])
     return state
 

@@ -11,12 +11,17 @@ one. As in Megatron-LM, a difference is refused unless the run says which to use
 ``--override-opt_param-scheduler`` (this run's flags, in the scheduler and in every
 param group; the iteration count comes from the checkpoint) or
 ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's, in both).
+
+The loaders call ``align_saved_groups`` before megatron loads an optimizer's state
+(megatron-core 0.19 pairs the saved param groups with this run's by their learning
+rates, among others: another ``--lr`` died on a ``KeyError``), then
+``settle_schedule``.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-from megatron_sdp4bit.training.checkpoint.common import CheckpointError
+from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter
 from megatron_sdp4bit.training.console import log0
 
 CHOICES = ("add --override-opt_param-scheduler to train with this run's values, or "
@@ -37,6 +42,8 @@ _ADAM_FLAGS = (("--adam-beta1", lambda g: g["betas"][0]), ("--adam-beta2", lambd
 # learning rates from there; Adam its betas and epsilon). Not ``step`` (the count of
 # steps done, which some optimizers keep there), nor the fields that name a group.
 GROUP_SETTINGS = ("max_lr", "min_lr", "start_wd", "end_wd", "betas", "eps")
+# What tells param groups apart whatever the flags (megatron-core 0.16's pairing keys).
+_GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
 def _shown(value, samples: bool, global_batch_size: Optional[int]):
@@ -74,24 +81,40 @@ def _which(mode: str) -> str:
             "the checkpoint's values (--use-checkpoint-opt_param-scheduler)")
 
 
-def adam_settings(optimizer) -> Dict[str, float]:
-    """This optimizer's Adam hyper-parameters, by flag (the same in every param group)."""
-    group = optimizer.param_groups[0]
-    if "betas" not in group:  # not Adam
-        return {}
-    return {flag: read(group) for flag, read in _ADAM_FLAGS}
-
-
 def group_settings(optimizer) -> List[dict]:
     """What this run's flags set in each of the optimizer's param groups (``GROUP_SETTINGS``),
     taken before a checkpoint's optimizer state replaces them."""
     return [{key: group[key] for key in GROUP_SETTINGS if key in group} for group in optimizer.param_groups]
 
 
-def _adam_differences(optimizer, asked: List[dict]) -> List[str]:
-    loaded = adam_settings(optimizer)
-    wanted = {flag: read(asked[0]) for flag, read in _ADAM_FLAGS} if asked and "betas" in asked[0] else {}
-    return [f"{flag} {loaded[flag]:g} -> {wanted[flag]:g}" for flag in wanted if loaded.get(flag) != wanted[flag]]
+def _counterpart(saved_groups: List[dict], group: dict, position: int) -> dict:
+    """The saved param group of ``group``: the one of the same identity, else by position."""
+    identity = [group.get(key) for key in _GROUP_IDENTITY]
+    alike = [saved for saved in saved_groups if [saved.get(key) for key in _GROUP_IDENTITY] == identity]
+    return alike[0] if len(alike) == 1 else saved_groups[position]
+
+
+def align_saved_groups(sub_optimizers: list, states: list) -> List[dict]:
+    """Before megatron loads the sub-optimizers' ``states``: put this run's settings
+    (``GROUP_SETTINGS``) into the saved param groups, so that megatron pairs them with
+    this run's whatever the flags, and return the saved settings, one dict per param
+    group of the (chained) optimizer, for ``settle_schedule`` to keep or replace."""
+    saved_settings = []
+    for opt, state in zip(sub_optimizers, states):
+        saved_groups = adapter().saved_param_groups(state)
+        for position, group in enumerate(opt.param_groups):
+            saved = _counterpart(saved_groups, group, position)
+            saved_settings.append({key: saved[key] for key in GROUP_SETTINGS if key in saved})
+            saved.update({key: group[key] for key in GROUP_SETTINGS if key in group})
+    return saved_settings
+
+
+def _adam_differences(saved: List[dict], asked: List[dict]) -> List[str]:
+    if not saved or not asked or "betas" not in asked[0] or "betas" not in saved[0]:
+        return []
+    read = lambda groups: {flag: value(groups[0]) for flag, value in _ADAM_FLAGS}  # noqa: E731
+    then, now = read(saved), read(asked)
+    return [f"{flag} {then[flag]:g} -> {now[flag]:g}" for flag in now if then[flag] != now[flag]]
 
 
 def _refuse(directory: str, what: str) -> CheckpointError:
@@ -99,23 +122,22 @@ def _refuse(directory: str, what: str) -> CheckpointError:
                            f"keep: resume with the checkpoint's values, {CHOICES}")
 
 
-def settle_schedule(state: dict, directory: str, optimizer, scheduler, asked: List[dict],
+def settle_schedule(state: dict, directory: str, optimizer, scheduler, asked: List[dict], saved: List[dict],
                     global_batch_size: Optional[int]) -> None:
-    """After the optimizer's state was loaded (its param groups are the checkpoint's):
-    load the scheduler's state and keep the checkpoint's settings, put this run's back
-    (in the scheduler and in every param group), or refuse, as the module docstring
-    says; one line says which values differ and which were chosen. ``asked``: the
-    ``group_settings`` taken before the optimizer's state was loaded."""
+    """After the optimizer's state was loaded: load the scheduler's state and keep the
+    checkpoint's settings, put this run's back (in the scheduler and in every param
+    group), or refuse, as the module docstring says; one line says which values differ
+    and which were chosen. ``asked``: the ``group_settings`` taken before the
+    optimizer's state was loaded; ``saved``: the checkpoint's (``align_saved_groups``)."""
     mode = _mode(scheduler)
     schedule = schedule_differences(state["scheduler"], scheduler.state_dict(), global_batch_size)
-    adam = _adam_differences(optimizer, asked)
+    adam = _adam_differences(saved, asked)
     if mode == "ask" and schedule:
         raise _refuse(directory, f"another learning-rate schedule ({', '.join(schedule)})")
     if mode == "ask" and adam:
         raise _refuse(directory, f"other Adam settings ({', '.join(adam)})")
-    if mode == "override":
-        for group, settings in zip(optimizer.param_groups, asked):
-            group.update(settings)
+    for group, settings in zip(optimizer.param_groups, asked if mode == "override" else saved):
+        group.update(settings)
     # megatron's scheduler asserts every value equal unless told which to use; where
     # neither flag was given, everything that matters was found equal above.
     taking_checkpoint = scheduler.use_checkpoint_opt_param_scheduler

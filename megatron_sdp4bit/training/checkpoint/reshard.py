@@ -16,7 +16,7 @@ import torch
 from typing import Optional
 
 from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter, first_line, rank_and_world, rank_file
-from megatron_sdp4bit.training.checkpoint.overrides import group_settings, settle_schedule
+from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
 
 
@@ -84,13 +84,14 @@ def load_resharded(directory: str, saved_layout: dict, model, optimizer, schedul
     own = rank < saved_world
     state = dict(saved(rank if own else 0))
     model.load_state_dict(saved(0)["model"])
+    saved_groups = align_saved_groups(adapter().sub_optimizers(optimizer), state["optimizer"])
     for i, opt in enumerate(adapter().sub_optimizers(optimizer)):
         opt.load_state_dict(state["optimizer"][i])
         param_state = adapter().reshard_parameter_state(opt, lambda k: saved(k)["param_state"][i], saved_size)
         if param_state is not None:
             adapter().load_parameter_state(opt, param_state)
         adapter().after_optimizer_load(opt)
-    settle_schedule(state, directory, optimizer, scheduler, asked, global_batch_size)
+    settle_schedule(state, directory, optimizer, scheduler, asked, saved_groups, global_batch_size)
     set_rng_state(state["rng"])
     extra = dict(state.get("extra") or {})
     if extra.get("sdp4bit"):
