@@ -48,11 +48,14 @@ def current_layout(model, optimizer, stage_buckets: Optional[dict] = None,
     config = patch.current_config()
     chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]  # virtual stages
     ddp_config = getattr(chunks[0], "ddp_config", None) if chunks else None
+    buckets = own_buckets(optimizer)
     return {
         "world_size": world, **_parallel_sizes(),
         "megatron_core": adapters.megatron_version(),
         "sdp4bit": config.to_dict() if config is not None else None,
-        "buckets": stage_buckets if stage_buckets is not None else {pipeline_stage(): own_buckets(optimizer)},
+        "optimizer": "plain" if all(b is None for b in buckets) else "distributed",
+        "params_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "buckets": stage_buckets if stage_buckets is not None else {pipeline_stage(): buckets},
         "bucket_size": getattr(ddp_config, "bucket_size", None),
         "data": data,
     }
@@ -84,6 +87,43 @@ def _refuse_other_model_parallel_sizes(where: str, saved: dict, current: dict) -
             raise CheckpointError(
                 f"{where} {what} size {saved[key]}, this run has {current[key]}; checkpoints are "
                 f"resharded across data-parallel sizes only: resume with {flag} {saved[key]}")
+
+
+def optimizer_kind(layout: dict) -> Optional[str]:
+    """``"plain"`` (megatron's non-distributed optimizers) or ``"distributed"``; from the
+    buckets for a checkpoint saved before it was recorded; None when unknown."""
+    if layout.get("optimizer"):
+        return layout["optimizer"]
+    buckets = layout.get("buckets")
+    if buckets is None:
+        return None
+    stages = buckets.values() if isinstance(buckets, dict) else [buckets]
+    return "plain" if all(opt is None for stage in stages for opt in stage) else "distributed"
+
+
+def converts(saved: dict, current: dict) -> bool:
+    """The checkpoint holds a plain optimizer's state, which this run's distributed
+    optimizer takes (``convert``)."""
+    return optimizer_kind(saved) == "plain" and optimizer_kind(current) == "distributed"
+
+
+def _refuse_other_optimizer(where: str, saved: dict, current: dict) -> None:
+    then, now = optimizer_kind(saved), optimizer_kind(current)
+    if then == "distributed" and now == "plain":
+        raise CheckpointError(
+            f"{where} the distributed optimizer, this run has megatron's plain one (no "
+            "--use-distributed-optimizer, no --sdp4bit flag): resume with --use-distributed-optimizer (every "
+            "--sdp4bit flag implies it; --sdp4bit-preset baseline keeps the layer with the exact collectives)")
+    if converts(saved, current) and not saved.get("optimizer"):
+        raise CheckpointError(
+            f"{where} megatron's plain optimizer by an older version, which did not record which parameter "
+            "its state belongs to, so this run's distributed optimizer (--use-distributed-optimizer, implied by "
+            "every --sdp4bit flag) cannot take it: resume it without --use-distributed-optimizer and --sdp4bit "
+            "flags (its next checkpoint records it)")
+    dtype, now_dtype = saved.get("params_dtype"), current.get("params_dtype")
+    if dtype and now_dtype and dtype != now_dtype:
+        raise CheckpointError(f"{where} {dtype} parameters, this run has {now_dtype}: resume "
+                              f"{'without' if dtype == 'float32' else 'with'} --bf16")
 
 
 def _refuse_other_buckets(where: str, saved: dict, current: dict) -> None:
@@ -137,7 +177,9 @@ def compare_layouts(directory: str, saved: dict, current: dict) -> Tuple[bool, L
     # First: another --seq-length or tokenizer also changes the model's shape.
     data_warnings = compare_data(directory, saved, current.get("data"))
     _refuse_other_model_parallel_sizes(where, saved, current)
-    _refuse_other_buckets(where, saved, current)
+    _refuse_other_optimizer(where, saved, current)
+    if not converts(saved, current):  # a plain optimizer has no buckets to compare
+        _refuse_other_buckets(where, saved, current)
     reshard = saved["data_parallel_size"] != current["data_parallel_size"]
     if reshard and (current["tensor_model_parallel_size"] != 1 or current["pipeline_model_parallel_size"] != 1):
         raise CheckpointError(

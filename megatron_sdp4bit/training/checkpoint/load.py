@@ -16,7 +16,8 @@ import torch
 from megatron_sdp4bit.training.checkpoint.common import (
     LATEST, RANK_FILE, CheckpointError, adapter, all_gather, first_line, model_holder, rank_and_world,
     rank_file)
-from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, current_layout
+from megatron_sdp4bit.training.checkpoint.convert import load_converted
+from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, converts, current_layout
 from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
 from megatron_sdp4bit.training.checkpoint.reshard import load_resharded, read_rank_file
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
@@ -42,7 +43,8 @@ def _legacy_layout(directory: str) -> dict:
             "tensor_model_parallel_size": None, "pipeline_model_parallel_size": None, "data": {}}
 
 
-def _load_same_layout(directory: str, model, optimizer, scheduler, global_batch_size: Optional[int]) -> dict:
+def _load_same_layout(directory: str, _saved_layout: dict, model, optimizer, scheduler,
+                      global_batch_size: Optional[int]) -> dict:
     rank, _ = rank_and_world()
     asked = group_settings(optimizer)
     state = read_rank_file(rank_file(directory, rank))
@@ -79,15 +81,15 @@ def _agreed_layout(directory: str, saved_layout: dict, model, optimizer, data: O
     return reshard, layout
 
 
-def _agreed_load(directory: str, saved_layout: dict, reshard: bool, model, optimizer, scheduler,
+def _agreed_load(directory: str, saved_layout: dict, layout: dict, reshard: bool, model, optimizer, scheduler,
                  global_batch_size: Optional[int]) -> dict:
     """Collective: load on every rank; a failure on any rank raises on every rank."""
     rank, _ = rank_and_world()
     error, failure, state = None, None, None
+    loader = load_converted if converts(saved_layout, layout) else load_resharded if reshard else _load_same_layout
     try:
         with torch.no_grad():  # fp32 params: megatron's main params are views of them
-            state = (load_resharded(directory, saved_layout, model, optimizer, scheduler, global_batch_size)
-                     if reshard else _load_same_layout(directory, model, optimizer, scheduler, global_batch_size))
+            state = loader(directory, saved_layout, model, optimizer, scheduler, global_batch_size)
     except Exception as exc:  # agreed below, so that no rank goes on alone
         error, failure = exc, f"rank {rank}: {first_line(exc)}"
     failures = [f for f in all_gather(failure) if f]
@@ -114,9 +116,12 @@ def load_checkpoint(directory: str, manifest: Optional[dict], model, optimizer, 
     saved_layout = manifest["layout"] if manifest is not None else _legacy_layout(directory)
     reshard, layout = _agreed_layout(directory, saved_layout, model, optimizer, data)
     global_batch_size = (data or {}).get("global_batch_size")  # the schedule's lines count iterations
-    if reshard:
+    if converts(saved_layout, layout):
+        log0(f"{directory} was saved with megatron's plain optimizer, this run has the distributed one: every "
+             "param's fp32 main weights, Adam moments and step are carried over into this run's shards")
+    elif reshard:
         log0(f"{directory} was saved with data-parallel size {saved_layout['data_parallel_size']}, "
              f"this run has {layout['data_parallel_size']}: resharding the optimizer state")
-    state = _agreed_load(directory, saved_layout, reshard, model, optimizer, scheduler, global_batch_size)
+    state = _agreed_load(directory, saved_layout, layout, reshard, model, optimizer, scheduler, global_batch_size)
     state["directory"] = directory
     return state

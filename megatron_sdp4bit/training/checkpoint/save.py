@@ -95,6 +95,18 @@ def write_rank_file(path: str, state: dict) -> None:
     os.replace(part, path)
 
 
+def _param_names(model, optimizer) -> list:
+    """Per sub-optimizer that is not distributed, the names of the params its state's
+    indices stand for, per param group (None for a distributed one): what lets a run
+    with the distributed optimizer take that state (``convert``)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    out = []
+    for opt in adapter().sub_optimizers(optimizer):
+        params = adapter().plain_model_params(opt)
+        out.append(None if params is None else [[names[id(p)] for p in group] for group in params])
+    return out
+
+
 def _rank_state(iteration: int, model, optimizer, scheduler, extra: Optional[dict]) -> dict:
     sub_optimizers = adapter().sub_optimizers(optimizer)
     return {
@@ -102,6 +114,7 @@ def _rank_state(iteration: int, model, optimizer, scheduler, extra: Optional[dic
         "model": model.state_dict() if model_holder()[0] == 0 else None,
         "optimizer": [opt.state_dict() for opt in sub_optimizers],
         "param_state": [adapter().parameter_state_for_save(opt) for opt in sub_optimizers],
+        "param_names": _param_names(model, optimizer),
         "scheduler": scheduler.state_dict(),
         "rng": rng_state(),
         "extra": extra or {},
