@@ -7,6 +7,12 @@ samples a run reads (``training/checkpoint/training_data.py``) and a resume that
 differs is refused in one line naming each flag, both values and the fix; the same
 corpus under another path resumes. One forked world of 2 gloo ranks (the plain
 optimizer: the rule does not depend on it), then the rule on records alone.
+
+Found on the way, the same for the model: another ``--num-attention-heads`` (the
+same parameter shapes) resumed silently on another model; another ``--hidden-size``
+died on torch's size-mismatch traceback (plain optimizer). A checkpoint records the
+flags that shape its model (``training/checkpoint/model_record.py``) and another is
+refused in one line; one saved before that names the first key or shape that differs.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ def _copies(root) -> str:
         path = os.path.join(root, "ck_old", "iter_0000002", "manifest.json")
         manifest = json.load(open(path))
         data = manifest["layout"].pop("data")
+        del manifest["layout"]["model"]
         manifest["layout"].update(seed=data["seed"], global_batch_size=data["global_batch_size"])
         json.dump(manifest, open(path, "w"))
     torch.distributed.barrier()
@@ -67,6 +74,10 @@ def _world(rank, world_size, root):
         "several": go("several", load + ["--seq-length", "64", "--split", "80,20,0"]),
         "old": go("old", ["--train-iters", "4", "--load", os.path.join(root, "ck_old")]),
         "old_seed": go("old_seed", ["--train-iters", "4", "--load", os.path.join(root, "ck_old"), "--seed", "7"]),
+        "heads": go("heads", load + ["--num-attention-heads", "2"]),
+        "shape": go("shape", load + ["--hidden-size", "64", "--num-layers", "2", "--untie-embeddings-and-output-weights"]),
+        "old_shape": go("old_shape", ["--train-iters", "4", "--load", os.path.join(root, "ck_old"),
+                                      "--hidden-size", "64"]),
     })
     return out
 
@@ -158,6 +169,30 @@ def test_a_checkpoint_without_the_record_loads_with_one_warning(world):
     assert "--seed 1234 (this run: 7)" in results[0]["old_seed"]["error"]
 
 
+def test_another_model_is_refused_naming_each_flag(world):
+    """Before: --num-attention-heads 2 resumed a 4-head checkpoint silently (the same
+    shapes); --hidden-size 64 died on torch's size-mismatch traceback."""
+    root, results = world
+    ck = os.path.join(root, "ck", "iter_0000002")
+    lines = {
+        "heads": f"checkpoint {ck} was saved with --num-attention-heads 4 (this run: 2): another model; resume with "
+                 "--num-attention-heads 4",
+        "shape": f"checkpoint {ck} was saved with --num-layers 1 (this run: 2), --hidden-size 32 (this run: 64), "
+                 "--ffn-hidden-size 128 (this run: 256), no --untie-embeddings-and-output-weights (this run: "
+                 "--untie-embeddings-and-output-weights): another model; resume with --num-layers 1 --hidden-size 32 "
+                 "--ffn-hidden-size 128 and without --untie-embeddings-and-output-weights",
+    }
+    for result in results:
+        for case, line in lines.items():
+            assert result[case]["error"] == line
+            assert "resumed" not in result[case]["stdout"]
+    old = results[0]["old_shape"]["error"]
+    assert old.startswith(f"checkpoint {os.path.join(root, 'ck_old', 'iter_0000002')} holds another model than "
+                          "this run builds (size mismatch for ") and "\n" not in old
+    assert old.endswith("resume with the model flags it was saved with (--num-layers, --hidden-size, "
+                        "--transformer-impl, ...)")
+
+
 # --- the rule on records ----------------------------------------------------------------------
 
 RECORD = {"seed": 1234, "seq_length": 32, "global_batch_size": 8, "split": "90,10,0", "data_path": None,
@@ -179,7 +214,7 @@ def test_blends_paths_and_digests_on_records():
         _compare(blend, **{**blend, "data_path": ["0.5", "a", "0.5", "b"], "weights": [0.5, 0.5]})
     with pytest.raises(CheckpointError, match=r"resume with --data-path a with the corpus files it was saved with$"):
         _compare({**RECORD, "data_path": ["a"]}, data_path=["a"], corpus=[[50, 247431]])
-    with pytest.raises(CheckpointError, match=r"resume with no --data-path, --default-corpus-mb 1$"):
+    with pytest.raises(CheckpointError, match=r"resume with --default-corpus-mb 1 \(and without --data-path\)$"):
         _compare(RECORD, data_path=["a"], default_corpus_mb=None, corpus=[[50, 1]])
     with pytest.raises(CheckpointError, match="the corpus files changed since it was saved"):
         _compare(RECORD, samples={**RECORD["samples"], "sha256": "b" * 64})

@@ -15,6 +15,7 @@ run did not have reads rank 0's file.
 from __future__ import annotations
 
 from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter, model_holder, rank_and_world, rank_file
+from megatron_sdp4bit.training.checkpoint.model_record import load_model
 from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
 from megatron_sdp4bit.training.checkpoint.reshard import read_rank_file
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
@@ -38,7 +39,7 @@ def load_converted(directory: str, saved_layout: dict, model, optimizer, schedul
     model_state = state["model"]
     if model_state is None:  # another data-parallel size has TP = PP = 1: the holder is rank 0
         model_state = read_rank_file(rank_file(directory, model_holder()[1]), mmap=True)["model"]
-    model.load_state_dict(model_state)
+    load_model(model, model_state, directory)
     sub_optimizers = adapter().sub_optimizers(optimizer)
     if len(sub_optimizers) != len(state["optimizer"]):
         raise CheckpointError(f"checkpoint {directory} holds {len(state['optimizer'])} optimizers' state, this "

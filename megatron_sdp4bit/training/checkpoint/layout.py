@@ -5,7 +5,8 @@ decides, from the saved and the current layout alone, whether the checkpoint is
 loaded as it is, resharded to another data-parallel size, loaded with a warning,
 or refused in one line that says which flag to change. What decides the training
 samples (seed, sequence length, data, split, tokenizer, global batch size) is
-recorded and compared by ``training_data``.
+recorded and compared by ``training_data``, the flags that shape the model by
+``model_record``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from megatron.core import parallel_state
 from megatron_sdp4bit.config import PRESETS
 from megatron_sdp4bit.megatron import adapters, patch
 from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter, pipeline_stage, rank_and_world
+from megatron_sdp4bit.training.checkpoint.model_record import compare_models, model_record
 from megatron_sdp4bit.training.checkpoint.training_data import compare_data
 
 
@@ -53,6 +55,7 @@ def current_layout(model, optimizer, stage_buckets: Optional[dict] = None,
         "world_size": world, **_parallel_sizes(),
         "megatron_core": adapters.megatron_version(),
         "sdp4bit": config.to_dict() if config is not None else None,
+        "model": model_record(model),
         "optimizer": "plain" if all(b is None for b in buckets) else "distributed",
         "params_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "buckets": stage_buckets if stage_buckets is not None else {pipeline_stage(): buckets},
@@ -177,6 +180,7 @@ def compare_layouts(directory: str, saved: dict, current: dict) -> Tuple[bool, L
     # First: another --seq-length or tokenizer also changes the model's shape.
     data_warnings = compare_data(directory, saved, current.get("data"))
     _refuse_other_model_parallel_sizes(where, saved, current)
+    compare_models(directory, saved.get("model"), current.get("model"))
     _refuse_other_optimizer(where, saved, current)
     if not converts(saved, current):  # a plain optimizer has no buckets to compare
         _refuse_other_buckets(where, saved, current)

@@ -18,6 +18,7 @@ from megatron_sdp4bit.training.checkpoint.common import (
     rank_file)
 from megatron_sdp4bit.training.checkpoint.convert import load_converted
 from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, converts, current_layout
+from megatron_sdp4bit.training.checkpoint.model_record import load_model
 from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
 from megatron_sdp4bit.training.checkpoint.reshard import load_resharded, read_rank_file
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
@@ -51,7 +52,7 @@ def _load_same_layout(directory: str, _saved_layout: dict, model, optimizer, sch
     model_state = state["model"]
     if model_state is None:
         model_state = read_rank_file(rank_file(directory, model_holder()[1]), mmap=True)["model"]
-    model.load_state_dict(model_state)
+    load_model(model, model_state, directory)
     saved_groups = align_saved_groups(adapter().sub_optimizers(optimizer), state["optimizer"])
     for opt, opt_state, param_state in zip(adapter().sub_optimizers(optimizer), state["optimizer"],
                                            state["param_state"]):

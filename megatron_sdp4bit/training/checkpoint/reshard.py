@@ -16,6 +16,7 @@ import torch
 from typing import Optional
 
 from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter, first_line, rank_and_world, rank_file
+from megatron_sdp4bit.training.checkpoint.model_record import load_model
 from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
 
@@ -83,7 +84,7 @@ def load_resharded(directory: str, saved_layout: dict, model, optimizer, schedul
     saved = SavedRanks(directory)
     own = rank < saved_world
     state = dict(saved(rank if own else 0))
-    model.load_state_dict(saved(0)["model"])
+    load_model(model, saved(0)["model"], directory)
     saved_groups = align_saved_groups(adapter().sub_optimizers(optimizer), state["optimizer"])
     for i, opt in enumerate(adapter().sub_optimizers(optimizer)):
         opt.load_state_dict(state["optimizer"][i])

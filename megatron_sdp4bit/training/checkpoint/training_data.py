@@ -97,7 +97,8 @@ def _data_flags(record: dict) -> str:
 def _data_fix(then: dict, now: dict) -> str:
     if then.get("data_path") or not now.get("data_path"):
         return _data_flags(then)
-    return f"no --data-path, {_data_flags(then)}" if then.get("default_corpus_mb") is not None else "no --data-path"
+    return (f"{_data_flags(then)} (and without --data-path)" if then.get("default_corpus_mb") is not None
+            else "no --data-path (the whole embedded corpus)")
 
 
 def _same_data(then: dict, now: dict) -> bool:
