@@ -62,7 +62,7 @@ def _world(rank, world_size, root):
                     "--tokenizer-model", os.path.join(os.path.dirname(moved), "tokenizer.json")]
     out.update({
         "same": go("same", load),
-        "moved": go("moved", load + as_data_path + ["--split", "9,1,0"]),
+        "moved": go("moved", load + as_data_path + ["--split", "9,0.5,0.5"]),
         "seq_length": go("seq_length", load + ["--seq-length", "64"]),
         "split": go("split", load + ["--split", "80,20,0"]),
         "corpus": go("corpus", load + ["--default-corpus-mb", "2"]),
@@ -98,8 +98,8 @@ def _refused(world, case: str, differences: str, fix: str) -> None:
 
 
 def test_the_same_data_resumes_and_so_does_a_copy_of_the_corpus_elsewhere(world):
-    """The corpus is known by its documents and tokens, not its path; a split of the
-    same proportions is the same split."""
+    """The corpus is known by its documents and tokens, not its path; a split that gives
+    the training set the same share trains on the same samples (9,0.5,0.5 = 90,10,0)."""
     root, results = world
     for case in ("same", "moved"):
         assert results[0][case]["error"] is None, results[0][case]["error"]
@@ -212,6 +212,7 @@ def test_blends_paths_and_digests_on_records():
     with pytest.raises(CheckpointError, match=r"saved with --data-path 0.3 a 0.7 b \[10 documents, 100 tokens; 20 "
                                               r"documents, 200 tokens\] \(this run: --data-path 0.5 a 0.5 b"):
         _compare(blend, **{**blend, "data_path": ["0.5", "a", "0.5", "b"], "weights": [0.5, 0.5]})
+    assert _compare(blend, **{**blend, "data_path": ["3", "a", "7", "b"], "weights": [3.0, 7.0]}) == []
     with pytest.raises(CheckpointError, match=r"resume with --data-path a with the corpus files it was saved with$"):
         _compare({**RECORD, "data_path": ["a"]}, data_path=["a"], corpus=[[50, 247431]])
     with pytest.raises(CheckpointError, match=r"resume with --default-corpus-mb 1 \(and without --data-path\)$"):

@@ -105,7 +105,19 @@ def _same_data(then: dict, now: dict) -> bool:
     """The same corpus files, blended alike: their paths may differ (a copy elsewhere)."""
     if "corpus" not in then:
         return True
-    return (then["corpus"], then.get("weights")) == (now["corpus"], now.get("weights"))
+    return then["corpus"] == now["corpus"] and _shares(then.get("weights")) == _shares(now.get("weights"))
+
+
+def _shares(weights: Optional[list]) -> Optional[list]:
+    """Blend weights as megatron uses them: ``3 a 7 b`` is ``0.3 a 0.7 b``."""
+    return None if not weights else [w / sum(weights) for w in weights]
+
+
+def _train_share(split: str) -> float:
+    """The training set's share of every document (the first of ``--split``, normalized):
+    all of the split that decides the training samples (``90,10,0`` and ``90,5,5`` train
+    on the same documents; their validation sets differ)."""
+    return parse_and_normalize_split(split)[0]
 
 
 def _differences(then: dict, now: dict) -> List[tuple]:
@@ -118,8 +130,7 @@ def _differences(then: dict, now: dict) -> List[tuple]:
         found.append((f"--global-batch-size {then['global_batch_size']}",
                       f"{now['global_batch_size']}; {_GLOBAL_BATCH_HINT}",
                       f"--global-batch-size {then['global_batch_size']}"))
-    if then.get("split") is not None and parse_and_normalize_split(then["split"]) != \
-            parse_and_normalize_split(now["split"]):
+    if then.get("split") is not None and _train_share(then["split"]) != _train_share(now["split"]):
         found.append((f"--split {then['split']}", now["split"], f"--split {then['split']}"))
     if not _same_data(then, now):
         counts = lambda r: "; ".join(f"{d} documents, {t} tokens" for d, t in r["corpus"])  # noqa: E731
