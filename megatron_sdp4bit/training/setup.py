@@ -163,6 +163,9 @@ def plan_checkpoints(args) -> tuple:
         plan = checkpoint.plan_resume(args.load, args.save, fallback=args.load_fallback)
         checkpoint.check_save_folder(args.save, plan)
         _check_iterations(args, plan)
+        if plan.directory is not None and not args.save:
+            log0(f"--load {args.load} without --save: nothing this run trains after iteration {plan.iteration} "
+                 "is saved; add --save DIR to keep it")
     except BaseException:
         if lock is not None:
             lock.release()

@@ -103,7 +103,7 @@ def test_the_same_data_resumes_and_so_does_a_copy_of_the_corpus_elsewhere(world)
     root, results = world
     for case in ("same", "moved"):
         assert results[0][case]["error"] is None, results[0][case]["error"]
-        assert "warning" not in results[0][case]["stdout"]
+        assert "warning:" not in results[0][case]["stdout"]
     assert train_log(root, "moved") == train_log(root, "same") and sorted(train_log(root, "same")) == [3, 4]
 
 

@@ -104,6 +104,9 @@ def test_an_older_checkpoint_resumes_but_does_not_overwrite_newer_ones(world):
         f"{os.path.join(older, 'iter_0000004')}, or choose another --save"))
     resumed, first = train_log(root, "pinned_older"), train_log(root, "train")
     assert results[0]["pinned_older"]["error"] is None
+    # without --save, what it trains is lost at its end: said once, at the start
+    assert (f"--load {os.path.join(older, 'iter_0000002')} without --save: nothing this run trains after iteration "
+            "2 is saved; add --save DIR to keep it") in results[0]["pinned_older"]["stdout"]
     assert sorted(resumed) == [3, 4] and [resumed[3], resumed[4]] == [first[3], first[4]]
 
 
