@@ -9,7 +9,8 @@ Layout (Megatron-LM-like)::
 Each rank file holds the model's state dict (data-parallel rank 0 only: the
 weights are identical across data-parallel ranks), the distributed optimizer's
 non-parameter state and this rank's parameter shards (fp32 main weights, Adam
-moments) in megatron's "dp_reshardable" form, the learning-rate scheduler, the
+moments) in megatron's "dp_reshardable" form (a plain optimizer's whole state
+and the names of the params it belongs to), the learning-rate scheduler, the
 iteration (the data position follows from it), every RNG state (python, numpy,
 torch, megatron's tracker, the SDP4Bit quantizers') and the patch layer's own state.
 
@@ -31,6 +32,9 @@ One module per concern:
 - ``save``: atomic saves (``iter_X.tmp``, the manifest last, then the rename,
   then the tracker file);
 - ``reshard``: loading under another data-parallel size;
+- ``convert``: loading a plain optimizer's checkpoint into the distributed optimizer;
+- ``model_record``: the flags that shaped the model, recorded and compared;
+- ``overrides``: the schedule and Adam settings a checkpoint holds too;
 - ``load``: the collective load, agreed between the ranks;
 - ``folders``: what ``--load`` and ``--save`` name: the checkpoint a resume starts
   from (a ``--save`` folder's latest, one checkpoint of it, or nothing yet when
