@@ -15,7 +15,9 @@ samples than the run it continues: some again, some never.
 ``layout["data"]``): those settings and a digest of the last samples trained
 before it. ``compare_data`` refuses a resume whose settings differ, in one line
 naming each flag with both values and the fix; with the same settings, a digest
-that differs (another number of epochs, changed corpus files) is refused too.
+that differs is refused when the corpus files changed, and said in one warning
+line when this run's ``--train-iters`` builds another number of epochs (a run
+that must end elsewhere than planned goes on, knowingly, in the new order).
 A checkpoint saved before the record existed loads with one warning line (its
 ``--seed`` and global batch size, recorded then, are still compared).
 """
@@ -144,21 +146,22 @@ def _differences(then: dict, now: dict) -> List[tuple]:
     return found
 
 
-def _refuse_other_samples(where: str, then: dict, now: dict) -> None:
-    """The same settings, other samples before the checkpoint: say which cause fits."""
+def _other_samples(where: str, then: dict, now: dict) -> List[str]:
+    """The same settings, other samples before the checkpoint: refused when the corpus
+    files changed; one warning line when this run's --train-iters reorders the set (a
+    run may need to end elsewhere than it was started for)."""
     saved, here = then.get("samples"), now.get("samples")
     if not saved or not here or saved == here:
-        return
-    iteration = (saved["first"] + saved["count"]) // then["global_batch_size"]
+        return []
     gbs = then["global_batch_size"]
+    iteration = (saved["first"] + saved["count"]) // gbs
     if then.get("train_samples") not in (None, now["train_samples"]):
         iters = then["train_samples"] // gbs
-        raise CheckpointError(
-            f"{where} --train-iters {iters} (this run: {now['train_samples'] // gbs}), which builds a training set "
-            "of another number of epochs of the corpus, and megatron shuffles all the epochs of a set together: "
-            f"the samples before iteration {iteration} differ, this run would train on other samples than the "
-            f"run it continues; resume with --train-iters {iters} or one that builds as many epochs (a longer "
-            "run needs its final --train-iters from its start)")
+        return [f"warning: {where} --train-iters {iters} (this run: {now['train_samples'] // gbs}), and this run's "
+                "training set holds another number of epochs of the corpus: megatron shuffles all the epochs of "
+                f"a set together, so the samples before iteration {iteration} are others than those it trained on "
+                "and this run goes on in the new order (some samples again, some never); resume with "
+                f"--train-iters {iters} to keep its order"]
     raise CheckpointError(
         f"{where} this run's data flags, but the samples before iteration {iteration} differ from those it "
         "trained on: the corpus files changed since it was saved; resume with the files it was saved with")
@@ -189,5 +192,4 @@ def compare_data(directory: str, saved_layout: dict, now: Optional[dict]) -> Lis
         raise CheckpointError(
             f"{where} {', '.join(f'{a} (this run: {b})' for a, b, _ in differences)}: this run would train "
             f"on other samples than the run it continues; resume with {' '.join(fix for _, _, fix in differences)}")
-    _refuse_other_samples(where, then, now)
-    return warnings
+    return warnings + _other_samples(where, then, now)
