@@ -129,12 +129,14 @@ class SDP4BitLayer:
         self.state.iteration = saved["iteration"]
         self.state.noise.set_states(saved["rng"])
         for opt in self.adapter.sub_optimizers(optimizer):
-            rank, size = self.adapter.optimizer_group(opt)
-            group = self.adapter.optimizer_process_group(opt)
             for key, bucket in self.adapter.buffer_buckets(opt):
                 main = saved["main_shards"].get(key)
                 if main is None:
                     continue
+                # Asked here, not per optimizer: megatron's optimizers that are not
+                # distributed (a plain run) have no data-parallel group, and no shards.
+                rank, size = self.adapter.optimizer_group(opt)
+                group = self.adapter.optimizer_process_group(opt)
                 params = self.adapter.bucket_param_data(bucket)
                 main = main.to(params.device)
                 if self.state.config.quantize_weights and size > 1:

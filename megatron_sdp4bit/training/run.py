@@ -188,8 +188,7 @@ class TrainingRun:
         parts = self.parts
         extra = {"sdp4bit": patch.state_dict(parts.optimizer)}
         directory = checkpoint.save_checkpoint(self.args.save, self.iteration, parts.ddp, parts.optimizer,
-                                               parts.scheduler, extra,
-                                               global_batch_size=self.args.global_batch_size, seed=self.args.seed)
+                                               parts.scheduler, extra, data=parts.data.record(self.iteration))
         log0(f"saved checkpoint at iteration {self.iteration} to {self.args.save}")
         return directory
 

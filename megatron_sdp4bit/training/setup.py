@@ -57,6 +57,8 @@ class RunParts:
     scheduler: Any
     plan: checkpoint.ResumePlan = checkpoint.ResumePlan()
     """Where training starts: from scratch, or from the checkpoint ``--load`` names."""
+    data: Optional[checkpoint.TrainingData] = None
+    """What decides the training samples this run reads (recorded in its checkpoints)."""
     save_lock: Optional[SaveLock] = None
     """This job's lock on ``--save`` (rank 0), held until training ends."""
 
@@ -161,6 +163,9 @@ def plan_checkpoints(args) -> tuple:
         plan = checkpoint.plan_resume(args.load, args.save, fallback=args.load_fallback)
         checkpoint.check_save_folder(args.save, plan)
         _check_iterations(args, plan)
+        if plan.directory is not None and not args.save:
+            log0(f"--load {args.load} without --save: nothing this run trains after iteration {plan.iteration} "
+                 "is saved; add --save DIR to keep it")
     except BaseException:
         if lock is not None:
             lock.release()
@@ -174,7 +179,7 @@ def resume(parts: RunParts) -> None:
     if plan.directory is None:
         return
     state = checkpoint.load_checkpoint(plan.directory, plan.manifest, parts.ddp, parts.optimizer,
-                                       parts.scheduler, global_batch_size=args.global_batch_size, seed=args.seed)
+                                       parts.scheduler, data=parts.data.record(plan.iteration))
     patch.load_state_dict(state["extra"].get("sdp4bit", {}), parts.optimizer)
     log0(f"resumed from {args.load} at iteration {state['iteration']}")
 
@@ -197,7 +202,8 @@ def set_up(args) -> RunParts:
         parts = RunParts(args=args, device=device, layout=layout, num_microbatches=num_microbatches,
                          config=config, quantized=quantized, tokenizer=tokenizer, train_ds=train_ds,
                          valid_ds=valid_ds, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
-                         plan=plan, save_lock=lock)
+                         plan=plan, save_lock=lock,
+                         data=checkpoint.TrainingData.of_run(args, tokenizer, train_ds))
         resume(parts)
     except BaseException:
         if lock is not None:

@@ -174,3 +174,20 @@ def test_an_unreadable_file_without_a_manifest_stops_every_rank_too(driver):
     assert "has no manifest.json (saved by an older version)" in results[0]["unverified"]["stdout"]
     for result in results:
         assert "resumed" not in result["unverified"]["stdout"]
+
+
+@pytest.mark.parametrize("layout, found", [("mp_rank_00/model_optim_rng.pt", "torch"), ("__0_0.distcp", "torch_dist")])
+def test_a_megatron_lm_checkpoint_is_named_as_such(tmp_path, layout, found):
+    """Before: 'checkpoint .../iter_0000010 is damaged: it has neither manifest.json nor
+    rank_00000.pt. There is no earlier complete checkpoint in ...'."""
+    path = tmp_path / "iter_0000010" / layout
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"megatron-lm")
+    (tmp_path / LATEST).write_text("10\n")
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.choose_checkpoint(str(tmp_path), fallback=True)
+    assert str(info.value) == (
+        f"checkpoint {tmp_path / 'iter_0000010'} is Megatron-LM's ({found} format), which this driver does not "
+        "read (its own are rank_NNNNN.pt files and manifest.json): resume it with Megatron-LM and SDP4Bit's flags "
+        "(python -m megatron_sdp4bit.launch PATH/TO/pretrain_gpt.py ... --sdp4bit), or drop --load to start this "
+        "driver from scratch")

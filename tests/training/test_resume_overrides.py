@@ -1,4 +1,5 @@
-"""A resume that asks for another learning-rate schedule or other Adam settings (issue 18 item 3).
+"""A resume that asks for another learning-rate schedule or other Adam settings (issue 18
+item 3, issue 28 item 2).
 
 megatron-core's scheduler keeps the checkpoint's schedule by default, and the
 optimizer's state brings Adam's betas and epsilon along: extending a 4-step run
@@ -6,6 +7,13 @@ to 8 steps with ``--lr-decay-iters 8`` trained every extra step at the old
 schedule's minimum. As in Megatron-LM, a difference is now refused unless
 ``--override-opt_param-scheduler`` (this run's flags) or
 ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's) says which to use.
+
+``--override-opt_param-scheduler`` used to apply ``--lr-decay-iters`` only: megatron's
+scheduler reads ``max_lr`` / ``min_lr`` from the optimizer's param groups, which the
+checkpoint's optimizer state brought back, so ``--lr`` and ``--min-lr`` stayed the
+checkpoint's; and ``--use-checkpoint-opt_param-scheduler`` trained its first step
+with this run's ``--weight-decay``. Now every schedule flag takes effect, in the
+scheduler and in every param group, with either flag.
 
 One forked world of 2 gloo ranks: 4 steps with a schedule decaying over 4,
 saved; a straight 8-step run decaying over 8 (the reference learning rates);
@@ -24,15 +32,29 @@ TINY = TINY_GPT + ["--min-lr", "3e-4", "--bf16",
                    "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
 LONGER = ["--train-iters", "8", "--lr-decay-iters", "8"]
 OVERRIDE, KEEP = "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"
+EVERY_FLAG = ["--train-iters", "8", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2",
+              "--lr-decay-iters", "8", "--lr-decay-style", "linear", "--weight-decay", "0.05",
+              "--adam-beta1", "0.8", "--adam-beta2", "0.99", "--adam-eps", "1e-6"]
+"""Another value of every schedule and Adam flag than the checkpoint's."""
+
+
+def _groups(run) -> list:
+    """What the schedule and Adam set in each param group after a step (for the next)."""
+    return [(g["lr"], g["weight_decay"], g["max_lr"], g["min_lr"], tuple(g["betas"]), g["eps"])
+            for g in run.parts.optimizer.param_groups]
 
 
 def _world(rank, world_size, root):
     def go(name, flags):
-        """The run, and Adam's betas at each of its steps."""
-        betas = []
-        result = captured_run(TINY + ["--run-dir", os.path.join(root, name)] + flags,
-                              on_step=lambda run: betas.append(tuple(run.parts.optimizer.param_groups[0]["betas"])))
-        return dict(result, betas=betas)
+        """The run, Adam's betas and the param groups' settings at each of its steps."""
+        betas, groups = [], []
+
+        def on_step(run):
+            betas.append(tuple(run.parts.optimizer.param_groups[0]["betas"]))
+            groups.append(_groups(run))
+
+        result = captured_run(TINY + ["--run-dir", os.path.join(root, name)] + flags, on_step=on_step)
+        return dict(result, betas=betas, groups=groups)
 
     ck = os.path.join(root, "ck")
     load = ["--load", ck]
@@ -46,6 +68,9 @@ def _world(rank, world_size, root):
         "adam": go("adam", ["--train-iters", "8", "--lr-decay-iters", "4", "--adam-beta2", "0.99"] + load),
         "adam_override": go("adam_override", ["--train-iters", "5", "--lr-decay-iters", "4",
                                               "--adam-beta2", "0.99", OVERRIDE] + load),
+        "straight_every_flag": go("straight_every_flag", EVERY_FLAG),
+        "override_every_flag": go("override_every_flag", EVERY_FLAG + load + [OVERRIDE]),
+        "keep_every_flag": go("keep_every_flag", EVERY_FLAG + load + [KEEP]),
     }
 
 
@@ -110,3 +135,54 @@ def test_the_two_flags_contradict_each_other():
                                             "--use-checkpoint-opt_param-scheduler contradict"):
         parse_args(["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"])
     assert parse_args(["--override-opt-param-scheduler"]).override_opt_param_scheduler
+
+
+def test_override_applies_every_schedule_and_adam_flag(world):
+    """Before: only --lr-decay-iters took effect; --lr and --min-lr stayed the
+    checkpoint's (the param groups' max_lr / min_lr), so the resume trained at 3e-3
+    decaying to 3e-4 where a straight run with its flags trains at 1e-3 to 1e-4."""
+    root, results = world
+    result = results[0]["override_every_flag"]
+    assert result["error"] is None, result["error"]
+    assert ("learning-rate schedule: --lr 0.003 -> 0.001, --min-lr 0.0003 -> 0.0001, --lr-warmup-iters 1 -> 2, "
+            "--lr-decay-iters 4 -> 8, --lr-decay-style cosine -> linear, --weight-decay 0.1 -> 0.05; training "
+            "continues with this run's flags") in result["stdout"]
+    straight = results[0]["straight_every_flag"]
+    for rank in results:  # each param group's lr, weight decay, max/min lr, betas, eps, step by step
+        assert rank["override_every_flag"]["groups"] == rank["straight_every_flag"]["groups"][4:]
+    lrs = train_log(root, "override_every_flag", "lr")
+    assert lrs == {i: train_log(root, "straight_every_flag", "lr")[i] for i in (5, 6, 7, 8)}
+    assert straight["groups"][-1][0][0] == pytest.approx(1e-4)
+
+
+def test_use_checkpoint_keeps_every_saved_setting_from_the_first_step(world):
+    """Every flag differs, the checkpoint's values are kept: the same run as a resume
+    that asks for nothing else, loss for loss. Before: the first resumed step used this
+    run's --weight-decay (megatron's scheduler sets it before it loads the saved one)."""
+    root, results = world
+    for rank in results:
+        assert rank["keep_every_flag"]["error"] is None, rank["keep_every_flag"]["error"]
+        assert rank["keep_every_flag"]["groups"] == rank["same_schedule"]["groups"]
+    assert train_log(root, "keep_every_flag") == train_log(root, "same_schedule")
+
+
+def test_saved_param_groups_are_paired_by_identity_and_given_this_runs_settings():
+    """megatron-core 0.19 pairs a checkpoint's param groups with this run's by their
+    max_lr / min_lr among others: a resume with another --lr died on megatron's
+    KeyError (None, 0.001, 0.0001, ...) whichever flag was given (test_resume_overrides
+    under MCORE=0.19.2). The saved groups get this run's settings before megatron loads
+    them; the saved ones come back, in this run's group order, for the flags to decide."""
+    from types import SimpleNamespace
+
+    from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups
+
+    def group(wd_mult, lr, min_lr, beta2):
+        return {"wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False,
+                "max_lr": lr, "min_lr": min_lr, "betas": (0.9, beta2), "eps": 1e-8, "params": [0]}
+
+    saved = {"state": {}, "param_groups": [group(0.0, 3e-3, 3e-4, 0.95), group(1.0, 3e-3, 3e-4, 0.95)]}  # FP32's form
+    ours = SimpleNamespace(param_groups=[group(1.0, 1e-3, 1e-4, 0.99), group(0.0, 1e-3, 1e-4, 0.99)])
+    settings = align_saved_groups([ours], [saved])
+    assert settings == [{"max_lr": 3e-3, "min_lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8}] * 2
+    assert [(g["wd_mult"], g["max_lr"], g["min_lr"], g["betas"]) for g in saved["param_groups"]] == \
+        [(0.0, 1e-3, 1e-4, (0.9, 0.99)), (1.0, 1e-3, 1e-4, (0.9, 0.99))]

@@ -104,6 +104,9 @@ def test_an_older_checkpoint_resumes_but_does_not_overwrite_newer_ones(world):
         f"{os.path.join(older, 'iter_0000004')}, or choose another --save"))
     resumed, first = train_log(root, "pinned_older"), train_log(root, "train")
     assert results[0]["pinned_older"]["error"] is None
+    # without --save, what it trains is lost at its end: said once, at the start
+    assert (f"--load {os.path.join(older, 'iter_0000002')} without --save: nothing this run trains after iteration "
+            "2 is saved; add --save DIR to keep it") in results[0]["pinned_older"]["stdout"]
     assert sorted(resumed) == [3, 4] and [resumed[3], resumed[4]] == [first[3], first[4]]
 
 
@@ -159,12 +162,13 @@ def test_a_checkpoint_at_train_iters_is_done_and_one_past_it_is_refused(world):
 
 def test_a_resume_with_another_seed_is_refused(world):
     """The random states come from the checkpoint, the data order from --seed: a resume
-    with another one would read other samples than the run it continues."""
+    with another one would read other samples than the run it continues (the rule of
+    every data flag: test_resume_data.py)."""
     root, results = world
     _refused_on_every_rank(results, "other_seed", (
         f"CheckpointError: checkpoint {os.path.join(root, 'ck', 'iter_0000004')} was saved with --seed "
-        "1234, this run has 7: resume with --seed 1234 (the data order and the random states a resume "
-        "continues come from it)"))
+        "1234 (this run: 7): this run would train on other samples than the run it continues; resume with "
+        "--seed 1234"))
 
 
 def test_a_save_folder_that_is_one_checkpoint_is_refused(world):

@@ -177,6 +177,23 @@ class MegatronAdapter:
         """Fix-ups megatron needs after ``load_state_dict`` to continue the same run."""
         raise NotImplementedError
 
+    def plain_model_params(self, optimizer) -> Optional[List[list]]:
+        """The model params a non-distributed optimizer steps, per param group, in the
+        order of its ``state_dict``'s indices; None for a distributed optimizer."""
+        raise NotImplementedError
+
+    def load_plain_optimizer_state(self, optimizer, saved: dict, saved_params: List[list]) -> None:
+        """Load into a distributed optimizer the ``state_dict()`` of a non-distributed one
+        (``saved``), whose indices stand for ``saved_params`` (this run's model params,
+        per param group): every param's fp32 main weights, Adam moments and step, cut
+        into this rank's shards."""
+        raise NotImplementedError
+
+    def saved_param_groups(self, optimizer_state: dict) -> List[dict]:
+        """The param groups (hyper-parameters, no tensors) inside a state an optimizer's
+        ``state_dict()`` returned, as the very dicts ``load_state_dict`` will read."""
+        raise NotImplementedError
+
     def bucket_layout(self, optimizer) -> Optional[list]:
         """Per param buffer: its ``[param dtype, grad dtype]`` names and each bucket's
         element count without the end padding (which depends on the data-parallel

@@ -170,6 +170,54 @@ class Adapter(MegatronAdapter):
             if torch.is_tensor(step):
                 state["step"] = step.clone()
 
+    def saved_param_groups(self, optimizer_state: dict) -> List[dict]:
+        """The distributed and mixed-precision optimizers nest torch's state under
+        ``"optimizer"``; ``FP32Optimizer``'s is torch's own."""
+        return optimizer_state.get("optimizer", optimizer_state)["param_groups"]
+
+    def plain_model_params(self, optimizer) -> Optional[List[list]]:
+        """``FP32Optimizer`` steps the model's params; ``Float16OptimizerWithFloat16Params``
+        fp32 copies of its 16-bit ones (``fp32_from_float16_groups``, paired with
+        ``float16_groups``) and its fp32 params themselves."""
+        if hasattr(optimizer, "get_parameter_state_dp_reshardable"):
+            return None
+        copies = {id(main): param for mains, params in zip(getattr(optimizer, "fp32_from_float16_groups", []),
+                                                           getattr(optimizer, "float16_groups", []))
+                  for main, param in zip(mains, params)}
+        return [[copies.get(id(p), p) for p in group["params"]] for group in optimizer.optimizer.param_groups]
+
+    def load_plain_optimizer_state(self, optimizer, saved: dict, saved_params: List[list]) -> None:
+        """torch's state of a plain optimizer (every param whole, by index) cut into this
+        rank's shards: megatron's non-parameter state (param groups with the ``step``,
+        the grad scaler) through ``load_state_dict``, then, per bucket, each param's
+        range of its fp32 main weights and Adam moments through the loader of megatron's
+        "dp_reshardable" form (``get_parameter_state_dp_reshardable``'s entries)."""
+        inner = saved.get("optimizer", saved)
+        copies = saved.get("fp32_from_fp16_params")  # 16-bit params' fp32 weights, in group order
+        whole, steps = {}, set()
+        for g, (group, params) in enumerate(zip(inner["param_groups"], saved_params)):
+            sixteen_bit = iter(copies[g]) if copies is not None else iter(())
+            for index, param in zip(group["params"], params):
+                state = inner["state"].get(index, {})
+                main = next(sixteen_bit) if param.dtype in (torch.float16, torch.bfloat16) else param.detach()
+                zeros = torch.zeros(param.numel(), dtype=torch.float32)
+                whole[param] = {"param": main.detach().float().reshape(-1),
+                                "exp_avg": state.get("exp_avg", zeros).reshape(-1),
+                                "exp_avg_sq": state.get("exp_avg_sq", zeros).reshape(-1)}
+                steps.add(float(state.get("step", group.get("step", 0))))
+        step = max(steps) if steps else 0.0  # one count for all: every param stepped together
+        optimizer.load_state_dict({
+            "optimizer": {"param_groups": [{**{k: v for k, v in group.items() if k != "params"}, "step": step}
+                                           for group in inner["param_groups"]]},
+            **({"grad_scaler": saved["grad_scaler"]} if "grad_scaler" in saved else {})})
+        entries = {}
+        for gbuf_idx, per_dtype in enumerate(optimizer.gbuf_ranges):
+            entries[gbuf_idx] = {dtype: [[{**{k: v[r["param"].start:r["param"].end] for k, v in whole[p].items()},
+                                           "step": torch.tensor(step), "padding": False}
+                                          for p, r in bucket["param_map"].items()] for bucket in buckets]
+                                 for dtype, buckets in per_dtype.items()}
+        optimizer.load_parameter_state_from_dp_reshardable(entries)
+
     def bucket_layout(self, optimizer) -> Optional[list]:
         if not hasattr(optimizer, "per_bucket_numel_unpadded"):
             return None

@@ -3,7 +3,10 @@
 ``current_layout`` is what a checkpoint's manifest records; ``compare_layouts``
 decides, from the saved and the current layout alone, whether the checkpoint is
 loaded as it is, resharded to another data-parallel size, loaded with a warning,
-or refused in one line that says which flag to change.
+or refused in one line that says which flag to change. What decides the training
+samples (seed, sequence length, data, split, tokenizer, global batch size) is
+recorded and compared by ``training_data``, the flags that shape the model by
+``model_record``.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from megatron.core import parallel_state
 from megatron_sdp4bit.config import PRESETS
 from megatron_sdp4bit.megatron import adapters, patch
 from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter, pipeline_stage, rank_and_world
+from megatron_sdp4bit.training.checkpoint.model_record import compare_models, model_record
+from megatron_sdp4bit.training.checkpoint.training_data import compare_data
 
 
 def own_buckets(optimizer) -> list:
@@ -33,27 +38,29 @@ def _parallel_sizes() -> dict:
 
 
 def current_layout(model, optimizer, stage_buckets: Optional[dict] = None,
-                   global_batch_size: Optional[int] = None, seed: Optional[int] = None) -> dict:
+                   data: Optional[dict] = None) -> dict:
     """What a checkpoint of this run records about how it was run (JSON-ready).
 
     ``buckets`` maps each pipeline stage to its optimizer buckets: all stages'
     (``stage_buckets``, gathered by the saving ranks), else only this rank's.
-    ``global_batch_size``: the training loop's, when it has one (the learning-rate
-    schedule and the data position count samples of that size); ``seed``: its
-    ``--seed`` (the data order and the random states follow from it).
+    ``data``: what decides the training samples it reads, when it has them
+    (``training_data.TrainingData.record``).
     """
     _, world = rank_and_world()
     config = patch.current_config()
     chunks = list(model) if isinstance(model, torch.nn.ModuleList) else [model]  # virtual stages
     ddp_config = getattr(chunks[0], "ddp_config", None) if chunks else None
+    buckets = own_buckets(optimizer)
     return {
         "world_size": world, **_parallel_sizes(),
         "megatron_core": adapters.megatron_version(),
         "sdp4bit": config.to_dict() if config is not None else None,
-        "buckets": stage_buckets if stage_buckets is not None else {pipeline_stage(): own_buckets(optimizer)},
+        "model": model_record(model),
+        "optimizer": "plain" if all(b is None for b in buckets) else "distributed",
+        "params_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "buckets": stage_buckets if stage_buckets is not None else {pipeline_stage(): buckets},
         "bucket_size": getattr(ddp_config, "bucket_size", None),
-        "global_batch_size": global_batch_size,
-        "seed": seed,
+        "data": data,
     }
 
 
@@ -85,6 +92,43 @@ def _refuse_other_model_parallel_sizes(where: str, saved: dict, current: dict) -
                 f"resharded across data-parallel sizes only: resume with {flag} {saved[key]}")
 
 
+def optimizer_kind(layout: dict) -> Optional[str]:
+    """``"plain"`` (megatron's non-distributed optimizers) or ``"distributed"``; from the
+    buckets for a checkpoint saved before it was recorded; None when unknown."""
+    if layout.get("optimizer"):
+        return layout["optimizer"]
+    buckets = layout.get("buckets")
+    if buckets is None:
+        return None
+    stages = buckets.values() if isinstance(buckets, dict) else [buckets]
+    return "plain" if all(opt is None for stage in stages for opt in stage) else "distributed"
+
+
+def converts(saved: dict, current: dict) -> bool:
+    """The checkpoint holds a plain optimizer's state, which this run's distributed
+    optimizer takes (``convert``)."""
+    return optimizer_kind(saved) == "plain" and optimizer_kind(current) == "distributed"
+
+
+def _refuse_other_optimizer(where: str, saved: dict, current: dict) -> None:
+    then, now = optimizer_kind(saved), optimizer_kind(current)
+    if then == "distributed" and now == "plain":
+        raise CheckpointError(
+            f"{where} the distributed optimizer, this run has megatron's plain one (no "
+            "--use-distributed-optimizer, no --sdp4bit flag): resume with --use-distributed-optimizer (every "
+            "--sdp4bit flag implies it; --sdp4bit-preset baseline keeps the layer with the exact collectives)")
+    if converts(saved, current) and not saved.get("optimizer"):
+        raise CheckpointError(
+            f"{where} megatron's plain optimizer by an older version, which did not record which parameter "
+            "its state belongs to, so this run's distributed optimizer (--use-distributed-optimizer, implied by "
+            "every --sdp4bit flag) cannot take it: resume it without --use-distributed-optimizer and --sdp4bit "
+            "flags (its next checkpoint records it)")
+    dtype, now_dtype = saved.get("params_dtype"), current.get("params_dtype")
+    if dtype and now_dtype and dtype != now_dtype:
+        raise CheckpointError(f"{where} {dtype} parameters, this run has {now_dtype}: resume "
+                              f"{'without' if dtype == 'float32' else 'with'} --bf16")
+
+
 def _refuse_other_buckets(where: str, saved: dict, current: dict) -> None:
     stage, = current["buckets"]  # this rank's stage
     saved_buckets, buckets = saved.get("buckets"), current["buckets"][stage]
@@ -106,29 +150,6 @@ def _refuse_other_buckets(where: str, saved: dict, current: dict) -> None:
         f"{where} optimizer buckets of {[b['numel_unpadded'] for opt in saved_buckets if opt for b in opt]} "
         f"elements, this run's are {[b['numel_unpadded'] for opt in buckets if opt for b in opt]}: "
         f"the model's shape or the bucketing differ{hint}")
-
-
-def _refuse_changed(where: str, saved: dict, current: dict, key: str, advice: str) -> None:
-    """A run setting the checkpoint recorded (when both know it) must be the same."""
-    then, now = saved.get(key), current.get(key)
-    if then is not None and now is not None and then != now:
-        raise CheckpointError(f"{where} {advice.format(then=then, now=now)}")
-
-
-def _refuse_other_global_batch(where: str, saved: dict, current: dict) -> None:
-    # Its default is micro-batch x data-parallel size, so it changes silently with
-    # the number of ranks; the schedule and the data position count its samples.
-    _refuse_changed(where, saved, current, "global_batch_size",
-                    "global batch size {then}, this run has {now} (without --global-batch-size it "
-                    "is --micro-batch-size x data-parallel size): resume with --global-batch-size {then}")
-
-
-def _refuse_other_seed(where: str, saved: dict, current: dict) -> None:
-    # The random states are restored from the checkpoint, but the datasets are
-    # shuffled with this run's seed: the resume would read other samples.
-    _refuse_changed(where, saved, current, "seed",
-                    "--seed {then}, this run has {now}: resume with --seed {then} (the data order "
-                    "and the random states a resume continues come from it)")
 
 
 def _warnings(where: str, saved: dict, current: dict) -> List[str]:
@@ -156,14 +177,17 @@ def compare_layouts(directory: str, saved: dict, current: dict) -> Tuple[bool, L
     resharded) and one line per harmless difference. A difference that cannot be
     loaded raises ``CheckpointError``, in one line saying what differs."""
     where = f"checkpoint {directory} was saved with"
+    # First: another --seq-length or tokenizer also changes the model's shape.
+    data_warnings = compare_data(directory, saved, current.get("data"))
     _refuse_other_model_parallel_sizes(where, saved, current)
-    _refuse_other_buckets(where, saved, current)
-    _refuse_other_global_batch(where, saved, current)
-    _refuse_other_seed(where, saved, current)
+    compare_models(directory, saved.get("model"), current.get("model"))
+    _refuse_other_optimizer(where, saved, current)
+    if not converts(saved, current):  # a plain optimizer has no buckets to compare
+        _refuse_other_buckets(where, saved, current)
     reshard = saved["data_parallel_size"] != current["data_parallel_size"]
     if reshard and (current["tensor_model_parallel_size"] != 1 or current["pipeline_model_parallel_size"] != 1):
         raise CheckpointError(
             f"{where} data-parallel size {saved['data_parallel_size']}, this run has "
             f"{current['data_parallel_size']}; resharding is supported with TP = PP = 1 only: "
             f"resume with {saved['data_parallel_size']} data-parallel ranks")
-    return reshard, _warnings(where, saved, current)
+    return reshard, data_warnings + _warnings(where, saved, current)

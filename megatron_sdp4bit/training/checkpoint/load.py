@@ -16,8 +16,10 @@ import torch
 from megatron_sdp4bit.training.checkpoint.common import (
     LATEST, RANK_FILE, CheckpointError, adapter, all_gather, first_line, model_holder, rank_and_world,
     rank_file)
-from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, current_layout
-from megatron_sdp4bit.training.checkpoint.overrides import adam_settings, load_schedule_and_settle
+from megatron_sdp4bit.training.checkpoint.convert import load_converted
+from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, converts, current_layout
+from megatron_sdp4bit.training.checkpoint.model_record import load_model
+from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
 from megatron_sdp4bit.training.checkpoint.reshard import load_resharded, read_rank_file
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
 from megatron_sdp4bit.training.console import log0
@@ -35,35 +37,38 @@ def latest_iteration(load_dir: str) -> Optional[int]:
 
 
 def _legacy_layout(directory: str) -> dict:
-    """What a checkpoint without a manifest tells of its layout: its number of rank files."""
+    """What a checkpoint without a manifest tells of its layout: its number of rank files
+    (and nothing of its data: ``choose_checkpoint``'s warning says so)."""
     ranks = [n for n in os.listdir(directory) if RANK_FILE.match(n)]
     return {"world_size": len(ranks), "data_parallel_size": len(ranks),
-            "tensor_model_parallel_size": None, "pipeline_model_parallel_size": None}
+            "tensor_model_parallel_size": None, "pipeline_model_parallel_size": None, "data": {}}
 
 
-def _load_same_layout(directory: str, model, optimizer, scheduler, global_batch_size: Optional[int]) -> dict:
+def _load_same_layout(directory: str, _saved_layout: dict, model, optimizer, scheduler,
+                      global_batch_size: Optional[int]) -> dict:
     rank, _ = rank_and_world()
-    asked = adam_settings(optimizer)
+    asked = group_settings(optimizer)
     state = read_rank_file(rank_file(directory, rank))
     model_state = state["model"]
     if model_state is None:
         model_state = read_rank_file(rank_file(directory, model_holder()[1]), mmap=True)["model"]
-    model.load_state_dict(model_state)
+    load_model(model, model_state, directory)
+    saved_groups = align_saved_groups(adapter().sub_optimizers(optimizer), state["optimizer"])
     for opt, opt_state, param_state in zip(adapter().sub_optimizers(optimizer), state["optimizer"],
                                            state["param_state"]):
         opt.load_state_dict(opt_state)
         if param_state is not None:
             adapter().load_parameter_state(opt, param_state)
         adapter().after_optimizer_load(opt)
-    load_schedule_and_settle(state, directory, optimizer, scheduler, asked, global_batch_size)
+    settle_schedule(state, directory, optimizer, scheduler, asked, saved_groups, global_batch_size)
     set_rng_state(state["rng"])
     return state
 
 
-def _agreed_layout(directory: str, saved_layout: dict, model, optimizer, global_batch_size, seed) -> tuple:
+def _agreed_layout(directory: str, saved_layout: dict, model, optimizer, data: Optional[dict]) -> tuple:
     """Collective: (reshard, this run's layout), or the first rank's refusal on every rank
     (a pipeline stage may differ alone)."""
-    layout = current_layout(model, optimizer, global_batch_size=global_batch_size, seed=seed)
+    layout = current_layout(model, optimizer, data=data)
     reshard, warnings, refusal = False, [], None
     try:
         reshard, warnings = compare_layouts(directory, saved_layout, layout)
@@ -77,15 +82,15 @@ def _agreed_layout(directory: str, saved_layout: dict, model, optimizer, global_
     return reshard, layout
 
 
-def _agreed_load(directory: str, saved_layout: dict, reshard: bool, model, optimizer, scheduler,
+def _agreed_load(directory: str, saved_layout: dict, layout: dict, reshard: bool, model, optimizer, scheduler,
                  global_batch_size: Optional[int]) -> dict:
     """Collective: load on every rank; a failure on any rank raises on every rank."""
     rank, _ = rank_and_world()
     error, failure, state = None, None, None
+    loader = load_converted if converts(saved_layout, layout) else load_resharded if reshard else _load_same_layout
     try:
         with torch.no_grad():  # fp32 params: megatron's main params are views of them
-            state = (load_resharded(directory, saved_layout, model, optimizer, scheduler, global_batch_size)
-                     if reshard else _load_same_layout(directory, model, optimizer, scheduler, global_batch_size))
+            state = loader(directory, saved_layout, model, optimizer, scheduler, global_batch_size)
     except Exception as exc:  # agreed below, so that no rank goes on alone
         error, failure = exc, f"rank {rank}: {first_line(exc)}"
     failures = [f for f in all_gather(failure) if f]
@@ -97,22 +102,27 @@ def _agreed_load(directory: str, saved_layout: dict, reshard: bool, model, optim
 
 
 def load_checkpoint(directory: str, manifest: Optional[dict], model, optimizer, scheduler,
-                    global_batch_size: Optional[int] = None, seed: Optional[int] = None) -> dict:
+                    data: Optional[dict] = None) -> dict:
     """Restore everything ``save_checkpoint`` saved in ``directory`` (a checkpoint
     ``choose_checkpoint`` verified, with its ``manifest``; None for an older save).
 
     Collective. Compares the checkpoint's layout with this run's before anything
     is loaded, and raises ``CheckpointError`` on every rank alike when any rank
-    cannot load. ``global_batch_size``, ``seed``: this run's, refused when they
-    differ from the recorded ones. The returned state carries ``directory``; its
+    cannot load. ``data``: what decides this run's training samples at the
+    checkpoint's iteration (``TrainingData.record``), refused when it differs from the
+    recorded one (``training_data.compare_data``). The returned state carries ``directory``; its
     ``extra["sdp4bit"]`` is the layer's state for this rank, resharded when the
     data-parallel size changed.
     """
     saved_layout = manifest["layout"] if manifest is not None else _legacy_layout(directory)
-    reshard, layout = _agreed_layout(directory, saved_layout, model, optimizer, global_batch_size, seed)
-    if reshard:
+    reshard, layout = _agreed_layout(directory, saved_layout, model, optimizer, data)
+    global_batch_size = (data or {}).get("global_batch_size")  # the schedule's lines count iterations
+    if converts(saved_layout, layout):
+        log0(f"{directory} was saved with megatron's plain optimizer, this run has the distributed one: every "
+             "param's fp32 main weights, Adam moments and step are carried over into this run's shards")
+    elif reshard:
         log0(f"{directory} was saved with data-parallel size {saved_layout['data_parallel_size']}, "
              f"this run has {layout['data_parallel_size']}: resharding the optimizer state")
-    state = _agreed_load(directory, saved_layout, reshard, model, optimizer, scheduler, global_batch_size)
+    state = _agreed_load(directory, saved_layout, layout, reshard, model, optimizer, scheduler, global_batch_size)
     state["directory"] = directory
     return state

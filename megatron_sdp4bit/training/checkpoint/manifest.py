@@ -140,6 +140,29 @@ def _previous_complete(load_dir: str, below: Optional[int], damaged: List[int]) 
     return None
 
 
+def megatron_lm_format(directory: str) -> Optional[str]:
+    """``"torch"`` or ``"torch_dist"`` when ``directory`` is a checkpoint Megatron-LM wrote
+    (``mp_rank_XX/model_optim_rng.pt``; ``*.distcp`` shards), which the driver cannot
+    read; None otherwise."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    if any(name.startswith("mp_rank_") for name in names):
+        return "torch"
+    if any(name.endswith(".distcp") for name in names):
+        return "torch_dist"
+    return None
+
+
+def _refuse_megatron_lm(directory: str) -> None:
+    """Collective: rank 0's look decides (``directory`` on a filesystem all ranks share)."""
+    found = all_gather(megatron_lm_format(directory) if rank_and_world()[0] == 0 else None)[0]
+    if found:
+        raise CheckpointError(
+            f"checkpoint {directory} is Megatron-LM's ({found} format), which this driver does not read (its "
+            f"own are rank_NNNNN.pt files and {MANIFEST}): resume it with Megatron-LM and SDP4Bit's flags "
+            "(python -m megatron_sdp4bit.launch PATH/TO/pretrain_gpt.py ... --sdp4bit), or drop --load to start "
+            "this driver from scratch")
+
+
 def _wanted(load_dir: str, iteration: Optional[int]) -> Tuple[Optional[int], str]:
     """(the iteration to load, how it was named): the pinned one, the tracker's, or,
     without a tracker file, the newest ``iter_*`` folder; None when the tracker holds
@@ -166,11 +189,13 @@ def choose_checkpoint(load_dir: str, fallback: bool,
     damaged: List[int] = []
     if wanted is not None:
         directory = iter_dir(load_dir, wanted)
+        _refuse_megatron_lm(directory)
         manifest, problem = verify(directory)
         if problem is None:
             if manifest is None:
                 log0(f"warning: {directory} has no {MANIFEST} (saved by an older version): its files "
-                     "are not verified and its layout is taken from its rank files")
+                     "are not verified, its layout is taken from its rank files and its data settings "
+                     "are not checked")
             return directory, manifest, damaged
         damaged.append(wanted)
         unreadable = f"checkpoint {directory} is damaged: {problem}"

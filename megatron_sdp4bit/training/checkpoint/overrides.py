@@ -3,20 +3,25 @@ hyper-parameters.
 
 Loading megatron-core's scheduler state replaces this run's ``--lr``, ``--min-lr``,
 warm-up, ``--lr-decay-iters``, decay style and weight decay by the checkpoint's
-(its default), and loading the optimizer's state replaces ``--adam-beta1/2`` and
-``--adam-eps``: a resume that asks for another schedule (extending a run with a
-longer ``--train-iters``) would silently train at the old one. As in Megatron-LM, a
-difference is refused unless the run says which to use:
-``--override-opt_param-scheduler`` (this run's flags; the iteration count comes from
-the checkpoint) or ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's).
-The same two flags decide Adam's hyper-parameters.
+(its default), and loading the optimizer's state replaces its param groups: the
+``max_lr`` / ``min_lr`` megatron's scheduler reads the learning rate from, and
+``--adam-beta1/2`` and ``--adam-eps``. A resume that asks for another schedule
+(extending a run with a longer ``--train-iters``) would silently train at the old
+one. As in Megatron-LM, a difference is refused unless the run says which to use:
+``--override-opt_param-scheduler`` (this run's flags, in the scheduler and in every
+param group; the iteration count comes from the checkpoint) or
+``--use-checkpoint-opt_param-scheduler`` (the checkpoint's, in both).
+
+The loaders call ``align_saved_groups`` before megatron loads an optimizer's state
+(megatron-core 0.19 pairs the saved param groups with this run's by their learning
+rates, among others: another ``--lr`` died on a ``KeyError``), then
+``settle_schedule``.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Dict, List, Optional
+from typing import List, Optional
 
-from megatron_sdp4bit.training.checkpoint.common import CheckpointError
+from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter
 from megatron_sdp4bit.training.console import log0
 
 CHOICES = ("add --override-opt_param-scheduler to train with this run's values, or "
@@ -33,6 +38,12 @@ _SCHEDULE_FLAGS = (
 )
 _ADAM_FLAGS = (("--adam-beta1", lambda g: g["betas"][0]), ("--adam-beta2", lambda g: g["betas"][1]),
                ("--adam-eps", lambda g: g["eps"]))
+# What this run's flags put into each param group (megatron's scheduler reads the
+# learning rates from there; Adam its betas and epsilon). Not ``step`` (the count of
+# steps done, which some optimizers keep there), nor the fields that name a group.
+GROUP_SETTINGS = ("max_lr", "min_lr", "start_wd", "end_wd", "betas", "eps")
+# What tells param groups apart whatever the flags (megatron-core 0.16's pairing keys).
+_GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
 def _shown(value, samples: bool, global_batch_size: Optional[int]):
@@ -65,71 +76,80 @@ def _mode(scheduler) -> str:
     return "checkpoint" if scheduler.use_checkpoint_opt_param_scheduler else "ask"
 
 
-@contextmanager
-def _taking_checkpoint_values(scheduler):
-    """megatron's scheduler asserts every value equal unless told which to use; the
-    settings that matter were compared already, so it may take the checkpoint's."""
-    saved = scheduler.use_checkpoint_opt_param_scheduler
-    scheduler.use_checkpoint_opt_param_scheduler = True
+def _which(mode: str) -> str:
+    return ("this run's flags (--override-opt_param-scheduler)" if mode == "override" else
+            "the checkpoint's values (--use-checkpoint-opt_param-scheduler)")
+
+
+def group_settings(optimizer) -> List[dict]:
+    """What this run's flags set in each of the optimizer's param groups (``GROUP_SETTINGS``),
+    taken before a checkpoint's optimizer state replaces them."""
+    return [{key: group[key] for key in GROUP_SETTINGS if key in group} for group in optimizer.param_groups]
+
+
+def _counterpart(saved_groups: List[dict], group: dict, position: int) -> dict:
+    """The saved param group of ``group``: the one of the same identity, else by position."""
+    identity = [group.get(key) for key in _GROUP_IDENTITY]
+    alike = [saved for saved in saved_groups if [saved.get(key) for key in _GROUP_IDENTITY] == identity]
+    return alike[0] if len(alike) == 1 else saved_groups[position]
+
+
+def align_saved_groups(sub_optimizers: list, states: list) -> List[dict]:
+    """Before megatron loads the sub-optimizers' ``states``: put this run's settings
+    (``GROUP_SETTINGS``) into the saved param groups, so that megatron pairs them with
+    this run's whatever the flags, and return the saved settings, one dict per param
+    group of the (chained) optimizer, for ``settle_schedule`` to keep or replace."""
+    saved_settings = []
+    for opt, state in zip(sub_optimizers, states):
+        saved_groups = adapter().saved_param_groups(state)
+        for position, group in enumerate(opt.param_groups):
+            saved = _counterpart(saved_groups, group, position)
+            saved_settings.append({key: saved[key] for key in GROUP_SETTINGS if key in saved})
+            saved.update({key: group[key] for key in GROUP_SETTINGS if key in group})
+    return saved_settings
+
+
+def _adam_differences(saved: List[dict], asked: List[dict]) -> List[str]:
+    if not saved or not asked or "betas" not in asked[0] or "betas" not in saved[0]:
+        return []
+    read = lambda groups: {flag: value(groups[0]) for flag, value in _ADAM_FLAGS}  # noqa: E731
+    then, now = read(saved), read(asked)
+    return [f"{flag} {then[flag]:g} -> {now[flag]:g}" for flag in now if then[flag] != now[flag]]
+
+
+def _refuse(directory: str, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {directory} was saved with {what}, which loading it would silently "
+                           f"keep: resume with the checkpoint's values, {CHOICES}")
+
+
+def settle_schedule(state: dict, directory: str, optimizer, scheduler, asked: List[dict], saved: List[dict],
+                    global_batch_size: Optional[int]) -> None:
+    """After the optimizer's state was loaded: load the scheduler's state and keep the
+    checkpoint's settings, put this run's back (in the scheduler and in every param
+    group), or refuse, as the module docstring says; one line says which values differ
+    and which were chosen. ``asked``: the ``group_settings`` taken before the
+    optimizer's state was loaded; ``saved``: the checkpoint's (``align_saved_groups``)."""
+    mode = _mode(scheduler)
+    schedule = schedule_differences(state["scheduler"], scheduler.state_dict(), global_batch_size)
+    adam = _adam_differences(saved, asked)
+    if mode == "ask" and schedule:
+        raise _refuse(directory, f"another learning-rate schedule ({', '.join(schedule)})")
+    if mode == "ask" and adam:
+        raise _refuse(directory, f"other Adam settings ({', '.join(adam)})")
+    for group, settings in zip(optimizer.param_groups, asked if mode == "override" else saved):
+        group.update(settings)
+    # megatron's scheduler asserts every value equal unless told which to use; where
+    # neither flag was given, everything that matters was found equal above.
+    taking_checkpoint = scheduler.use_checkpoint_opt_param_scheduler
+    scheduler.use_checkpoint_opt_param_scheduler = mode != "override"
     try:
-        yield
+        scheduler.load_state_dict(state["scheduler"])
     finally:
-        scheduler.use_checkpoint_opt_param_scheduler = saved
-
-
-def load_schedule(scheduler, saved: dict, directory: str, global_batch_size: Optional[int]) -> None:
-    """Load the checkpoint's schedule state: refused on a difference unless one of the
-    two flags says which values to use (then one line says what was chosen)."""
-    mode = _mode(scheduler)
-    changed = schedule_differences(saved, scheduler.state_dict(), global_batch_size)
-    if changed and mode == "ask":
-        raise CheckpointError(
-            f"checkpoint {directory} was saved with another learning-rate schedule ({', '.join(changed)}), "
-            f"which loading it would silently keep: resume with the checkpoint's values, {CHOICES}")
-    if changed:
-        which = "this run's flags (--override-opt_param-scheduler)" if mode == "override" else \
-            "the checkpoint's values (--use-checkpoint-opt_param-scheduler)"
-        log0(f"learning-rate schedule: {', '.join(changed)}; training continues with {which}")
-    if mode == "ask":
-        with _taking_checkpoint_values(scheduler):
-            scheduler.load_state_dict(saved)
-    else:
-        scheduler.load_state_dict(saved)
-
-
-def adam_settings(optimizer) -> Dict[str, float]:
-    """This optimizer's Adam hyper-parameters, by flag (the same in every param group)."""
-    group = optimizer.param_groups[0]
-    if "betas" not in group:  # not Adam
-        return {}
-    return {flag: read(group) for flag, read in _ADAM_FLAGS}
-
-
-def settle_adam_settings(optimizer, asked: Dict[str, float], scheduler, directory: str) -> None:
-    """After the optimizer's state was loaded (its param groups are the checkpoint's):
-    keep them, put this run's back, or refuse, by the same rule as the schedule."""
-    loaded = adam_settings(optimizer)
-    changed = [f"{flag} {loaded[flag]:g} -> {asked[flag]:g}" for flag in asked if loaded.get(flag) != asked[flag]]
-    if not changed:
-        return
-    mode = _mode(scheduler)
-    if mode == "ask":
-        raise CheckpointError(
-            f"checkpoint {directory} was saved with other Adam settings ({', '.join(changed)}), which "
-            f"loading it would silently keep: resume with the checkpoint's values, {CHOICES}")
-    if mode == "override":
-        for group in optimizer.param_groups:
-            group["betas"] = (asked["--adam-beta1"], asked["--adam-beta2"])
-            group["eps"] = asked["--adam-eps"]
-    which = "this run's flags (--override-opt_param-scheduler)" if mode == "override" else \
-        "the checkpoint's values (--use-checkpoint-opt_param-scheduler)"
-    log0(f"Adam: {', '.join(changed)}; training continues with {which}")
-
-
-def load_schedule_and_settle(state: dict, directory: str, optimizer, scheduler, asked: dict,
-                             global_batch_size: Optional[int]) -> None:
-    """The scheduler's state, and Adam's hyper-parameters the optimizer's state brought
-    along, kept, replaced or refused by ``--override-opt_param-scheduler`` /
-    ``--use-checkpoint-opt_param-scheduler`` (``overrides``)."""
-    load_schedule(scheduler, state["scheduler"], directory, global_batch_size)
-    settle_adam_settings(optimizer, asked, scheduler, directory)
+        scheduler.use_checkpoint_opt_param_scheduler = taking_checkpoint
+    # Its load sets the param groups' learning rate and weight decay before it takes
+    # the weight decay's values: once more, with the values chosen, for the first step.
+    scheduler.step(0)
+    if schedule:
+        log0(f"learning-rate schedule: {', '.join(schedule)}; training continues with {_which(mode)}")
+    if adam:
+        log0(f"Adam: {', '.join(adam)}; training continues with {_which(mode)}")

@@ -16,7 +16,8 @@ import torch
 from typing import Optional
 
 from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter, first_line, rank_and_world, rank_file
-from megatron_sdp4bit.training.checkpoint.overrides import adam_settings, load_schedule_and_settle
+from megatron_sdp4bit.training.checkpoint.model_record import load_model
+from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
 from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
 
 
@@ -78,19 +79,20 @@ def load_resharded(directory: str, saved_layout: dict, model, optimizer, schedul
                    global_batch_size: Optional[int] = None) -> dict:
     """Load ``directory`` (saved with ``saved_layout``) into this run's data-parallel size."""
     rank, _ = rank_and_world()
-    asked = adam_settings(optimizer)
+    asked = group_settings(optimizer)
     saved_world, saved_size = saved_layout["world_size"], saved_layout["data_parallel_size"]
     saved = SavedRanks(directory)
     own = rank < saved_world
     state = dict(saved(rank if own else 0))
-    model.load_state_dict(saved(0)["model"])
+    load_model(model, saved(0)["model"], directory)
+    saved_groups = align_saved_groups(adapter().sub_optimizers(optimizer), state["optimizer"])
     for i, opt in enumerate(adapter().sub_optimizers(optimizer)):
         opt.load_state_dict(state["optimizer"][i])
         param_state = adapter().reshard_parameter_state(opt, lambda k: saved(k)["param_state"][i], saved_size)
         if param_state is not None:
             adapter().load_parameter_state(opt, param_state)
         adapter().after_optimizer_load(opt)
-    load_schedule_and_settle(state, directory, optimizer, scheduler, asked, global_batch_size)
+    settle_schedule(state, directory, optimizer, scheduler, asked, saved_groups, global_batch_size)
     set_rng_state(state["rng"])
     extra = dict(state.get("extra") or {})
     if extra.get("sdp4bit"):

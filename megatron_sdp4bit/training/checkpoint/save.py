@@ -95,6 +95,18 @@ def write_rank_file(path: str, state: dict) -> None:
     os.replace(part, path)
 
 
+def _param_names(model, optimizer) -> list:
+    """Per sub-optimizer that is not distributed, the names of the params its state's
+    indices stand for, per param group (None for a distributed one): what lets a run
+    with the distributed optimizer take that state (``convert``)."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    out = []
+    for opt in adapter().sub_optimizers(optimizer):
+        params = adapter().plain_model_params(opt)
+        out.append(None if params is None else [[names[id(p)] for p in group] for group in params])
+    return out
+
+
 def _rank_state(iteration: int, model, optimizer, scheduler, extra: Optional[dict]) -> dict:
     sub_optimizers = adapter().sub_optimizers(optimizer)
     return {
@@ -102,6 +114,7 @@ def _rank_state(iteration: int, model, optimizer, scheduler, extra: Optional[dic
         "model": model.state_dict() if model_holder()[0] == 0 else None,
         "optimizer": [opt.state_dict() for opt in sub_optimizers],
         "param_state": [adapter().parameter_state_for_save(opt) for opt in sub_optimizers],
+        "param_names": _param_names(model, optimizer),
         "scheduler": scheduler.state_dict(),
         "rng": rng_state(),
         "extra": extra or {},
@@ -181,12 +194,11 @@ def _tracker(save_dir: str) -> Optional[int]:
 
 
 def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler,
-                    extra: Optional[dict] = None, global_batch_size: Optional[int] = None,
-                    seed: Optional[int] = None) -> str:
+                    extra: Optional[dict] = None, data: Optional[dict] = None) -> str:
     """Collective: every rank writes its file; returns the checkpoint directory.
-    ``global_batch_size`` and ``seed`` are recorded in the manifest (see
-    ``current_layout``); a failure raises ``CheckpointError`` on every rank (see
-    the module docstring)."""
+    ``data`` (what decides the training samples, ``TrainingData.record``) is
+    recorded in the manifest (see ``current_layout``); a failure raises
+    ``CheckpointError`` on every rank (see the module docstring)."""
     save = _Save(save_dir, iteration)
     save.agree(*(_attempt(lambda: _fresh_folder(save.tmp), save.tmp) if save.rank == 0 else (None, None)))
     path = rank_file(save.tmp, save.rank)
@@ -200,7 +212,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler,
     stage_buckets = dict(all_gather((pipeline_stage(), own_buckets(optimizer))))
     outcome = (None, None)
     if save.rank == 0:
-        layout = current_layout(model, optimizer, stage_buckets, global_batch_size, seed)
+        layout = current_layout(model, optimizer, stage_buckets, data)
         outcome = _attempt(lambda: (write_manifest(save.tmp, iteration, layout, entries),
                                     _publish(save_dir, save.tmp, save.final, iteration)), save.tmp)
     save.agree(None, outcome[1])
