@@ -92,6 +92,16 @@ def missing_files(prefixes: Iterable[str]) -> List[str]:
     return [p + ext for p in prefixes for ext in (".bin", ".idx") if not os.path.isfile(p + ext)]
 
 
+def sequence_lengths(prefix: str) -> numpy.ndarray:
+    """Tokens of every sequence of a checked ``PREFIX.idx`` (int32, memory-mapped: the
+    ``.idx`` holds 4 bytes per sequence, the ``.bin`` is not read)."""
+    info = check_indexed_prefix(prefix)
+    if info.num_sequences == 0:
+        return numpy.zeros(0, dtype=numpy.int32)
+    return numpy.memmap(prefix + ".idx", dtype="<i4", mode="r", offset=_HEADER_SIZE,
+                        shape=(info.num_sequences,))
+
+
 def check_indexed_prefix(prefix: str) -> IndexedFilesInfo:
     """Check that ``PREFIX.idx`` and ``PREFIX.bin`` exist and agree; say what is wrong.
 

@@ -79,7 +79,7 @@ def test_document_boundaries_checked(copy_of_corpus):
 
 def test_split_without_documents_fails_instead_of_hanging(copy_of_corpus, tmp_path):
     prefix, tokenizer = copy_of_corpus
-    with pytest.raises(ValueError, match="gives the valid set no document"):
+    with pytest.raises(ValueError, match="gives the validation set no document"):
         build_gpt_datasets(prefix, tokenizer, 32, 10, 2, 1, split="999999,1,1",
                            path_to_cache=str(tmp_path / "c"))
 
