@@ -26,6 +26,8 @@ import numpy
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 _HEADER_SIZE = len(INDEX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype, S, D
+INDEX_HEADER_BYTES = _HEADER_SIZE
+"""Where the ``.idx`` arrays start (sequence lengths, then pointers)."""
 # megatron.core.datasets.indexed_dataset.DType: code -> numpy dtype
 _DTYPE_BY_CODE = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32,
                   5: numpy.int64, 6: numpy.float64, 7: numpy.float32, 8: numpy.uint16}

@@ -17,6 +17,11 @@ Cost. The ``.idx`` does not record the vocabulary, so the ids must be read:
   and modification time, so later starts read one small JSON file. An
   unwritable cache only means the scan is not kept.
 
+The other way round (ids that all fit, from another tokenizer) reads no id past
+the table and trains on nonsense; ``eod_mismatch`` catches the usual case, data
+preprocessed with ``--append-eod``: its documents all end with the other
+tokenizer's end-of-document id (the last id of the first 1000 documents is read).
+
 Nothing here needs a process group: every rank can check alike.
 """
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Optional, Tuple
 
 import numpy
 
-from megatron_sdp4bit.data.indexed_files import check_indexed_prefix
+from megatron_sdp4bit.data.indexed_files import INDEX_HEADER_BYTES, check_indexed_prefix, sequence_lengths
 
 CHUNK_IDS = 1 << 24
 """Ids read per step of the scan (32 MiB of uint16 data): bounded memory."""
@@ -123,3 +128,41 @@ def check_vocabulary(prefix: str, tokenizer, cache_dir: Optional[str] = None) ->
         f"({describe_tokenizer(tokenizer)}: {vocab_size} ids, 0-{vocab_size - 1}): the data was "
         "preprocessed with another tokenizer; pass the --tokenizer-type and --vocab-file/--merge-file "
         "or --tokenizer-model it was made with, or preprocess the text again with this one")
+
+
+EOD_SAMPLE = 1000
+"""Documents whose last token ``eod_mismatch`` reads (the first ones of the file)."""
+
+
+def last_tokens(prefix: str, count: int = EOD_SAMPLE) -> numpy.ndarray:
+    """The last token of each of the first ``count`` sequences of ``PREFIX``."""
+    info = check_indexed_prefix(prefix)
+    n = min(count, info.num_sequences)
+    if n == 0:
+        return numpy.zeros(0, dtype=numpy.int64)
+    lengths = sequence_lengths(prefix)[:n].astype(numpy.int64)
+    pointers = numpy.memmap(prefix + ".idx", dtype="<i8", mode="r", shape=(n,),
+                            offset=INDEX_HEADER_BYTES + 4 * info.num_sequences)
+    itemsize = numpy.dtype(info.token_dtype).itemsize
+    ids = numpy.memmap(prefix + ".bin", dtype=info.token_dtype, mode="r")
+    ends = (numpy.asarray(pointers) // itemsize + lengths - 1)[lengths > 0]
+    return numpy.asarray(ids[ends], dtype=numpy.int64)
+
+
+def eod_mismatch(prefix: str, tokenizer) -> Optional[str]:
+    """A warning when the documents of ``PREFIX`` all end with one id that is not the
+    tokenizer's end-of-document id: data preprocessed with ``--append-eod`` and
+    another tokenizer whose ids all fit this vocabulary (``check_vocabulary`` cannot
+    see it). A warning, not a refusal: data preprocessed without ``--append-eod`` may
+    end every document with one token too (a newline)."""
+    ends = last_tokens(prefix)
+    if len(ends) < 2:
+        return None
+    values, counts = numpy.unique(ends, return_counts=True)
+    common = int(values[counts.argmax()])
+    if counts.max() < len(ends) or common == tokenizer.eod:
+        return None
+    return (f"warning: all {len(ends)} first documents of {prefix} end with token id {common}, not the "
+            f"end-of-document id {tokenizer.eod} of the tokenizer ({describe_tokenizer(tokenizer)}): if the data "
+            "was preprocessed with --append-eod, it was with another tokenizer (check --tokenizer-type and its "
+            "files)")

@@ -17,7 +17,7 @@ from megatron_sdp4bit.data.corpus import load_default_corpus_tokenizer, prepare_
 from megatron_sdp4bit.data.coverage import set_reads
 from megatron_sdp4bit.data.gpt_datasets import (build_gpt_datasets, check_data_path, check_gpt_data,
                                                 index_cache_dir, parse_data_path)
-from megatron_sdp4bit.data.token_ids import check_vocabulary
+from megatron_sdp4bit.data.token_ids import check_vocabulary, eod_mismatch
 from megatron_sdp4bit.data.tokenizer_types import build_tokenizer
 from megatron_sdp4bit.training.agreement import on_every_rank
 from megatron_sdp4bit.training.arguments import ArgumentError
@@ -84,6 +84,8 @@ def build_data(args) -> tuple:
     needed = [sizes[0], args.eval_iters * args.global_batch_size, 0]  # each evaluation reads its first batches
     prefixes, _ = on_every_rank(lambda: check_gpt_data(data_path, args.split, sizes, args.seq_length, needed))
     on_every_rank(lambda: [check_vocabulary(prefix, tokenizer, index_cache) for prefix in prefixes])
+    for warning in filter(None, (eod_mismatch(prefix, tokenizer) for prefix in prefixes)):
+        log0(warning)
     _warn_about_epochs(args, data_path, sizes)
     train, valid, _test = build_gpt_datasets(
         data_path, tokenizer, args.seq_length, train_samples=sizes[0], valid_samples=sizes[1],

@@ -19,6 +19,7 @@ from megatron_sdp4bit.data.token_ids import check_vocabulary, token_range
 @dataclass
 class FakeTokenizer:
     vocab_size: int
+    eod: int = 0
     name: str = "GPT2BPETokenizer"
     source: str = "vocab.json"
 
@@ -87,3 +88,17 @@ def test_the_scan_reads_in_chunks(tmp_path, monkeypatch):
     ids = numpy.random.default_rng(0).integers(0, 5000, size=100)
     prefix = _data(tmp_path, "d", [ids.tolist()], 8192)
     assert token_range(prefix) == (int(ids.min()), int(ids.max()))
+
+
+def test_documents_ending_with_another_tokenizers_eod_are_warned(tmp_path):
+    """Ids that fit the vocabulary but come from another tokenizer (the embedded corpus's,
+    EOD 0, read as GPT-2's, EOD 50256) trained silently on nonsense."""
+    from megatron_sdp4bit.data.token_ids import eod_mismatch
+
+    prefix = _data(tmp_path, "stdlib_made", [[5, 9, 0], [7, 0], [3, 3, 3, 0]], 8192)
+    warning = eod_mismatch(prefix, FakeTokenizer(50_257, eod=50_256))
+    assert warning.startswith(f"warning: all 3 first documents of {prefix} end with token id 0, not the "
+                              "end-of-document id 50256 of the tokenizer (GPT2BPETokenizer from vocab.json)")
+    assert eod_mismatch(prefix, FakeTokenizer(8192, eod=0)) is None  # its own tokenizer
+    mixed = _data(tmp_path, "no_eod", [[5, 9], [7, 1], [3, 3]], 8192)  # preprocessed without --append-eod
+    assert eod_mismatch(mixed, FakeTokenizer(50_257, eod=50_256)) is None

@@ -80,6 +80,26 @@ def test_data_of_another_vocabulary_is_refused_naming_both(tmp_path, cache):
     assert "iter " not in done.stdout
 
 
+def test_data_of_another_tokenizer_whose_ids_fit_is_warned(tmp_path, cache, corpus_tokenizer):
+    """The embedded corpus (EOD id 0 ends every document) read with a tokenizer of the same
+    size whose end-of-document token is another: trained silently before."""
+    import json
+    import shutil
+
+    tokenizer, tokenizer_json = corpus_tokenizer
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copy(tokenizer_json, other / "tokenizer.json")
+    eos = next(t for t, i in sorted(tokenizer.vocab.items(), key=lambda item: item[1]) if i > 300)
+    (other / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    corpus = prepare_default_corpus(cache_dir=cache, max_mb=1)
+    done = _cli(tmp_path, {"SDP4BIT_CACHE": cache}, "--data-path", corpus, "--tokenizer-type",
+                "HuggingFaceTokenizer", "--tokenizer-model", str(other), "--train-iters", "1", "--eval-iters", "0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (warning,) = [l for l in done.stdout.splitlines() if l.startswith("warning: all")]
+    assert f"end with token id 0, not the end-of-document id {tokenizer.vocab[eos]}" in warning
+
+
 def test_a_split_without_validation_trains_without_evaluating_and_says_so(tmp_path, cache):
     """Before: ``--split 1,0,0`` (as the driver's own message suggested) with evaluation
     on (the default --eval-iters 5): ``TypeError: object of type 'NoneType' has no len()``."""
