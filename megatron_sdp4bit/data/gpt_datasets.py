@@ -148,13 +148,22 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
     return list(prefixes), blend_weights
 
 
-def _preprocessed_names(prefix: str) -> List[str]:
-    """``PREFIX_KEY_document`` pairs next to a ``prefix`` that has no files: what the
-    preprocessor wrote for ``--output-prefix PREFIX`` (a common mix-up)."""
+def _pairs(pattern: str) -> List[str]:
+    """Prefixes of the ``.bin``/``.idx`` pairs that ``pattern`` + ``.bin`` matches."""
+    return [found[:-4] for found in sorted(glob.glob(pattern + ".bin")) if os.path.isfile(found[:-4] + ".idx")]
+
+
+def _missing_prefix_hint(prefix: str) -> Optional[str]:
+    """What a ``prefix`` without files probably meant: a folder's datasets, or the
+    ``PREFIX_KEY_document`` pair the preprocessor wrote for ``--output-prefix PREFIX``."""
+    if os.path.isdir(prefix):
+        found = _pairs(os.path.join(glob.escape(prefix), "*"))
+        return f"{prefix} is a folder" + (f" holding {', '.join(found)}" if found else " without datasets")
     if os.path.isfile(prefix + ".bin") or os.path.isfile(prefix + ".idx"):
-        return []
-    return [found[:-4] for found in sorted(glob.glob(glob.escape(prefix) + "_*_document.bin"))
-            if os.path.isfile(found[:-4] + ".idx")]
+        return None
+    found = _pairs(glob.escape(prefix) + "_*_document")
+    return (f"the preprocessor adds _KEY_document to its --output-prefix: {prefix} -> {', '.join(found)}"
+            if found else None)
 
 
 def check_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
@@ -166,12 +175,10 @@ def check_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
     prefixes, weights = parse_data_path(data_path)
     missing = missing_files(prefixes)
     if missing:
-        hints = [f"{prefix} -> {found}" for prefix in prefixes for found in _preprocessed_names(prefix)]
-        raise FileNotFoundError(
-            "missing indexed dataset file(s): " + ", ".join(missing)
-            + " (--data-path takes the prefix of PREFIX.bin/PREFIX.idx"
-            + (f"; the preprocessor adds _KEY_document to its --output-prefix: {', '.join(hints)}"
-               if hints else "") + ").")
+        hints = list(filter(None, map(_missing_prefix_hint, prefixes)))
+        raise FileNotFoundError("missing indexed dataset file(s): " + ", ".join(missing)
+                                + " (--data-path takes the prefix of PREFIX.bin/PREFIX.idx"
+                                + "".join(f"; {hint}" for hint in hints) + ").")
     for prefix in prefixes:
         check_indexed_prefix(prefix)
     return prefixes, weights
@@ -197,7 +204,8 @@ def _check_splits(prefix: str, num_sequences: int, split: str, sizes: Sequence[O
             continue
         if bounds[1] <= bounds[0]:
             raise ValueError(f"--split {split} gives the {name} set no document of {prefix} "
-                             f"({num_sequences} documents): {_no_document_fix(name, num_sequences)}")
+                             f"({num_sequences} document{'s' * (num_sequences != 1)}): "
+                             f"{_no_document_fix(name, num_sequences)}")
 
 
 def check_gpt_data(data_path: Union[str, Sequence[str]], split: str,

@@ -80,7 +80,8 @@ def build_data(args) -> tuple:
              "--eval-iters 0 turns evaluation off without this line)")
     tokenizer, data_path = _tokenizer_and_prefixes(args)
     index_cache = index_cache_dir(args.data_cache_path)
-    on_every_rank(lambda: check_writable(index_cache, flag="--data-cache-path" if args.data_cache_path else None))
+    on_every_rank(lambda: check_writable(index_cache, "the dataset index files", "--data-cache-path")
+                  if args.data_cache_path else check_writable(index_cache))
     needed = [sizes[0], args.eval_iters * args.global_batch_size, 0]  # each evaluation reads its first batches
     prefixes, _ = on_every_rank(lambda: check_gpt_data(data_path, args.split, sizes, args.seq_length, needed))
     on_every_rank(lambda: [check_vocabulary(prefix, tokenizer, index_cache) for prefix in prefixes])
