@@ -139,8 +139,8 @@ def preprocess(
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as error:
-        raise ValueError(f"cannot create the folder of --output-prefix {output_prefix}: {folder} "
-                         f"({error.strerror or error})") from None
+        why = "a file of that name is in the way" if os.path.isfile(folder) else error.strerror or error
+        raise ValueError(f"cannot create the folder of --output-prefix {output_prefix}: {folder} ({why})") from None
     write_indexed_dataset(prefix, ids, tokenizer.vocab_size)
     stats.seconds = time.perf_counter() - start
     if stats.documents == 0:  # nothing to train on: no pair of files that looks like data

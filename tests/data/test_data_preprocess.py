@@ -185,7 +185,8 @@ def test_the_output_folder_is_made_or_its_failure_named(tmp_path, gpt2_files, ca
     (tmp_path / "a_file").write_text("x")
     assert main(common + ["--output-prefix", str(tmp_path / "a_file" / "o")]) == 2
     err = capsys.readouterr().err
-    assert f"cannot create the folder of --output-prefix {tmp_path / 'a_file' / 'o'}" in err
+    assert f"cannot create the folder of --output-prefix {tmp_path / 'a_file' / 'o'}: {tmp_path / 'a_file'} " \
+        "(a file of that name is in the way)" in err
 
 
 def test_eod_token_is_checked_for_the_default_tokenizer(small_corpus_prefix, monkeypatch):
