@@ -9,9 +9,11 @@ it adds is checking first, because megatron-core fails late and obscurely:
 
 - missing ``.bin``/``.idx`` files -> ``FileNotFoundError`` naming every one;
 - a damaged ``.idx`` -> ``ValueError`` naming it (``indexed_files``);
-- a split that gets no document -> ``ValueError`` (megatron would loop forever
-  looking for tokens, or read out of bounds); a split asked for 0 samples is not
-  built (``None``) and not checked, its weight still placing the others' bounds;
+- a split that gets no document -> ``ValueError`` with a split that gives it one
+  (megatron would loop forever looking for tokens, or read out of bounds); a
+  split asked for 0 samples is not built (``None``) and not checked, its weight
+  still placing the others' bounds; ``--split`` text itself: ``splits.py``;
+- data too small for the samples asked -> ``ValueError`` (``coverage.py``);
 - no compiled ``helpers_cpp`` -> the exact NumPy twins (``dataset_helpers``).
 
 Several ranks: call it on every rank. megatron-core builds the index caches on

@@ -275,9 +275,6 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
             f"than --lr-decay-iters {args.lr_decay_iters} (default --train-iters); shorten the "
             "warm-up or lengthen the decay")
     _decide_evaluation(args)
-    if args.data_path and args.tokenizer_type is None:
-        bad("--data-path needs --tokenizer-type: the tokenizer the data was preprocessed with "
-            f"({', '.join(TOKENIZER_TYPES)})")
     if args.save_interval is not None and not args.save:
         bad("--save-interval needs --save DIR")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:

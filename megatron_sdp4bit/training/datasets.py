@@ -18,7 +18,7 @@ from megatron_sdp4bit.data.coverage import set_reads
 from megatron_sdp4bit.data.gpt_datasets import (build_gpt_datasets, check_data_path, check_gpt_data,
                                                 index_cache_dir, parse_data_path)
 from megatron_sdp4bit.data.token_ids import check_vocabulary, eod_mismatch
-from megatron_sdp4bit.data.tokenizer_types import build_tokenizer
+from megatron_sdp4bit.data.tokenizer_types import TOKENIZER_TYPES, build_tokenizer
 from megatron_sdp4bit.training.agreement import on_every_rank
 from megatron_sdp4bit.training.arguments import ArgumentError
 from megatron_sdp4bit.training.console import log0
@@ -33,8 +33,11 @@ Data-Constrained Language Models", 2023), and far past it the model memorizes.""
 def _tokenizer_and_prefixes(args) -> tuple:
     """(tokenizer, data prefixes): the files checked first (the commonest mistake),
     then the tokenizer built, alike on every rank."""
-    if args.data_path:  # (--tokenizer-type is given: arguments.py)
+    if args.data_path:
         on_every_rank(lambda: check_data_path(args.data_path))
+        if args.tokenizer_type is None:
+            raise ArgumentError("--data-path needs --tokenizer-type: the tokenizer the data was "
+                                f"preprocessed with ({', '.join(TOKENIZER_TYPES)})")
         tokenizer = on_every_rank(lambda: build_tokenizer(
             args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
             tokenizer_model=args.tokenizer_model))

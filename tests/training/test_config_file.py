@@ -80,8 +80,7 @@ def test_help_names_the_default_of_every_flag_that_has_one(capsys):
     assert "SDP4BIT_CACHE" in text and "dataset index files" in text
 
 
-def test_data_path_without_tokenizer_type_is_refused_at_parse():
-    with pytest.raises(ArgumentError, match="--data-path needs --tokenizer-type"):
-        parse_args(["--data-path", "data/x_text_document"])
+def test_an_unknown_tokenizer_type_is_refused_at_parse():
+    """Before: after the process group and the data checks (set-up)."""
     with pytest.raises(ArgumentError, match="argument --tokenizer-type: invalid choice: 'GPT2'"):
         parse_args(["--data-path", "data/x_text_document", "--tokenizer-type", "GPT2"])

@@ -117,6 +117,10 @@ def test_a_validation_set_without_a_document_suggests_a_split_that_works(tmp_pat
     write_indexed_dataset(prefix, _documents(tokenizer, 5, 200), tokenizer.vocab_size)
     data = ["--data-path", prefix, "--tokenizer-type", "StdlibBPETokenizer", "--tokenizer-model", tokenizer_json,
             "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1"]
+    wrong_tokenizer = ["--data-path", prefix, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "nope.json",
+                       "--merge-file", "nope.txt"]  # two mistakes: the missing file is named first
+    line = _one_error_line(_cli(tmp_path, {"SDP4BIT_CACHE": cache}, *wrong_tokenizer))
+    assert line.endswith("error: GPT2BPETokenizer vocab file not found: nope.json (check --vocab-file).")
     line = _one_error_line(_cli(tmp_path, {"SDP4BIT_CACHE": cache}, *data))
     assert "--split 969,30,1 gives the validation set no document of" in line and "(5 documents)" in line
     suggested = re.search(r"\(--split (\S+) gives it a document\)", line).group(1)
