@@ -94,17 +94,26 @@ def refusal(flags: List[str], extra: List[str]) -> Optional[str]:
 def run_job(cmd: List[str]) -> int:
     """Run the job, its stderr passed through as it comes; when it fails, the driver's
     own line (``sdp4bit-pretrain: error: ...``) is printed again, last, under
-    torchrun's report."""
+    torchrun's report. A Ctrl-C reaches the job too (one process group), which stops
+    on its own: this keeps passing its output on until it has."""
     process = subprocess.Popen(cmd, env=job_env(), stderr=subprocess.PIPE)
     tail = b""
     while True:
-        chunk = os.read(process.stderr.fileno(), 1 << 16)
+        try:
+            chunk = os.read(process.stderr.fileno(), 1 << 16)
+        except KeyboardInterrupt:
+            continue
         if not chunk:
             break
         sys.stderr.buffer.write(chunk)
         sys.stderr.buffer.flush()
         tail = (tail + chunk)[-(1 << 20):]
-    code = process.wait()
+    while True:
+        try:
+            code = process.wait()
+            break
+        except KeyboardInterrupt:
+            continue
     lines = [line for line in tail.decode("utf-8", "replace").splitlines()
              if line.startswith("sdp4bit-pretrain: ")]
     if code and lines:

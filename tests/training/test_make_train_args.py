@@ -78,3 +78,19 @@ def test_hidden_flags_are_the_recipes_flags_args_do_not_set():
     hidden = recipes.hidden_flags(flags, ["--lr", "1e-4", "--train-iters=5"])
     assert "--lr" not in hidden and "--train-iters" not in hidden
     assert hidden["--lr-warmup-iters"] == "10" and hidden["--use-distributed-optimizer"] == ""
+
+
+def test_a_ctrl_c_leaves_the_job_to_stop_on_its_own_and_its_code_is_returned(capsys):
+    """A Ctrl-C goes to the job too (one process group); make train keeps passing its
+    output on and ends with its code (subprocess.call, before, SIGKILLed torchrun, which
+    then could not stop its ranks, and raised a traceback)."""
+    import os
+    import signal
+    import threading
+
+    job = ("import sys, time; print('started', file=sys.stderr, flush=True); time.sleep(3); "
+           "print('sdp4bit-pretrain: stopped: SIGINT received', file=sys.stderr); sys.exit(130)")
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    assert demo.run_job([sys.executable, "-c", job]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "make train: the job failed (exit 130): sdp4bit-pretrain: stopped: SIGINT received"
