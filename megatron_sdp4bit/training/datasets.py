@@ -69,7 +69,7 @@ def _warn_about_epochs(args, data_path, sizes: list) -> None:
     if worst is None or worst.epochs <= MANY_EPOCHS:
         return
     iters = int(args.train_iters * MANY_EPOCHS / worst.epochs)
-    fewer = f"--train-iters {iters} reads it {MANY_EPOCHS} times" if iters else "fewer --train-iters"
+    fewer = f"--train-iters {iters} reads it at most {MANY_EPOCHS} times" if iters else "fewer --train-iters"
     log0(f"warning: the run reads the training set of {worst.prefix} {worst.epochs:.1f} times (epochs): "
          f"{worst.samples} samples of --seq-length {args.seq_length} from its {worst.tokens} tokens; "
          f"the model will memorize it rather than learn. Use more data (--data-path), or {fewer}")
