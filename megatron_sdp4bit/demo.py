@@ -121,6 +121,26 @@ def run_job(cmd: List[str]) -> int:
     return code
 
 
+def prepare_corpus(extra: List[str]) -> None:
+    """Build the embedded corpus the run will read (once, cached), before the ranks
+    start: none with ``--data-path`` in ARGS, the capped one with ``--default-corpus-mb``."""
+    from megatron_sdp4bit.data import prepare_default_corpus
+    from megatron_sdp4bit.data.corpus import default_corpus_meta
+
+    given = recipes.flag_values(extra)
+    if "--data-path" in given:
+        return
+    t0 = time.perf_counter()
+    print("preparing the embedded corpus (Python's standard library; cached after the first run)...",
+          flush=True)
+    cap = given.get("--default-corpus-mb")
+    prefix = prepare_default_corpus(max_mb=float(cap) if cap else None)
+    meta = default_corpus_meta(prefix)
+    print(f"corpus ready in {time.perf_counter() - t0:.1f} s: {prefix} "
+          f"({meta['files']} files, {meta['bytes'] / 2**20:.1f} MiB of text, {meta['tokens']:,} tokens)",
+          flush=True)
+
+
 def main(argv=None) -> int:
     extra = list(sys.argv[1:] if argv is None else argv)
     flags = command_flags(extra)
@@ -128,17 +148,11 @@ def main(argv=None) -> int:
     if refused:
         print(refused, file=sys.stderr, flush=True)
         return 2
-    from megatron_sdp4bit.data import prepare_default_corpus
-    from megatron_sdp4bit.data.corpus import default_corpus_meta
-
-    t0 = time.perf_counter()
-    print("preparing the embedded corpus (Python's standard library; cached after the first run)...",
-          flush=True)
-    prefix = prepare_default_corpus()
-    meta = default_corpus_meta(prefix)
-    print(f"corpus ready in {time.perf_counter() - t0:.1f} s: {prefix} "
-          f"({meta['files']} files, {meta['bytes'] / 2**20:.1f} MiB of text, {meta['tokens']:,} tokens)",
-          flush=True)
+    try:
+        prepare_corpus(extra)
+    except ValueError as error:  # the cache folder cannot be written: one line, as the driver says it
+        print(f"make train: error: {error}", file=sys.stderr, flush=True)
+        return 2
     run_dir = os.path.join("runs", "make-train-" + time.strftime("%Y%m%d-%H%M%S"))
     cmd = driver_command([*flags[:len(flags) - len(extra)], "--run-dir", run_dir, *extra], RANKS)
     print(f"launching {RANKS} CPU ranks as {RANKS // RANKS_PER_NODE} emulated nodes x "

@@ -73,7 +73,7 @@ class Recipe:
         (the same fraction of the decay) unless ``extra`` sets a warm-up itself, so a
         shorter run is not refused for a warm-up the user never wrote. Without such
         flags it is this recipe, flag for flag."""
-        given = _flag_values(extra)
+        given = flag_values(extra)
         if self.lr_warmup_iters is None or not self.train_iters or "--lr-warmup-iters" in given:
             return self
         if "--lr-warmup-fraction" in given:  # iterations would win over the user's fraction
@@ -84,7 +84,7 @@ class Recipe:
         return self.replace(lr_warmup_iters=self.lr_warmup_iters * int(decay) // self.train_iters)
 
 
-def _flag_values(argv: List[str]) -> dict:
+def flag_values(argv: List[str]) -> dict:
     """``--flag value`` and ``--flag=value`` of a command line, the last one winning."""
     values = {}
     for i, arg in enumerate(argv):
@@ -100,8 +100,8 @@ def _flag_values(argv: List[str]) -> dict:
 def hidden_flags(flags: List[str], extra: List[str]) -> dict:
     """The ``--flag value`` pairs of ``flags`` that ``extra`` does not set: what a
     recipe passes that the user never wrote."""
-    given = _flag_values(extra)
-    return {flag: value for flag, value in _flag_values(flags).items() if flag not in given}
+    given = flag_values(extra)
+    return {flag: value for flag, value in flag_values(flags).items() if flag not in given}
 
 
 MAKE_TRAIN = Recipe(

@@ -94,3 +94,29 @@ def test_a_ctrl_c_leaves_the_job_to_stop_on_its_own_and_its_code_is_returned(cap
     assert demo.run_job([sys.executable, "-c", job]) == 130
     assert capsys.readouterr().err.splitlines()[-1] == \
         "make train: the job failed (exit 130): sdp4bit-pretrain: stopped: SIGINT received"
+
+
+def test_an_unwritable_cache_is_one_line_before_anything_starts(tmp_path, monkeypatch, capsys):
+    """Before: make train's own corpus preparation raised the OSError with a traceback."""
+    (tmp_path / ".cache").write_text("not a folder")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("SDP4BIT_CACHE", raising=False)
+    monkeypatch.setattr(demo, "run_job", lambda cmd: pytest.fail("launched"))
+    assert demo.main([]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(f"make train: error: cannot write {tmp_path}/.cache/megatron_sdp4bit (")
+    assert "set SDP4BIT_CACHE to a writable folder" in last
+
+
+def test_the_corpus_prepared_is_the_one_the_run_reads(monkeypatch, capsys):
+    """Before: the whole embedded corpus was built (a minute the first time) even for
+    ARGS with --data-path or --default-corpus-mb."""
+    from megatron_sdp4bit.data import corpus
+
+    asked = []
+    monkeypatch.setattr(corpus, "prepare_default_corpus", lambda max_mb=None: asked.append(max_mb) or "x/p")
+    monkeypatch.setattr(corpus, "default_corpus_meta", lambda prefix: {"files": 1, "bytes": 1, "tokens": 1})
+    monkeypatch.setattr(demo, "run_job", lambda cmd: 1)
+    assert demo.main(["--data-path", "d/p_text_document", "--tokenizer-type", "GPT2BPETokenizer"]) == 1
+    assert demo.main(["--default-corpus-mb", "8"]) == 1
+    assert asked == [8.0]
