@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
-from typing import Optional
+from typing import List, Optional
 
 from megatron_sdp4bit import recipes
 from megatron_sdp4bit.jobs import driver_command, job_env
@@ -62,24 +63,101 @@ def overlay_on_reference(run_dir: str, extra: list) -> Optional[str]:
                        reference=reference, label="this run", reference_label="exact collectives")
 
 
-def main(argv=None) -> int:
-    extra = list(sys.argv[1:] if argv is None else argv)
+def command_flags(extra: List[str]) -> List[str]:
+    """The driver's flags for ``make train ARGS="extra"``: the recipe (its warm-up
+    following ARGS' --train-iters, ``Recipe.under``), SDP4Bit, then ``extra``. With no
+    ARGS these are ``DEFAULT_FLAGS``, which the shipped reference was made with."""
+    flags = recipes.MAKE_TRAIN.under(extra).flags()
+    return flags + DEFAULT_FLAGS[len(RECIPE_FLAGS):] + list(extra)
+
+
+def refusal(flags: List[str], extra: List[str]) -> Optional[str]:
+    """The driver's one-line refusal of ``flags`` on make train's ranks, checked here
+    (no torchrun); a flag of the recipe it names that ARGS did not set is said to be
+    the recipe's. None when the flags are accepted."""
+    from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
+    from megatron_sdp4bit.training.distributed import parallel_layout
+
+    try:
+        parallel_layout(parse_args(flags), RANKS)
+        return None
+    except ArgumentError as error:
+        message = str(error)
+    named = [f"{flag} {value}".strip() for flag, value in recipes.hidden_flags(flags, extra).items()
+             if re.search(re.escape(flag) + r"(?![\w-])", message)]
+    if named:
+        message += (f" ({', '.join(named)}: make train's recipe, megatron_sdp4bit/recipes.py; set "
+                    f"{'it' if len(named) == 1 else 'them'} in ARGS to change {'it' if len(named) == 1 else 'them'})")
+    return f"make train: error: {message}"
+
+
+def run_job(cmd: List[str]) -> int:
+    """Run the job, its stderr passed through as it comes; when it fails, the driver's
+    own line (``sdp4bit-pretrain: error: ...``) is printed again, last, under
+    torchrun's report. A Ctrl-C reaches the job too (one process group), which stops
+    on its own: this keeps passing its output on until it has."""
+    process = subprocess.Popen(cmd, env=job_env(), stderr=subprocess.PIPE)
+    tail = b""
+    while True:
+        try:
+            chunk = os.read(process.stderr.fileno(), 1 << 16)
+        except KeyboardInterrupt:
+            continue
+        if not chunk:
+            break
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.buffer.flush()
+        tail = (tail + chunk)[-(1 << 20):]
+    while True:
+        try:
+            code = process.wait()
+            break
+        except KeyboardInterrupt:
+            continue
+    lines = [line for line in tail.decode("utf-8", "replace").splitlines()
+             if line.startswith("sdp4bit-pretrain: ")]
+    if code and lines:
+        print(f"make train: the job failed (exit {code}): {lines[-1]}", file=sys.stderr, flush=True)
+    return code
+
+
+def prepare_corpus(extra: List[str]) -> None:
+    """Build the embedded corpus the run will read (once, cached), before the ranks
+    start: none with ``--data-path`` in ARGS, the capped one with ``--default-corpus-mb``."""
     from megatron_sdp4bit.data import prepare_default_corpus
     from megatron_sdp4bit.data.corpus import default_corpus_meta
 
+    given = recipes.flag_values(extra)
+    if "--data-path" in given:
+        return
     t0 = time.perf_counter()
     print("preparing the embedded corpus (Python's standard library; cached after the first run)...",
           flush=True)
-    prefix = prepare_default_corpus()
+    cap = given.get("--default-corpus-mb")
+    prefix = prepare_default_corpus(max_mb=float(cap) if cap else None)
     meta = default_corpus_meta(prefix)
     print(f"corpus ready in {time.perf_counter() - t0:.1f} s: {prefix} "
           f"({meta['files']} files, {meta['bytes'] / 2**20:.1f} MiB of text, {meta['tokens']:,} tokens)",
           flush=True)
+
+
+def main(argv=None) -> int:
+    extra = list(sys.argv[1:] if argv is None else argv)
+    flags = command_flags(extra)
+    refused = refusal(flags, extra)
+    if refused:
+        print(refused, file=sys.stderr, flush=True)
+        return 2
+    try:
+        prepare_corpus(extra)
+    except ValueError as error:  # the cache folder cannot be written: one line, as the driver says it
+        print(f"make train: error: {error}", file=sys.stderr, flush=True)
+        return 2
     run_dir = os.path.join("runs", "make-train-" + time.strftime("%Y%m%d-%H%M%S"))
-    cmd = driver_command([*DEFAULT_FLAGS, "--run-dir", run_dir, *extra], RANKS)
+    cmd = driver_command([*flags[:len(flags) - len(extra)], "--run-dir", run_dir, *extra], RANKS)
     print(f"launching {RANKS} CPU ranks as {RANKS // RANKS_PER_NODE} emulated nodes x "
           f"{RANKS_PER_NODE}:\n  {' '.join(cmd[2:])}", flush=True)
-    code = subprocess.call(cmd, env=job_env())
+    code = run_job(cmd)
     if code == 0:
         png = overlay_on_reference(run_dir, extra)
         if png:

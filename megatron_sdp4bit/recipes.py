@@ -67,6 +67,42 @@ class Recipe:
     def replace(self, **changes) -> "Recipe":
         return dataclasses.replace(self, **changes)
 
+    def under(self, extra: List[str]) -> "Recipe":
+        """This recipe for a command line that adds ``extra`` after its flags: a warm-up
+        the recipe sets follows ``--train-iters`` / ``--lr-decay-iters`` of ``extra``
+        (the same fraction of the decay) unless ``extra`` sets a warm-up itself, so a
+        shorter run is not refused for a warm-up the user never wrote. Without such
+        flags it is this recipe, flag for flag."""
+        given = flag_values(extra)
+        if self.lr_warmup_iters is None or not self.train_iters or "--lr-warmup-iters" in given:
+            return self
+        if "--lr-warmup-fraction" in given:  # iterations would win over the user's fraction
+            return self.replace(lr_warmup_iters=None)
+        decay = given.get("--lr-decay-iters", given.get("--train-iters"))
+        if decay is None or not decay.isdigit():
+            return self
+        return self.replace(lr_warmup_iters=self.lr_warmup_iters * int(decay) // self.train_iters)
+
+
+def flag_values(argv: List[str]) -> dict:
+    """``--flag value`` and ``--flag=value`` of a command line, the last one winning."""
+    values = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--") and "=" in arg:
+            flag, value = arg.split("=", 1)
+            values[flag] = value
+        elif arg.startswith("--"):
+            follows = argv[i + 1] if i + 1 < len(argv) else "--"
+            values[arg] = "" if follows.startswith("--") else follows  # "": a switch
+    return values
+
+
+def hidden_flags(flags: List[str], extra: List[str]) -> dict:
+    """The ``--flag value`` pairs of ``flags`` that ``extra`` does not set: what a
+    recipe passes that the user never wrote."""
+    given = flag_values(extra)
+    return {flag: value for flag, value in flag_values(flags).items() if flag not in given}
+
 
 MAKE_TRAIN = Recipe(
     num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, micro_batch_size=4,

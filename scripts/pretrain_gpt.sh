@@ -16,7 +16,21 @@ size="${1:?usage: $0 SIZE (125m|350m|1.3b|2.7b|6.7b) [flags]}"
 shift
 config="$here/configs/gpt_${size}.yaml"
 [ -f "$config" ] || { echo "no config for size '$size' ($config)" >&2; exit 2; }
-python="${PYTHON:-python}"
+# The project's Python: $PYTHON, else this checkout's .venv (what `make setup` makes),
+# else python3 from PATH; one that cannot import the package is refused here, not by
+# every rank after torchrun started.
+if [ -n "${PYTHON:-}" ]; then
+  python="$PYTHON"
+elif [ -x "$here/.venv/bin/python" ]; then
+  python="$here/.venv/bin/python"
+else
+  python="$(command -v python3 || command -v python || echo python3)"
+fi
+if ! "$python" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('megatron_sdp4bit') and u.find_spec('megatron.core')))" 2>/dev/null; then
+  echo "pretrain_gpt.sh: error: $python cannot import megatron_sdp4bit and megatron-core: run" \
+       "'make setup' in $here (it makes .venv), or set PYTHON to the interpreter that has them" >&2
+  exit 2
+fi
 gpus="${GPUS_PER_NODE:-$("$python" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}"
 nnodes="${NNODES:-1}"
 

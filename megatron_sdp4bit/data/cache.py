@@ -14,7 +14,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 try:
     import fcntl
@@ -22,6 +22,13 @@ except ImportError:  # not POSIX: rely on the atomic rename alone
     fcntl = None
 
 CACHE_ENV = "SDP4BIT_CACHE"
+CACHE_CONTENTS = "the embedded corpus, its tokenizer and the dataset index files"
+"""What the cache folder holds, for the messages and --help texts that name it."""
+
+
+class CacheFolderError(ValueError):
+    """A cache folder cannot be written; the message names it, what it is for and
+    how to move it (a ValueError: the command lines report it in one line)."""
 
 
 def default_cache_dir() -> str:
@@ -29,6 +36,29 @@ def default_cache_dir() -> str:
     return os.environ.get(CACHE_ENV) or os.path.join(
         os.path.expanduser("~"), ".cache", "megatron_sdp4bit"
     )
+
+
+def cache_error(folder: str, error: OSError, what: str = CACHE_CONTENTS,
+                flag: Optional[str] = None) -> CacheFolderError:
+    """The one line for a cache ``folder`` that cannot be written: the folder, the OS's
+    words, what it holds, and how to move it (``flag`` when the folder came from one,
+    else ``$SDP4BIT_CACHE``)."""
+    why = error.strerror or str(error)
+    move = (f"pass a writable {flag}" if flag else
+            f"set {CACHE_ENV} to a writable folder (e.g. {CACHE_ENV}=/tmp/sdp4bit-cache)")
+    return CacheFolderError(f"cannot write {folder} ({why}): it is megatron_sdp4bit's cache of {what}; {move}")
+
+
+def check_writable(folder: str, what: str = CACHE_CONTENTS, flag: Optional[str] = None) -> str:
+    """``folder``, created if missing, after writing and removing a file in it; else
+    ``CacheFolderError`` (see ``cache_error``)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        raise cache_error(folder, error, what, flag) from None
+    return folder
 
 
 @contextlib.contextmanager

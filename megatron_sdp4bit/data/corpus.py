@@ -31,7 +31,7 @@ from typing import Iterator, List, Optional, Tuple
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from megatron_sdp4bit.data.cache import build_once, default_cache_dir
+from megatron_sdp4bit.data.cache import build_once, cache_error, default_cache_dir
 from megatron_sdp4bit.data.indexed_files import write_indexed_dataset
 from megatron_sdp4bit.data.tokenizer import EOD_TOKEN, Tokenizer, load_huggingface
 
@@ -160,7 +160,11 @@ def prepare_default_corpus(cache_dir: Optional[str] = None, max_mb: Optional[flo
         raise ValueError(f"max_mb must be positive (or None for the whole stdlib), got {max_mb}.")
     max_bytes = None if max_mb is None else int(max_mb * (1 << 20))
     final_dir = default_corpus_dir(cache_dir, max_mb, vocab_size, include_tests)
-    build_once(final_dir, lambda tmp: _build_corpus(tmp, max_bytes, vocab_size, include_tests))
+    try:
+        build_once(final_dir, lambda tmp: _build_corpus(tmp, max_bytes, vocab_size, include_tests))
+    except OSError as error:  # the stdlib's files are read leniently: this is the cache folder
+        raise cache_error(cache_dir or default_cache_dir(), error,
+                          flag=None if cache_dir is None else "--cache-dir") from None
     return os.path.join(final_dir, CORPUS_NAME)
 
 

@@ -35,11 +35,16 @@ def check_inputs(paths: Iterable[str]) -> List[str]:
 
 
 def _jsonl_documents(path: str, json_key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            where = f"{path}:{line_number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"{where} is not UTF-8 text ({error.reason} at byte {error.start} of the "
+                                 "line); convert the file to UTF-8.") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:

@@ -9,9 +9,11 @@ it adds is checking first, because megatron-core fails late and obscurely:
 
 - missing ``.bin``/``.idx`` files -> ``FileNotFoundError`` naming every one;
 - a damaged ``.idx`` -> ``ValueError`` naming it (``indexed_files``);
-- a split that gets no document -> ``ValueError`` (megatron would loop forever
-  looking for tokens, or read out of bounds); a split asked for 0 samples is not
-  built (``None``) and not checked, its weight still placing the others' bounds;
+- a split that gets no document -> ``ValueError`` with a split that gives it one
+  (megatron would loop forever looking for tokens, or read out of bounds); a
+  split asked for 0 samples is not built (``None``) and not checked, its weight
+  still placing the others' bounds; ``--split`` text itself: ``splits.py``;
+- data too small for the samples asked -> ``ValueError`` (``coverage.py``);
 - no compiled ``helpers_cpp`` -> the exact NumPy twins (``dataset_helpers``).
 
 Several ranks: call it on every rank. megatron-core builds the index caches on
@@ -25,6 +27,7 @@ writes its cache, which fails outside a process group.
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib
 import logging
 import os
@@ -35,16 +38,13 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.blended_megatron_dataset_config import (
-    convert_split_vector_to_split_matrix,
-    parse_and_normalize_split,
-)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.utils import Split
 
 from megatron_sdp4bit.data import dataset_helpers
 from megatron_sdp4bit.data.cache import default_cache_dir
+from megatron_sdp4bit.data.coverage import check_coverage
 from megatron_sdp4bit.data.indexed_files import check_indexed_prefix, missing_files
+from megatron_sdp4bit.data.splits import SET_NAMES, split_bounds, split_weights, split_with_validation
 from megatron_sdp4bit.patching import Patches
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,12 @@ def dataset_helpers_in_place(force_numpy: Optional[bool] = None) -> Iterator[str
         yield "numpy"
 
 
+def index_cache_dir(path_to_cache: Optional[str] = None) -> str:
+    """Where megatron-core keeps the sample-index ``.npy`` files (and we the token-id
+    scans): ``path_to_cache`` (``--data-cache-path``), else ``<cache dir>/dataset_indices``."""
+    return path_to_cache or os.path.join(default_cache_dir(), "dataset_indices")
+
+
 def parse_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
     """Megatron's ``--data-path``: ``[P1, P2, ...]`` or ``[W1, P1, W2, P2, ...]``.
 
@@ -144,6 +150,24 @@ def parse_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
     return list(prefixes), blend_weights
 
 
+def _pairs(pattern: str) -> List[str]:
+    """Prefixes of the ``.bin``/``.idx`` pairs that ``pattern`` + ``.bin`` matches."""
+    return [found[:-4] for found in sorted(glob.glob(pattern + ".bin")) if os.path.isfile(found[:-4] + ".idx")]
+
+
+def _missing_prefix_hint(prefix: str) -> Optional[str]:
+    """What a ``prefix`` without files probably meant: a folder's datasets, or the
+    ``PREFIX_KEY_document`` pair the preprocessor wrote for ``--output-prefix PREFIX``."""
+    if os.path.isdir(prefix):
+        found = _pairs(os.path.join(glob.escape(prefix), "*"))
+        return f"{prefix} is a folder" + (f" holding {', '.join(found)}" if found else " without datasets")
+    if os.path.isfile(prefix + ".bin") or os.path.isfile(prefix + ".idx"):
+        return None
+    found = _pairs(glob.escape(prefix) + "_*_document")
+    return (f"the preprocessor adds _KEY_document to its --output-prefix: {prefix} -> {', '.join(found)}"
+            if found else None)
+
+
 def check_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
     """Parse ``--data-path`` and check every ``.bin``/``.idx`` before any work starts.
 
@@ -153,42 +177,55 @@ def check_data_path(data_path: Union[str, Sequence[str]]) -> Blend:
     prefixes, weights = parse_data_path(data_path)
     missing = missing_files(prefixes)
     if missing:
+        hints = list(filter(None, map(_missing_prefix_hint, prefixes)))
         raise FileNotFoundError("missing indexed dataset file(s): " + ", ".join(missing)
-                                + " (--data-path takes the prefix of PREFIX.bin/PREFIX.idx).")
+                                + " (--data-path takes the prefix of PREFIX.bin/PREFIX.idx"
+                                + "".join(f"; {hint}" for hint in hints) + ").")
     for prefix in prefixes:
         check_indexed_prefix(prefix)
     return prefixes, weights
+
+
+def _no_document_fix(set_name: str, num_sequences: int) -> str:
+    """What to do when a split gives ``set_name`` no document of a dataset."""
+    if set_name == "validation":
+        suggestion = split_with_validation(num_sequences)
+        weight = f"give it more weight (--split {suggestion} gives it a document), " if suggestion else ""
+        return f"{weight}evaluate nothing (--eval-iters 0), or use more data"
+    if set_name == "test":
+        return "give it weight 0 (e.g. --split 99,1,0: the driver never reads it) or use more data"
+    return "give it more weight or use more data"
 
 
 def _check_splits(prefix: str, num_sequences: int, split: str, sizes: Sequence[Optional[int]]) -> None:
     """Fail where megatron-core would hang or read out of bounds: a split with
     nonzero weight, asked for samples (``sizes``: 0 = not used), that receives no
     sequence of ``prefix``."""
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    for part, bounds, size in zip(Split, matrix, sizes):
+    for name, bounds, size in zip(SET_NAMES, split_bounds(split_weights(split), num_sequences), sizes):
         if bounds is None or size == 0:
             continue
-        begin = int(round(bounds[0] * num_sequences))
-        end = int(round(bounds[1] * num_sequences))
-        if end <= begin:
-            raise ValueError(
-                f"split {split!r} gives the {part.name} set no document of {prefix} "
-                f"({num_sequences} documents); give it weight 0 (e.g. '1,0,0') or use more data."
-            )
+        if bounds[1] <= bounds[0]:
+            raise ValueError(f"--split {split} gives the {name} set no document of {prefix} "
+                             f"({num_sequences} document{'s' * (num_sequences != 1)}): "
+                             f"{_no_document_fix(name, num_sequences)}")
 
 
 def check_gpt_data(data_path: Union[str, Sequence[str]], split: str,
-                   sizes: Sequence[Optional[int]] = (None, None, None)) -> Blend:
+                   sizes: Sequence[Optional[int]] = (None, None, None), seq_length: Optional[int] = None,
+                   needed: Optional[Sequence[Optional[int]]] = None) -> Blend:
     """Every check ``build_gpt_datasets`` makes before megatron-core builds anything:
-    the files (``check_data_path``), sample counts for a weighted blend, and that
-    every split it is asked to build (a weight above 0 and a sample count other than
-    0 in ``sizes``) gets a document.
+    the files (``check_data_path``), sample counts for a weighted blend, that every
+    split it is asked to build (a weight above 0 and a sample count other than 0 in
+    ``sizes``) gets a document and, given ``seq_length``, that the data covers the
+    samples asked (``coverage.check_coverage``; ``needed``: see there).
     Touches no process group, so it can be run and agreed on every rank."""
     prefixes, weights = check_data_path(data_path)
     if weights is not None and None in sizes:
         raise ValueError("a weighted --data-path needs explicit train/valid/test sample counts.")
     for prefix in prefixes:
         _check_splits(prefix, check_indexed_prefix(prefix).num_sequences, split, sizes)
+    if seq_length is not None:
+        check_coverage(prefixes, weights, split, seq_length, sizes, needed)
     return prefixes, weights
 
 
@@ -253,14 +290,14 @@ def build_gpt_datasets(
         if getattr(tokenizer, attribute, None) is None:
             raise ValueError(f"tokenizer {tokenizer!r} has no {attribute}; megatron's GPTDataset needs it.")
     sizes = [train_samples, valid_samples, test_samples]
-    prefixes, weights = check_gpt_data(data_path, split, sizes)
+    prefixes, weights = check_gpt_data(data_path, split, sizes, seq_length)
 
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=(prefixes, weights),
         split=split,
-        path_to_cache=path_to_cache or os.path.join(default_cache_dir(), "dataset_indices"),
+        path_to_cache=index_cache_dir(path_to_cache),
         tokenizer=tokenizer,
         reset_position_ids=reset_position_ids,
         reset_attention_mask=reset_attention_mask,

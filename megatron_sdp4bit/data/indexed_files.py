@@ -26,6 +26,8 @@ import numpy
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 _HEADER_SIZE = len(INDEX_MAGIC) + 8 + 1 + 8 + 8  # magic, version, dtype, S, D
+INDEX_HEADER_BYTES = _HEADER_SIZE
+"""Where the ``.idx`` arrays start (sequence lengths, then pointers)."""
 # megatron.core.datasets.indexed_dataset.DType: code -> numpy dtype
 _DTYPE_BY_CODE = {1: numpy.uint8, 2: numpy.int8, 3: numpy.int16, 4: numpy.int32,
                   5: numpy.int64, 6: numpy.float64, 7: numpy.float32, 8: numpy.uint16}
@@ -90,6 +92,16 @@ def write_indexed_dataset(
 def missing_files(prefixes: Iterable[str]) -> List[str]:
     """The ``.bin``/``.idx`` files of ``prefixes`` that do not exist."""
     return [p + ext for p in prefixes for ext in (".bin", ".idx") if not os.path.isfile(p + ext)]
+
+
+def sequence_lengths(prefix: str) -> numpy.ndarray:
+    """Tokens of every sequence of a checked ``PREFIX.idx`` (int32, memory-mapped: the
+    ``.idx`` holds 4 bytes per sequence, the ``.bin`` is not read)."""
+    info = check_indexed_prefix(prefix)
+    if info.num_sequences == 0:
+        return numpy.zeros(0, dtype=numpy.int32)
+    return numpy.memmap(prefix + ".idx", dtype="<i4", mode="r", offset=_HEADER_SIZE,
+                        shape=(info.num_sequences,))
 
 
 def check_indexed_prefix(prefix: str) -> IndexedFilesInfo:

@@ -135,9 +135,19 @@ def preprocess(
     start = time.perf_counter()
     documents = iter_documents(inputs, json_key=json_key, per=text_document_per)
     ids = encode_documents(documents, tokenizer, append_eod, stats, workers, spec)
-    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    folder = os.path.dirname(os.path.abspath(prefix))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        why = "a file of that name is in the way" if os.path.isfile(folder) else error.strerror or error
+        raise ValueError(f"cannot create the folder of --output-prefix {output_prefix}: {folder} ({why})") from None
     write_indexed_dataset(prefix, ids, tokenizer.vocab_size)
     stats.seconds = time.perf_counter() - start
+    if stats.documents == 0:  # nothing to train on: no pair of files that looks like data
+        for ext in (".bin", ".idx"):
+            os.remove(prefix + ext)
+        raise ValueError(f"no document in {', '.join(inputs)}: the input is empty, or holds only blank "
+                         "lines/empty texts; nothing was written")
     return stats
 
 

@@ -61,7 +61,10 @@ def build_tokenizer(
     if tokenizer_type == "StdlibBPETokenizer":
         if tokenizer_model is not None:
             return load_huggingface(tokenizer_model, eod_token or EOD_TOKEN, name=tokenizer_type)
-        return default_tokenizer(cache_dir=cache_dir)
+        tokenizer = default_tokenizer(cache_dir=cache_dir)
+        if eod_token not in (None, tokenizer.eod_token):  # checked against its vocabulary
+            return load_huggingface(tokenizer.source, eod_token, name=tokenizer_type)
+        return tokenizer
     raise ValueError(
         f"unknown tokenizer type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}."
     )

@@ -145,6 +145,9 @@ class StageParams:
 def check_split(shape: ModelShape, tp: int, pp: int) -> None:
     """Raise ``ModelError`` unless TP and PP divide the model the way Megatron requires."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
+    if h % shape.num_attention_heads:
+        raise ModelError("--hidden-size", f"--hidden-size {h} is not divisible by "
+                         f"--num-attention-heads {shape.num_attention_heads}")
     if shape.num_attention_heads % tp:
         raise ModelError("--tp", f"--tp {tp} does not divide the {shape.num_attention_heads} "
                          "attention heads")

@@ -260,6 +260,7 @@ def estimate(cluster: Cluster, workload: Workload, kernels: KernelModel,
     if cluster.world % (cluster.tp * cluster.pp):
         raise EstimateError("--tp", f"--tp {cluster.tp} x --pp {cluster.pp} does not divide the "
                             f"{cluster.world} GPUs ({cluster.nodes} nodes x {cluster.gpus_per_node})")
+    _check_tensor_parallel_groups(cluster)
     dp = cluster.dp
     if workload.global_batch % (workload.micro_batch * dp):
         raise EstimateError("--global-batch-size", f"--global-batch-size {workload.global_batch} "
@@ -280,6 +281,26 @@ def estimate(cluster: Cluster, workload: Workload, kernels: KernelModel,
                                  buckets, (compute_s, tp_s, embedding_s))
     return Estimate(cluster, workload, kernels, flops, compute_s, source, microbatches,
                     buckets, note, results)
+
+
+def _check_tensor_parallel_groups(cluster: Cluster) -> None:
+    """Refuse a TP size that cuts a node's GPUs unevenly: some tensor-parallel groups
+    would then straddle two nodes (their all-reduces crossing the network at
+    every layer), a layout this model does not cost and ``scripts/pretrain_gpt.sh``
+    does not launch. TP that divides the GPUs of a node, or spans whole nodes, is
+    costed (``_tp_seconds``)."""
+    tp, per_node = cluster.tp, cluster.gpus_per_node
+    if per_node % tp == 0 or tp % per_node == 0:
+        return
+    first = next(g for g in range(cluster.world // tp)
+                 if (g * tp) // per_node != (g * tp + tp - 1) // per_node)
+    low, high = first * tp, first * tp + tp - 1
+    divisors = ", ".join(str(d) for d in range(1, per_node + 1) if per_node % d == 0)
+    raise EstimateError("--tp", f"--tp {tp} does not divide the {per_node} GPUs of a node "
+                        f"(--gpus-per-node): tensor-parallel group {first} (ranks {low}-{high}) would "
+                        f"straddle nodes {low // per_node} and {high // per_node}, which this "
+                        f"estimate does not cost; pass a --tp that divides {per_node} ({divisors}) "
+                        f"or a multiple of it")
 
 
 def _layout_note(layouts) -> str:

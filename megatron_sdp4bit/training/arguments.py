@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from typing import Optional, Sequence
 
+from megatron_sdp4bit.data.cache import CACHE_CONTENTS, CACHE_ENV
+from megatron_sdp4bit.data.splits import split_weights
+from megatron_sdp4bit.data.tokenizer_types import TOKENIZER_TYPES
 from megatron_sdp4bit.megatron.args import SDP4BitFlagError, add_sdp4bit_args, config_from_args
+from megatron_sdp4bit.training.config_file import ConfigFile, nearest_flag, read_config
 from megatron_sdp4bit.training.signals import SIGNALS
 
 
@@ -52,6 +55,15 @@ def _number(kind, low=None, high=None, low_open=False, high_open=False):
     return parse
 
 
+def _split(text: str) -> str:
+    """argparse type of ``--split``: checked here (megatron-core reads it again)."""
+    try:
+        split_weights(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).replace(f"--split {text!r}", repr(text), 1)) from None
+    return text
+
+
 _POSITIVE_INT = _number(int, 1)
 _NON_NEGATIVE_INT = _number(int, 0)
 _POSITIVE = _number(float, 0, low_open=True)
@@ -61,47 +73,54 @@ _PROBABILITY = _number(float, 0, 1, high_open=True)
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
-    m.add_argument("--num-layers", type=_POSITIVE_INT, default=2)
-    m.add_argument("--hidden-size", type=_POSITIVE_INT, default=128)
-    m.add_argument("--num-attention-heads", type=_POSITIVE_INT, default=4)
+    m.add_argument("--num-layers", type=_POSITIVE_INT, default=2, help="transformer layers")
+    m.add_argument("--hidden-size", type=_POSITIVE_INT, default=128, help="width of the model")
+    m.add_argument("--num-attention-heads", type=_POSITIVE_INT, default=4, help="must divide --hidden-size")
     m.add_argument("--ffn-hidden-size", type=_POSITIVE_INT, default=None, help="default 4 x hidden size")
-    m.add_argument("--seq-length", type=_POSITIVE_INT, default=128)
+    m.add_argument("--seq-length", type=_POSITIVE_INT, default=128, help="tokens per sample")
     m.add_argument("--max-position-embeddings", type=_POSITIVE_INT, default=None, help="default --seq-length")
-    m.add_argument("--hidden-dropout", type=_PROBABILITY, default=0.0)
-    m.add_argument("--attention-dropout", type=_PROBABILITY, default=0.0)
-    m.add_argument("--init-method-std", type=_POSITIVE, default=0.02)
-    m.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    m.add_argument("--hidden-dropout", type=_PROBABILITY, default=0.0, help="dropout probability")
+    m.add_argument("--attention-dropout", type=_PROBABILITY, default=0.0, help="dropout probability")
+    m.add_argument("--init-method-std", type=_POSITIVE, default=0.02, help="std of the initial weights")
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="an output layer of its own (default: the word embeddings, tied)")
     m.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="layer spec: Transformer Engine when installed (auto), or megatron's local one")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("training")
-    t.add_argument("--micro-batch-size", type=_POSITIVE_INT, default=4)
+    t.add_argument("--micro-batch-size", type=_POSITIVE_INT, default=4, help="samples per forward pass per rank")
     t.add_argument("--global-batch-size", type=_POSITIVE_INT, default=None, help="default micro-batch x DP")
-    t.add_argument("--train-iters", type=_POSITIVE_INT, default=100)
-    t.add_argument("--lr", type=_POSITIVE, default=6e-4)
+    t.add_argument("--train-iters", type=_POSITIVE_INT, default=100, help="iterations (optimizer steps)")
+    t.add_argument("--lr", type=_POSITIVE, default=6e-4, help="peak learning rate")
     t.add_argument("--min-lr", type=_NON_NEGATIVE, default=None, help="default lr / 10")
-    t.add_argument("--lr-decay-style", choices=("cosine", "linear", "constant"), default="cosine")
+    t.add_argument("--lr-decay-style", choices=("cosine", "linear", "constant"), default="cosine",
+                   help="learning-rate decay after the warm-up")
     t.add_argument("--lr-decay-iters", type=_POSITIVE_INT, default=None, help="default --train-iters")
-    t.add_argument("--lr-warmup-fraction", type=_number(float, 0, 1), default=0.01)
-    t.add_argument("--lr-warmup-iters", type=_NON_NEGATIVE_INT, default=0)
-    t.add_argument("--weight-decay", type=_NON_NEGATIVE, default=0.1)
-    t.add_argument("--adam-beta1", type=_PROBABILITY, default=0.9)
-    t.add_argument("--adam-beta2", type=_PROBABILITY, default=0.95)
-    t.add_argument("--adam-eps", type=_POSITIVE, default=1e-8)
-    t.add_argument("--clip-grad", type=_NON_NEGATIVE, default=1.0)
+    t.add_argument("--lr-warmup-fraction", type=_number(float, 0, 1), default=0.01,
+                   help="warm-up as a fraction of --lr-decay-iters (when --lr-warmup-iters is 0)")
+    t.add_argument("--lr-warmup-iters", type=_NON_NEGATIVE_INT, default=0,
+                   help="warm-up iterations; 0: --lr-warmup-fraction decides")
+    t.add_argument("--weight-decay", type=_NON_NEGATIVE, default=0.1, help="AdamW's")
+    t.add_argument("--adam-beta1", type=_PROBABILITY, default=0.9, help="Adam's beta1")
+    t.add_argument("--adam-beta2", type=_PROBABILITY, default=0.95, help="Adam's beta2")
+    t.add_argument("--adam-eps", type=_POSITIVE, default=1e-8, help="Adam's epsilon")
+    t.add_argument("--clip-grad", type=_NON_NEGATIVE, default=1.0, help="gradient-norm clip; 0: none")
     t.add_argument("--max-consecutive-skipped-iters", type=_POSITIVE_INT, default=3,
                    help="stop (exit 3, saving nothing) after this many consecutive iterations "
                         "whose loss or gradients were not finite and were skipped")
-    t.add_argument("--bf16", action="store_true")
+    t.add_argument("--bf16", action="store_true", help="bf16 weights and activations (default: fp32)")
     t.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state (implied by --sdp4bit and by every --sdp4bit-* flag, "
                         "preset baseline included)")
-    t.add_argument("--overlap-grad-reduce", action="store_true")
-    t.add_argument("--overlap-param-gather", action="store_true")
-    t.add_argument("--bucket-size", type=_POSITIVE_INT, default=None, help="elements per DDP bucket")
-    t.add_argument("--seed", type=_NON_NEGATIVE_INT, default=1234)
+    t.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradients during the backward pass (default: after it)")
+    t.add_argument("--overlap-param-gather", action="store_true",
+                   help="gather weights during the next forward pass (default: after the step)")
+    t.add_argument("--bucket-size", type=_POSITIVE_INT, default=None,
+                   help="elements per DDP bucket (default megatron's: one bucket without overlap)")
+    t.add_argument("--seed", type=_NON_NEGATIVE_INT, default=1234, help="initial weights and the data order")
     t.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default nccl with GPUs, gloo without; gloo on GPUs lets several ranks "
                         "share a GPU (e.g. 4 data-parallel ranks on one), staging every "
@@ -120,14 +139,18 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--data-path", nargs="*", default=None,
                    help="Megatron data prefixes (optionally weighted: W1 P1 W2 P2); "
                    "default: the embedded corpus (Python's standard library)")
-    d.add_argument("--split", default="969,30,1")
-    d.add_argument("--tokenizer-type", default=None,
-                   help="GPT2BPETokenizer (with --vocab-file/--merge-file), HuggingFaceTokenizer "
-                   "(with --tokenizer-model), or the default corpus tokenizer")
-    d.add_argument("--vocab-file", default=None)
-    d.add_argument("--merge-file", default=None)
-    d.add_argument("--tokenizer-model", default=None)
-    d.add_argument("--data-cache-path", default=None)
+    d.add_argument("--split", type=_split, default="969,30,1",
+                   help="weights of the training, validation and test sets (Megatron-LM's); a "
+                   "validation weight of 0 turns evaluation off")
+    d.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                   help="the tokenizer the --data-path data was preprocessed with (required with "
+                   "it): GPT2BPETokenizer (with --vocab-file/--merge-file), HuggingFaceTokenizer "
+                   "(with --tokenizer-model), or StdlibBPETokenizer (the embedded corpus's)")
+    d.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json (GPT2BPETokenizer)")
+    d.add_argument("--merge-file", default=None, help="GPT-2 merges.txt (GPT2BPETokenizer)")
+    d.add_argument("--tokenizer-model", default=None, help="tokenizer.json or its folder (HuggingFaceTokenizer)")
+    d.add_argument("--data-cache-path", default=None,
+                   help=f"where the dataset index files go (default ${CACHE_ENV}/dataset_indices)")
     d.add_argument("--default-corpus-mb", type=_POSITIVE, default=None,
                    help="cap the embedded corpus at this many MB of text (default: all of it)")
 
@@ -151,7 +174,8 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    action="store_true", dest="use_checkpoint_opt_param_scheduler",
                    help="on resume, keep the checkpoint's learning-rate schedule and Adam settings where "
                         "this run's flags differ (without either flag a difference is refused)")
-    e.add_argument("--save-interval", type=_POSITIVE_INT, default=None)
+    e.add_argument("--save-interval", type=_POSITIVE_INT, default=None,
+                   help="save every this many iterations (default: at the end only)")
     e.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal (a scheduler's preemption), save at the next step boundary and "
                         "stop with exit code 128 + the signal's number (Megatron-LM's flag)")
@@ -160,48 +184,69 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, the loss plot and TensorBoard events go "
                    "(default runs/<timestamp>)")
-    e.add_argument("--no-progress-bar", action="store_true")
+    e.add_argument("--no-progress-bar", action="store_true",
+                   help="no progress bar (there is none when stdout is not a terminal)")
     e.add_argument("--tensorboard-dir", default=None, help="default <run-dir>/tensorboard")
 
 
+def _shows(default) -> bool:
+    """Whether ``--help`` names a default: not for a switch's False, a None (no value)
+    or argparse's SUPPRESS (0 is shown: ``is``, as 0 == False)."""
+    return not (default is None or default is False or default == argparse.SUPPRESS)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """``--help`` names every flag's default: argparse's ArgumentDefaultsHelpFormatter
+    would repeat the defaults that help texts state in words, and skips flags
+    without a help text (``build_parser`` gives those one)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.option_strings and _shows(action.default) and "default" not in text):
+            text += (" " if text else "") + "(default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="sdp4bit-pretrain", allow_abbrev=False,
-                description="GPT pre-training on megatron-core with SDP4Bit communication.")
-    p.add_argument("--config", default=None, help="YAML file of flags (the command line overrides it)")
+    p = _Parser(prog="sdp4bit-pretrain", allow_abbrev=False, formatter_class=_HelpFormatter,
+                description="GPT pre-training on megatron-core with SDP4Bit communication.",
+                epilog=f"environment: {CACHE_ENV}, the cache folder (default ~/.cache/megatron_sdp4bit): "
+                f"{CACHE_CONTENTS}; it must be writable the first time they are built.")
+    p.add_argument("--config", default=None,
+                   help="YAML file of flags, keys as flag names (num_layers: 12); the command line overrides it")
     _add_model_args(p)
     _add_training_args(p)
     _add_data_args(p)
     _add_logging_and_checkpoint_args(p)
     add_sdp4bit_args(p)
+    for action in p._actions:  # a flag without help text still shows its default
+        if action.help is None and _shows(action.default):
+            action.help = "(default: %(default)s)"
     return p
 
 
 def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
-    import yaml
+    """The flags of the YAML file ``path`` as command-line words (``config_file``)."""
+    try:
+        return read_config(path, parser).argv
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
 
-    if not os.path.isfile(path):
-        raise ArgumentError(f"--config {path}: no such file")
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ArgumentError(f"--config {path}: expected a mapping of flag names to values")
-    known = {opt: action for action in parser._actions for opt in action.option_strings}
-    argv: list[str] = []
-    for key, value in data.items():
-        flag = "--" + str(key).replace("_", "-")
-        action = known.get(flag)
-        if action is None or flag == "--config":
-            raise ArgumentError(f"--config {path}: unknown key {key!r} (no flag {flag})")
-        if action.nargs == 0:  # store_true
-            if value is True:
-                argv.append(flag)
-            elif value not in (False, None):
-                raise ArgumentError(f"--config {path}: {key} takes true or false, got {value!r}")
-        elif isinstance(value, list):
-            argv += [flag] + [str(v) for v in value]
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+
+def _decide_evaluation(args: argparse.Namespace) -> None:
+    """A training set of weight 0 is refused; a validation set of weight 0 turns
+    evaluation off (``args.eval_iters`` 0), as in Megatron-LM, and
+    ``args.no_evaluation`` says why (None: the run evaluates)."""
+    train, valid, _ = split_weights(args.split)
+    if train == 0:
+        raise ArgumentError(f"--split {args.split} gives the training set weight 0, so there is nothing to "
+                            "train on; give it weight, e.g. --split 98,2,0")
+    args.no_evaluation = None
+    if args.eval_iters == 0:
+        args.no_evaluation = "--eval-iters 0"
+    elif valid == 0:
+        args.eval_iters = 0
+        args.no_evaluation = f"--split {args.split} gives the validation set weight 0"
 
 
 def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
@@ -229,6 +274,7 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
         bad(f"--lr-warmup-iters/--lr-warmup-fraction give {warmup} warm-up iterations, not fewer "
             f"than --lr-decay-iters {args.lr_decay_iters} (default --train-iters); shorten the "
             "warm-up or lengthen the decay")
+    _decide_evaluation(args)
     if args.save_interval is not None and not args.save:
         bad("--save-interval needs --save DIR")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
@@ -262,9 +308,19 @@ def check_parallel_sizes(args: argparse.Namespace, world_size: int) -> None:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """``--config``'s flags, then the command line's; a mistake raises ``ArgumentError``,
+    one line naming the flag and, for one the file sets, its file and line."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    pre, _ = parser.parse_known_args(argv)
-    file_argv = yaml_to_argv(pre.config, parser) if pre.config else []
-    args = parser.parse_args(file_argv + argv)
-    return _fill_defaults_and_validate(args)
+    pre, unknown = parser.parse_known_args(argv)
+    flags = [word.split("=", 1)[0] for word in unknown if word.startswith("--")]
+    if flags:  # a typo on the command line: name the flag it is closest to
+        raise ArgumentError(f"unrecognized arguments: {' '.join(unknown)}{nearest_flag(flags[0], parser)}")
+    try:
+        config = read_config(pre.config, parser) if pre.config else ConfigFile("")
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
+    try:
+        return _fill_defaults_and_validate(parser.parse_args(config.argv + argv))
+    except ArgumentError as error:
+        raise ArgumentError(config.where(str(error), argv)) from None

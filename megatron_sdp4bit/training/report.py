@@ -13,8 +13,8 @@ import torch
 from megatron_sdp4bit.flag_errors import LAUNCHER_GRACE_S
 
 
-def _valid(loss) -> str:
-    return "not evaluated (--eval-iters 0)" if loss is None else f"{loss:.4f}"
+def _valid(loss, why: Optional[str]) -> str:
+    return f"not evaluated ({why or 'no evaluation yet'})" if loss is None else f"{loss:.4f}"
 
 
 def summary_lines(summary: dict) -> list:
@@ -28,7 +28,7 @@ def summary_lines(summary: dict) -> list:
         "", "=== summary ===",
         f"iterations          {summary['iterations']}",
         f"final train loss    {summary['final_train_loss']:.4f}",
-        f"final valid loss    {_valid(summary['final_valid_loss'])}",
+        f"final valid loss    {_valid(summary['final_valid_loss'], summary.get('no_evaluation'))}",
         f"tokens/s            {summary['tokens_per_s']:.0f}",
         f"bytes sent per rank {wire}",
         f"metrics             {summary['metrics']}",

@@ -198,7 +198,7 @@ class TrainingRun:
         """What the run did (on every rank; rank 0 also draws the loss curve)."""
         summary = {
             "iterations": self.iteration, "final_train_loss": self.last_loss,
-            "final_valid_loss": self.last_valid,
+            "final_valid_loss": self.last_valid, "no_evaluation": getattr(self.args, "no_evaluation", None),
             "tokens_per_s": self.tokens_total / self.time_total if self.time_total else math.nan,
             "bytes_sent": self.meter.totals["sent"], "bytes_exact": self.meter.totals["exact"],
             "metrics": self.logger.path, "run_dir": self.run_dir,

@@ -79,7 +79,7 @@ def test_document_boundaries_checked(copy_of_corpus):
 
 def test_split_without_documents_fails_instead_of_hanging(copy_of_corpus, tmp_path):
     prefix, tokenizer = copy_of_corpus
-    with pytest.raises(ValueError, match="gives the valid set no document"):
+    with pytest.raises(ValueError, match="gives the validation set no document"):
         build_gpt_datasets(prefix, tokenizer, 32, 10, 2, 1, split="999999,1,1",
                            path_to_cache=str(tmp_path / "c"))
 
@@ -105,3 +105,17 @@ def test_bad_arguments(copy_of_corpus, tmp_path):
         build_gpt_datasets(["1", prefix], tokenizer, 8, None, 2, 1)
     with pytest.raises(ValueError, match="has no vocab_size"):
         build_gpt_datasets(prefix, object(), 8, 10, 2, 1)
+
+
+def test_a_prefix_without_files_names_what_it_probably_meant(copy_of_corpus, tmp_path):
+    """Before: only the missing files, for the two commonest slips: the --output-prefix
+    given to the preprocessor (which adds _text_document), and a folder."""
+    from megatron_sdp4bit.data.gpt_datasets import check_data_path
+
+    prefix, _ = copy_of_corpus  # tmp_path/copy_text_document
+    with pytest.raises(FileNotFoundError) as error:
+        check_data_path([str(tmp_path / "copy")])
+    assert f"the preprocessor adds _KEY_document to its --output-prefix: {tmp_path / 'copy'} -> {prefix}" \
+        in str(error.value)
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path} is a folder holding {prefix}"):
+        check_data_path([str(tmp_path)])

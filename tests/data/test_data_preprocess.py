@@ -149,3 +149,54 @@ def test_non_utf8_text_is_refused_and_leaves_no_output(tmp_path, gpt2_files, cap
                "--vocab-file", vocab, "--merge-file", merges])
     assert rc == 2 and "latin1.txt is not UTF-8" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["latin1.txt"]
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("empty.jsonl", b"", "no document in"),
+    ("blank.jsonl", b"\n\n{\"text\": \"\"}\n", "no document in"),
+    ("notjson.jsonl", b'{"text": "ok"}\nnot json\n', "notjson.jsonl:2 is not valid JSON"),
+    ("nokey.jsonl", b'{"body": "x"}\n', "nokey.jsonl:1 has no key 'text'; pass the right --json-key"),
+    ("list.jsonl", b"[1, 2]\n", "list.jsonl:1 has no key 'text'"),
+    ("null.jsonl", b'{"text": null}\n', "null.jsonl:1: 'text' holds a NoneType, not text"),
+    ("latin1.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "latin1.jsonl:2 is not UTF-8 text"),
+    ("latin1.txt", b"caf\xe9", "latin1.txt is not UTF-8 text"),
+])
+def test_bad_input_is_one_line_naming_the_file_and_line_and_writes_nothing(tmp_path, gpt2_files, capsys,
+                                                                            name, content, words):
+    """Before: an empty input wrote a pair of files with 0 documents and said "use it with
+    --data-path"; a non-UTF-8 JSONL line was a codec error naming no file."""
+    vocab, merges = gpt2_files
+    (tmp_path / name).write_bytes(content)
+    rc = main(["--input", str(tmp_path / name), "--output-prefix", str(tmp_path / "out" / "o"),
+               "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("sdp4bit-preprocess: error: "), err
+    assert words in err[0]
+    assert not list((tmp_path / "out").glob("o_*")) if (tmp_path / "out").exists() else True
+
+
+def test_the_output_folder_is_made_or_its_failure_named(tmp_path, gpt2_files, capsys):
+    vocab, merges = gpt2_files
+    (tmp_path / "doc.txt").write_text("some text")
+    common = ["--input", str(tmp_path / "doc.txt"), "--tokenizer-type", "GPT2BPETokenizer",
+              "--vocab-file", vocab, "--merge-file", merges]
+    assert main(common + ["--output-prefix", str(tmp_path / "new" / "deeper" / "o")]) == 0
+    assert (tmp_path / "new" / "deeper" / "o_text_document.bin").is_file()
+    (tmp_path / "a_file").write_text("x")
+    assert main(common + ["--output-prefix", str(tmp_path / "a_file" / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot create the folder of --output-prefix {tmp_path / 'a_file' / 'o'}: {tmp_path / 'a_file'} " \
+        "(a file of that name is in the way)" in err
+
+
+def test_eod_token_is_checked_for_the_default_tokenizer(small_corpus_prefix, monkeypatch):
+    """Before: ``--eod-token`` was ignored with the default tokenizer."""
+    from megatron_sdp4bit.data import tokenizer_types
+    from megatron_sdp4bit.data.corpus import load_default_corpus_tokenizer
+
+    # the 1 MiB corpus's tokenizer stands in for the whole stdlib's (built in a minute)
+    monkeypatch.setattr(tokenizer_types, "default_tokenizer",
+                        lambda cache_dir=None: load_default_corpus_tokenizer(small_corpus_prefix))
+    with pytest.raises(ValueError, match="'zzz' is not in its vocabulary"):
+        tokenizer_types.build_tokenizer("StdlibBPETokenizer", eod_token="zzz")
+    assert tokenizer_types.build_tokenizer("StdlibBPETokenizer", eod_token="<|endoftext|>").eod == 0

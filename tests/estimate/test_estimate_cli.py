@@ -134,3 +134,44 @@ def test_command_line_constants_match_the_modules():
 
     assert tuple(volume.EXACT_REDUCE_SCATTERS) == cli.EXACT_REDUCE_SCATTERS
     assert tuple(timing.VARIANTS) == cli.VARIANT_NAMES
+
+
+def test_a_tensor_parallel_group_across_nodes_is_refused_naming_the_numbers(capsys):
+    """Issue 28: 2 nodes x 6 GPUs at TP 4 was costed at the intra-node rate (2.9 s per
+    step, 1.06x) though ranks 4-7 straddle the two nodes; scripts/pretrain_gpt.sh
+    refuses that layout. TP that divides a node's GPUs, or spans whole nodes, runs."""
+    argv = ["--config", os.path.join(REPO, "configs", "gpt_1.3b.yaml"), "--nodes", "2", "--gpus-per-node", "6",
+            "--intra-gbps", "1600", "--inter-gbps", "200", "--tflops", "150", "--global-batch-size", "12"]
+    assert cli.main(argv + ["--tp", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == (
+        "sdp4bit-estimate: error: --tp 4 does not divide the 6 GPUs of a node (--gpus-per-node): "
+        "tensor-parallel group 1 (ranks 4-7) would straddle nodes 0 and 1, which this estimate does not "
+        "cost; pass a --tp that divides 6 (1, 2, 3, 6) or a multiple of it")
+    for tp in ("1", "2"):  # the fix it names (16 heads: 3 and 6 do not divide them)
+        assert cli.main(argv + ["--tp", tp, "--global-batch-size", "48"]) == 0, tp
+    whole_nodes = ["--gpus-per-node", "4", "--tp", "8", "--global-batch-size", "4"]  # TP over both nodes
+    assert cli.main(argv + whole_nodes) == 0
+    capsys.readouterr()
+
+
+def test_layouts_whose_pipeline_stages_or_dp_groups_straddle_nodes_are_costed_as_megatron_places_them():
+    """TP 2 x PP 3 on 2 nodes x 6: stage 1 (ranks 4-7) straddles the nodes; its DP groups
+    ({4, 6}, {5, 7}) cross the network, stage 0's ({0, 2}, {1, 3}) do not. The busiest
+    stage sets the pace, so the step's DP traffic is a crossing group's."""
+    from megatron_sdp4bit.estimate import volume
+
+    layouts = dict((stage, layout) for stage, layout in volume.dp_layouts(2, 6, 2, 3))
+    groups = volume.megatron_dp_groups(12, tp=2, pp=3)
+    assert [ranks for stage, ranks in groups if stage == 1] == [[4, 6], [5, 7]]
+    assert layouts[0].num_nodes == 1 and layouts[1].num_nodes == 2
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--hidden-size", "100"], "--hidden-size 100 is not divisible by --num-attention-heads 16"),
+    (["--num-attention-heads", "7"], "--hidden-size 2048 is not divisible by --num-attention-heads 7"),
+])
+def test_a_model_megatron_cannot_build_is_refused(extra, words, capsys):
+    """Before: estimated as if it could be built."""
+    assert cli.main(["--config", os.path.join(REPO, "configs", "gpt_1.3b.yaml"), *BASE, *extra]) == 2
+    assert words in capsys.readouterr().err

@@ -109,7 +109,7 @@ def test_only_rank_0_reports_and_the_others_wait_for_the_launcher(monkeypatch, c
 def test_yaml_config_with_flags_overriding(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("num_layers: 3\nhidden-size: 48\nbf16: true\nsdp4bit: true\n"
-                    "data_path: [a, b]\n")
+                    "data_path: [a, b]\ntokenizer_type: GPT2BPETokenizer\n")
     args = parse_args(["--config", str(path), "--num-layers", "5"])
     assert (args.num_layers, args.hidden_size, args.bf16) == (5, 48, True)
     assert args.data_path == ["a", "b"] and args.sdp4bit_config.weight_mode == "diff"
