@@ -152,11 +152,13 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
                    help="on resume, keep the checkpoint's learning-rate schedule and Adam settings where "
                         "this run's flags differ (without either flag a difference is refused)")
     e.add_argument("--save-interval", type=_POSITIVE_INT, default=None)
-    e.add_argument("--exit-signal-handler", action="store_true",
-                   help="on --exit-signal (a scheduler's preemption), save at the next step boundary and "
-                        "stop with exit code 128 + the signal's number (Megatron-LM's flag)")
+    e.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=None,
+                   help="on SIGTERM, SIGINT (Ctrl-C), SIGHUP or --exit-signal (a scheduler's preemption), "
+                        "or when torchrun dies, save at the next step boundary and stop with exit code "
+                        "128 + the signal's number (Megatron-LM's flag); default: on with --save")
     e.add_argument("--exit-signal", choices=sorted(SIGNALS), default="SIGTERM",
-                   help="the signal --exit-signal-handler acts on")
+                   help="a signal the exit-signal handler acts on besides SIGTERM, SIGINT and SIGHUP "
+                        "(e.g. SIGUSR1, a scheduler's warning)")
     e.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, the loss plot and TensorBoard events go "
                    "(default runs/<timestamp>)")
@@ -192,9 +194,11 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
         action = known.get(flag)
         if action is None or flag == "--config":
             raise ArgumentError(f"--config {path}: unknown key {key!r} (no flag {flag})")
-        if action.nargs == 0:  # store_true
+        if action.nargs == 0:  # store_true, or --flag/--no-flag
             if value is True:
                 argv.append(flag)
+            elif value is False and isinstance(action, argparse.BooleanOptionalAction):
+                argv.append("--no-" + flag[2:])
             elif value not in (False, None):
                 raise ArgumentError(f"--config {path}: {key} takes true or false, got {value!r}")
         elif isinstance(value, list):
@@ -231,6 +235,8 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
             "warm-up or lengthen the decay")
     if args.save_interval is not None and not args.save:
         bad("--save-interval needs --save DIR")
+    if args.exit_signal_handler is None:  # a stop with somewhere to save saves
+        args.exit_signal_handler = bool(args.save)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         bad("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
             "use this run's schedule or the checkpoint's, not both")
