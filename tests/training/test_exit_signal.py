@@ -62,6 +62,14 @@ def _world(rank, world_size, root):
         return {"stdout": text.getvalue(), "stopped": stopped, "iteration": run.iteration}
 
     at = lambda name: os.path.join(root, name)  # noqa: E731
+
+    def nohup(name, flags, when, signums):  # SIGHUP ignored from the start, as nohup runs a process
+        previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        try:
+            return go(name, flags, when, signums)
+        finally:
+            signal.signal(signal.SIGHUP, previous)
+
     return {
         "straight": go("straight", ["--train-iters", "5"]),
         "one_rank": go("one_rank", HANDLER + ["--train-iters", "5", "--save", at("ck")], {1: 3}),
@@ -72,6 +80,8 @@ def _world(rank, world_size, root):
         "at_the_end": go("at_the_end", HANDLER + ["--train-iters", "2", "--save", at("ck3")], {1: 2}),
         "two_signals": go("two_signals", ["--train-iters", "5", "--save", at("ck4")], {0: 2},
                           (signal.SIGINT, signal.SIGTERM)),
+        "nohup": nohup("nohup", ["--train-iters", "3", "--save", at("ck7")], {0: 2}, (signal.SIGHUP,)),
+        "at_a_save": go("at_a_save", ["--train-iters", "5", "--save", at("ck6"), "--save-interval", "2"], {1: 2}),
         "before_evaluation": go("before_evaluation", ["--train-iters", "5", "--save", at("ck5"),
                                                       "--eval-interval", "2", "--eval-iters", "200"], {1: 2}),
     }
@@ -160,3 +170,21 @@ def test_the_handler_is_on_with_save_unless_turned_off(tmp_path, flags, config, 
         (tmp_path / "run.yaml").write_text(config)
         flags = flags + ["--config", str(tmp_path / "run.yaml")]
     assert parse_args(TINY + ["--train-iters", "5"] + flags).exit_signal_handler is on
+
+
+def test_a_signal_before_a_periodic_save_stops_after_it_without_a_second_save(world):
+    """The handler only sets a flag: a save under way completes, and the stop that
+    follows at the step boundary finds it done."""
+    root, results = world
+    for result in results:
+        assert result["at_a_save"]["stopped"][1] == 143 and result["at_a_save"]["iteration"] == 2
+    assert results[0]["at_a_save"]["stdout"].count("saved checkpoint at iteration 2") == 1
+    assert [name for name in os.listdir(os.path.join(root, "ck6")) if name.startswith("iter_")] == ["iter_0000002"]
+
+
+def test_a_hang_up_that_nohup_ignores_stays_ignored_without_a_launcher(world):
+    """``nohup python -m megatron_sdp4bit.pretrain ...`` keeps running when its terminal
+    closes (under torchrun a SIGHUP comes from torchrun only, to stop the rank)."""
+    _, results = world
+    for result in results:
+        assert result["nohup"]["stopped"] is None and result["nohup"]["iteration"] == 3
