@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
@@ -28,7 +29,7 @@ from megatron_sdp4bit.training.distributed import shutdown
 from megatron_sdp4bit.training.report import print_summary, report_crash, report_stop
 from megatron_sdp4bit.training.run import NonFiniteTraining, TrainingRun
 from megatron_sdp4bit.training.setup import NothingToTrain, set_up
-from megatron_sdp4bit.training.signals import StoppedBySignal
+from megatron_sdp4bit.training.signals import StopBeforeTraining, StoppedBySignal, StoppedDuringSetUp
 
 __all__ = ["main", "run", "NonFiniteTraining", "NothingToTrain"]
 
@@ -37,7 +38,10 @@ def run(args, on_step: Optional[Callable[[TrainingRun], None]] = None,
         launcher: Optional[Launcher] = None) -> dict:
     """Set up, train to ``--train-iters`` and return the summary. ``on_step(run)`` is
     called after every iteration, ``launcher`` watched (see ``TrainingRun``)."""
-    training = TrainingRun(set_up(args), on_step=on_step, launcher=launcher)
+    # A signal during set-up stops it at once (nothing to save); while training, at
+    # the next step boundary, saved (TrainingRun.train).
+    with StopBeforeTraining(args.exit_signal, launcher) if args.exit_signal_handler else nullcontext():
+        training = TrainingRun(set_up(args), on_step=on_step, launcher=launcher)
     training.train()
     return training.summary()
 
@@ -67,6 +71,8 @@ def main(argv: Optional[list] = None) -> int:
         if torch.distributed.get_rank() == 0:
             print_summary(summary)
         return 0
+    except StoppedDuringSetUp as exc:  # not an Exception: see its docstring
+        return report_stop("stopped", exc, exc.exit_code, "rank 0, now")
     except Exception as exc:
         for kinds, kind, code, who in STOPS:
             if isinstance(exc, kinds):

@@ -22,6 +22,9 @@ SIGHUP handler even under ``nohup``, and kills the ranks after its grace period)
 The launcher's death (``launcher_watch.py``: its death signal, or another parent at a
 step boundary) counts as a signal: the ranks agree on it alike, save and stop,
 with exit code 143 (as for the SIGTERM torchrun would have sent).
+
+During set-up (``StopBeforeTraining``) the same signals stop the run at once:
+nothing is trained yet, so there is nothing to save.
 """
 from __future__ import annotations
 
@@ -52,6 +55,21 @@ class StoppedBySignal(RuntimeError):
         return 128 + self.signum
 
 
+class StoppedDuringSetUp(BaseException):
+    """A stop signal (or the launcher's death) came during set-up: the run stops at
+    once, nothing saved. A ``BaseException``, as ``KeyboardInterrupt`` is: it is
+    raised wherever set-up happens to be, and an ``except Exception`` there (one that
+    turns an unreadable file into a clear error) must not take it for its own."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
 @dataclass(frozen=True)
 class StopRequest:
     """What the ranks agreed on: the signal (the largest number of the first signal
@@ -72,30 +90,22 @@ class StopRequest:
         return self.signum or signal.SIGTERM  # the launcher's death alone: as torchrun's SIGTERM
 
 
-class StopOnSignals:
-    """A context manager: while inside, the stop signals set ``first`` (the first one
-    received), the launcher's death signal ``launcher_died``; outside, the handlers
-    that were there before are back. Made on every rank alike (it may create a
-    process group)."""
+class _StopHandlers:
+    """Handlers of the stop signals and of the launcher's death signal while inside
+    (a context manager); outside, the handlers that were there before are back."""
 
     def __init__(self, exit_signal: str = "SIGTERM", launcher: Optional[Launcher] = None):
         self.signums = [getattr(signal, name) for name in dict.fromkeys((exit_signal, *STOP_SIGNALS))]
         self.launcher = launcher
-        self.first: Optional[int] = None
-        self.launcher_died = False
         self._previous: dict = {}
-        # The check is a host-side collective: on NCCL it gets a gloo group of its own.
-        self._group: Optional[object] = (None if torch.distributed.get_backend() == "gloo"
-                                         else torch.distributed.new_group(backend="gloo"))
 
     def _handle(self, signum, frame) -> None:
-        if self.first is None:
-            self.first = signum
+        raise NotImplementedError
 
     def _handle_death(self, signum, frame) -> None:
-        self.launcher_died = True
+        raise NotImplementedError
 
-    def __enter__(self) -> "StopOnSignals":
+    def __enter__(self):
         for signum in self.signums:
             if signal.getsignal(signum) == signal.SIG_IGN and self.launcher is None:
                 continue  # nohup
@@ -108,6 +118,43 @@ class StopOnSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+
+
+class StopBeforeTraining(_StopHandlers):
+    """Set-up (before the first iteration): a stop signal, or the launcher's death,
+    raises ``StoppedDuringSetUp`` at once. Nothing is trained yet, so nothing is saved,
+    and a set-up can take minutes (a corpus to tokenize, a checkpoint to verify):
+    one line and the exit code, instead of a ``KeyboardInterrupt`` traceback on every
+    rank or an end without a word."""
+
+    def _handle(self, signum, frame) -> None:
+        raise StoppedDuringSetUp(f"{signal.Signals(signum).name} received during set-up: stopped before "
+                                 "training, nothing saved", signum)
+
+    def _handle_death(self, signum, frame) -> None:
+        raise StoppedDuringSetUp(f"{self.launcher.describe()} exited during set-up: stopped before "
+                                 "training, nothing saved", signal.SIGTERM)
+
+
+class StopOnSignals(_StopHandlers):
+    """Training: the stop signals set ``first`` (the first one received), the
+    launcher's death signal ``launcher_died``, for the ranks to agree on at the next
+    step boundary. Made on every rank alike (it may create a process group)."""
+
+    def __init__(self, exit_signal: str = "SIGTERM", launcher: Optional[Launcher] = None):
+        super().__init__(exit_signal, launcher)
+        self.first: Optional[int] = None
+        self.launcher_died = False
+        # The check is a host-side collective: on NCCL it gets a gloo group of its own.
+        self._group: Optional[object] = (None if torch.distributed.get_backend() == "gloo"
+                                         else torch.distributed.new_group(backend="gloo"))
+
+    def _handle(self, signum, frame) -> None:
+        if self.first is None:
+            self.first = signum
+
+    def _handle_death(self, signum, frame) -> None:
+        self.launcher_died = True
 
     def agreed(self) -> Optional[StopRequest]:
         """Collective: what any rank has received so far (or its launcher's death);

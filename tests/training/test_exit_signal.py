@@ -24,7 +24,7 @@ import pytest
 from driver_runs import TINY_GPT, driver_world, train_log
 from megatron_sdp4bit.training.checkpoint import LATEST, check_files, read_manifest
 from megatron_sdp4bit.training.metrics import read_metrics
-from megatron_sdp4bit.training.signals import StoppedBySignal
+from megatron_sdp4bit.training.signals import StoppedBySignal, StoppedDuringSetUp
 
 TINY = TINY_GPT + ["--lr-decay-iters", "1000", "--bf16",
                    "--sdp4bit", "--sdp4bit-ranks-per-node", "1"]
@@ -63,6 +63,24 @@ def _world(rank, world_size, root):
 
     at = lambda name: os.path.join(root, name)  # noqa: E731
 
+    def during_set_up(name, flags):  # the driver's run, SIGTERM as its set-up begins
+        import megatron_sdp4bit.pretrain as driver
+
+        real = driver.set_up
+
+        def signalled(args):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(args)
+
+        driver.set_up = signalled
+        try:
+            driver.run(parse_args(TINY + ["--run-dir", os.path.join(root, name)] + flags))
+            return None
+        except StoppedDuringSetUp as exc:
+            return str(exc), exc.exit_code
+        finally:
+            driver.set_up = real
+
     def nohup(name, flags, when, signums):  # SIGHUP ignored from the start, as nohup runs a process
         previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
         try:
@@ -80,6 +98,7 @@ def _world(rank, world_size, root):
         "at_the_end": go("at_the_end", HANDLER + ["--train-iters", "2", "--save", at("ck3")], {1: 2}),
         "two_signals": go("two_signals", ["--train-iters", "5", "--save", at("ck4")], {0: 2},
                           (signal.SIGINT, signal.SIGTERM)),
+        "during_set_up": during_set_up("during_set_up", ["--train-iters", "3", "--save", at("ck8")]),
         "nohup": nohup("nohup", ["--train-iters", "3", "--save", at("ck7")], {0: 2}, (signal.SIGHUP,)),
         "at_a_save": go("at_a_save", ["--train-iters", "5", "--save", at("ck6"), "--save-interval", "2"], {1: 2}),
         "before_evaluation": go("before_evaluation", ["--train-iters", "5", "--save", at("ck5"),
@@ -188,3 +207,13 @@ def test_a_hang_up_that_nohup_ignores_stays_ignored_without_a_launcher(world):
     _, results = world
     for result in results:
         assert result["nohup"]["stopped"] is None and result["nohup"]["iteration"] == 3
+
+
+def test_a_signal_during_set_up_stops_it_at_once_in_one_line(world):
+    """Nothing is trained yet: no save, no folder written; before, SIGTERM ended the
+    ranks without a word (SIGINT: a KeyboardInterrupt traceback on every rank)."""
+    root, results = world
+    for result in results:
+        assert result["during_set_up"] == (
+            "SIGTERM received during set-up: stopped before training, nothing saved", 143)
+    assert not os.path.exists(os.path.join(root, "ck8", LATEST))
