@@ -79,8 +79,8 @@ class StopRequest:
     launcher_exited: bool
 
     def describe(self, launcher: Optional[Launcher]) -> str:
-        """What stopped the run: the launcher's death says more than the signal it
-        sends (or any signal that came with it)."""
+        """What stopped the run: the launcher's death, when a rank saw it, rather than
+        a signal that came with it (one torchrun forwarded before it was killed)."""
         if self.launcher_exited:
             return f"{launcher.describe() if launcher else 'its launcher'} exited"
         return f"{signal.Signals(self.signum).name} received"
