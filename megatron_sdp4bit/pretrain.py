@@ -11,29 +11,37 @@ code. Without a GPU it runs on gloo with the CPU backend.
 """
 from __future__ import annotations
 
+import os
 import sys
+from contextlib import nullcontext
 from typing import Callable, Optional
 
 import torch
 
 from megatron_sdp4bit.flag_errors import report_bad_flag
+from megatron_sdp4bit.launcher_watch import Launcher, watch_launcher
 from megatron_sdp4bit.megatron.consistency import ReplicaMismatch
 from megatron_sdp4bit.training.agreement import AgreedError
 from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
 from megatron_sdp4bit.training.checkpoint import CheckpointError
+from megatron_sdp4bit.training.console import outlive_the_console
 from megatron_sdp4bit.training.distributed import shutdown
 from megatron_sdp4bit.training.report import print_summary, report_crash, report_stop
 from megatron_sdp4bit.training.run import NonFiniteTraining, TrainingRun
 from megatron_sdp4bit.training.setup import NothingToTrain, set_up
-from megatron_sdp4bit.training.signals import StoppedBySignal
+from megatron_sdp4bit.training.signals import StopBeforeTraining, StoppedBySignal, StoppedDuringSetUp
 
 __all__ = ["main", "run", "NonFiniteTraining", "NothingToTrain"]
 
 
-def run(args, on_step: Optional[Callable[[TrainingRun], None]] = None) -> dict:
+def run(args, on_step: Optional[Callable[[TrainingRun], None]] = None,
+        launcher: Optional[Launcher] = None) -> dict:
     """Set up, train to ``--train-iters`` and return the summary. ``on_step(run)`` is
-    called after every iteration (see ``TrainingRun``)."""
-    training = TrainingRun(set_up(args), on_step=on_step)
+    called after every iteration, ``launcher`` watched (see ``TrainingRun``)."""
+    # A signal during set-up stops it at once (nothing to save); while training, at
+    # the next step boundary, saved (TrainingRun.train).
+    with StopBeforeTraining(args.exit_signal, launcher) if args.exit_signal_handler else nullcontext():
+        training = TrainingRun(set_up(args), on_step=on_step, launcher=launcher)
     training.train()
     return training.summary()
 
@@ -52,15 +60,19 @@ STOPS = (
 
 
 def main(argv: Optional[list] = None) -> int:
+    launcher = watch_launcher(os.environ)  # first: a rank never outlives torchrun
+    outlive_the_console()  # a run stopping on a hang-up still saves
     try:
         args = parse_args(argv)
     except ArgumentError as exc:
         return report_bad_flag(f"sdp4bit-pretrain: error: {exc}")
     try:
-        summary = run(args)
+        summary = run(args, launcher=launcher)
         if torch.distributed.get_rank() == 0:
             print_summary(summary)
         return 0
+    except StoppedDuringSetUp as exc:  # not an Exception: see its docstring
+        return report_stop("stopped", exc, exc.exit_code, "rank 0, now")
     except Exception as exc:
         for kinds, kind, code, who in STOPS:
             if isinstance(exc, kinds):

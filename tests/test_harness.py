@@ -6,7 +6,9 @@ tests/megatron/test_cpu_backend.py.)
 """
 from __future__ import annotations
 
+import os
 import socket
+import time
 
 import pytest
 import torch
@@ -60,6 +62,39 @@ def _fail_on_rank_one(rank: int, world_size: int) -> int:
 def test_a_forked_rank_that_raises_is_reported_with_its_traceback():
     with pytest.raises(RankFailed, match="(?s)rank 1 of 2 failed.*deliberate failure"):
         spawn_ranks(_fail_on_rank_one, 2, timeout_s=60, start="fork")
+
+
+def _gone(pid: int) -> bool:
+    """Whether the process has exited (a zombie its parent has not reaped counts)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _late_rank_one_fails(rank: int, world_size: int) -> int:
+    """Rank 0 finishes at once; rank 1 is slow: it still talks to the store rank 0
+    hosts (as a rank still inside ``init_process_group`` does) after rank 0 is done,
+    then fails on purpose."""
+    store = torch.distributed.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set("rank 0 pid", str(os.getpid()))
+        return rank
+    rank0 = int(store.get("rank 0 pid"))
+    deadline = time.monotonic() + 5  # a harness whose ranks leave alone lets rank 0 go in ms
+    while time.monotonic() < deadline and not _gone(rank0):
+        time.sleep(0.05)
+    store.get("rank 0 pid")  # rank 0 still hosts the store
+    raise ValueError("deliberate failure")
+
+
+def test_a_rank_that_finished_stays_until_every_rank_has(tmp_path):
+    """The ranks leave together: a rank that finished first (rank 0, which hosts the
+    rendezvous store) waits for the others, so a slow rank meets its own error, not
+    "Connection closed by peer" (the flaky harness test of issue 28, made certain)."""
+    with pytest.raises(RankFailed, match="(?s)rank 1 of 2 failed.*deliberate failure"):
+        spawn_ranks(_late_rank_one_fails, 2, timeout_s=60, start="fork")
 
 
 def test_bad_arguments_say_what_to_change():

@@ -9,7 +9,7 @@ imported), wraps Megatron-LM's ``parse_args`` so it accepts and acts on the
 ``--sdp4bit*`` flags, and runs the script as ``__main__``. While Megatron-LM parses
 its flags, ``routes.py`` makes its dataset helpers available to this Python (a fresh
 checkout) and refuses what would fail later. Every refusal, here too, is one line
-from rank 0 and exit code 2.
+from rank 0 and exit code 2. A rank ends when its torchrun dies (``launcher_watch``).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import os
 import runpy
 import sys
 
+from megatron_sdp4bit.launcher_watch import watch_launcher
 from megatron_sdp4bit.megatron_lm.refusals import refuse
 from megatron_sdp4bit.patching import Patches
 
@@ -63,6 +64,7 @@ def _help() -> str:
 
 
 def main(argv=None) -> None:
+    watch_launcher(os.environ)  # first: a rank never outlives torchrun
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
         print(_help())

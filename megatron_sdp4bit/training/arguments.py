@@ -176,11 +176,13 @@ def _add_logging_and_checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "this run's flags differ (without either flag a difference is refused)")
     e.add_argument("--save-interval", type=_POSITIVE_INT, default=None,
                    help="save every this many iterations (default: at the end only)")
-    e.add_argument("--exit-signal-handler", action="store_true",
-                   help="on --exit-signal (a scheduler's preemption), save at the next step boundary and "
-                        "stop with exit code 128 + the signal's number (Megatron-LM's flag)")
+    e.add_argument("--exit-signal-handler", action=argparse.BooleanOptionalAction, default=None,
+                   help="on SIGTERM, SIGINT (Ctrl-C), SIGHUP or --exit-signal (a scheduler's preemption), "
+                        "or when torchrun dies, save at the next step boundary and stop with exit code "
+                        "128 + the signal's number (Megatron-LM's flag); default: on with --save")
     e.add_argument("--exit-signal", choices=sorted(SIGNALS), default="SIGTERM",
-                   help="the signal --exit-signal-handler acts on")
+                   help="a signal the exit-signal handler acts on besides SIGTERM, SIGINT and SIGHUP "
+                        "(e.g. SIGUSR1, a scheduler's warning)")
     e.add_argument("--run-dir", default=None,
                    help="where metrics.jsonl, the loss plot and TensorBoard events go "
                    "(default runs/<timestamp>)")
@@ -277,6 +279,8 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
     _decide_evaluation(args)
     if args.save_interval is not None and not args.save:
         bad("--save-interval needs --save DIR")
+    if args.exit_signal_handler is None:  # a stop with somewhere to save saves
+        args.exit_signal_handler = bool(args.save)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         bad("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
             "use this run's schedule or the checkpoint's, not both")

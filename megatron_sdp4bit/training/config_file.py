@@ -98,9 +98,11 @@ def read_config(path: str, parser: argparse.ArgumentParser) -> ConfigFile:
             raise ValueError(f"--config {path}, line {line}: unknown key {key!r} (no flag {flag})"
                              + nearest_flag(flag, parser))
         config.lines[flag] = line
-        if action.nargs == 0:  # a switch
+        if action.nargs == 0:  # a switch, or --flag/--no-flag
             if value is True:
                 config.argv.append(flag)
+            elif value is False and isinstance(action, argparse.BooleanOptionalAction):
+                config.argv.append("--no-" + flag[2:])
             elif value not in (False, None):
                 raise ValueError(f"--config {path}, line {line}: {key} takes true or false, got {value!r}")
         elif isinstance(value, list):

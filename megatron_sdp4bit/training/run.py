@@ -6,7 +6,8 @@ with its bookkeeping and whatever ``StepPolicy`` asks for after it (a log line,
 an evaluation, a checkpoint, a stop), ``train()`` advances to ``--train-iters``
 and ``summary()`` says how it went. ``on_step(run)``, when given, is called
 after every iteration, before the policy's actions (a test reads the weights
-there; a script counts what a step did).
+there; a script counts what a step did). ``launcher``, when given, is watched:
+its death stops the run like a signal (``signals.py``, ``launcher_watch.py``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import os
 import time
 from typing import Callable, Optional
 
+from megatron_sdp4bit.launcher_watch import Launcher
 from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.training import checkpoint
 from megatron_sdp4bit.training.console import is_rank0, log0
@@ -25,7 +27,7 @@ from megatron_sdp4bit.training.meters import TrainingWindow, WireMeter
 from megatron_sdp4bit.training.metrics import MetricsLogger, plot_losses
 from megatron_sdp4bit.training.policy import Actions, StepPolicy
 from megatron_sdp4bit.training.setup import RunParts
-from megatron_sdp4bit.training.signals import ExitSignal, StoppedBySignal
+from megatron_sdp4bit.training.signals import StopOnSignals, StoppedBySignal, StopRequest
 from megatron_sdp4bit.training import step as steps
 
 
@@ -35,7 +37,7 @@ class NonFiniteTraining(RuntimeError):
 
 class TrainingRun:
     def __init__(self, parts: RunParts, on_step: Optional[Callable[["TrainingRun"], None]] = None,
-                 forward_step: Optional[Callable] = None):
+                 forward_step: Optional[Callable] = None, launcher: Optional[Launcher] = None):
         args = parts.args
         self.parts, self.args = parts, args
         self.on_step = on_step
@@ -57,7 +59,8 @@ class TrainingRun:
         self.tokens_total, self.time_total = 0, 0.0
         self.skipped_streak = 0
         self.grad_norm = None
-        self.exit_signal = ExitSignal(args.exit_signal) if args.exit_signal_handler else None
+        self.launcher = launcher
+        self.stop_signals = StopOnSignals(args.exit_signal, launcher) if args.exit_signal_handler else None
 
     @property
     def ddp(self):
@@ -100,7 +103,7 @@ class TrainingRun:
         if self.window.steps and off_the_clock:
             self.window.pause()
         if actions.evaluate:
-            self.evaluate()
+            self.evaluate(may_stop=self.iteration < self.args.train_iters)
         if actions.save:
             self.save()
         if self.window.steps == 0:
@@ -109,31 +112,35 @@ class TrainingRun:
             self.window.resume()
 
     def train(self) -> None:
-        """Iterations up to ``--train-iters``, then the final checkpoint; with
-        ``--exit-signal-handler``, a save and ``StoppedBySignal`` once any rank has
-        received the signal (checked after every iteration but the last, after which
-        the run completes). Then (or on any error) the ``--save`` folder's lock is
-        released."""
+        """Iterations up to ``--train-iters``, then the final checkpoint; with the
+        exit-signal handler, a save and ``StoppedBySignal`` once any rank has received
+        a stop signal or lost its launcher (checked after every iteration but the
+        last, after which the run completes, and between evaluation batches). Then
+        (or on any error) the ``--save`` folder's lock is released."""
         try:
-            with self.exit_signal if self.exit_signal is not None else contextlib.nullcontext():
+            with self.stop_signals if self.stop_signals is not None else contextlib.nullcontext():
                 self.window.start()
                 while self.iteration < self.args.train_iters:
                     actions = self.advance()
-                    if (self.exit_signal is not None and self.iteration < self.args.train_iters
-                            and self.exit_signal.received_anywhere()):
-                        self.stop_on_signal(saved=actions.save)
+                    request = self.stop_requested() if self.iteration < self.args.train_iters else None
+                    if request is not None:
+                        self.stop(request, saved=actions.save)
                 # A signal from here on waits for the final save: the run is complete.
                 if self.policy.saves_at_end(self.iteration):
                     self.save()
         finally:
             self.parts.release()  # the --save folder, for the next job
 
-    def stop_on_signal(self, saved: bool) -> None:
+    def stop_requested(self) -> Optional[StopRequest]:
+        """Collective (with the handler): what the ranks agree stops the run, if anything."""
+        return self.stop_signals.agreed() if self.stop_signals is not None else None
+
+    def stop(self, request: StopRequest, saved: bool) -> None:
         """Log the open window, save unless this iteration did (or its steps were
         skipped: the last checkpoint is then the last good one), and stop."""
         if self.window.steps:
             self.log_window()
-        name, save = self.exit_signal.name, self.args.save
+        save = self.args.save
         if not save:
             outcome = "nothing saved (no --save)"
         elif self.skipped_streak:
@@ -143,8 +150,8 @@ class TrainingRun:
             if not saved:
                 self.save()
             outcome = f"its checkpoint is saved in {save}; resume with --load {save}"
-        raise StoppedBySignal(f"{name} received: stopped after iteration {self.iteration}, {outcome}",
-                              self.exit_signal.signum)
+        raise StoppedBySignal(f"{request.describe(self.launcher)}: stopped after iteration {self.iteration}, "
+                              f"{outcome}", request.exit_code_signum)
 
     # --- the policy's actions --------------------------------------------------------------
 
@@ -177,10 +184,18 @@ class TrainingRun:
             "skipped": skipped,
         })
 
-    def evaluate(self) -> float:
+    def evaluate(self, may_stop: bool = False) -> Optional[float]:
+        """The validation loss, logged; with ``may_stop``, None when a stop was agreed
+        between its batches (a long evaluation would outlast the launcher's grace
+        period, and the checkpoint with it): nothing is logged, the stop follows."""
         parts = self.parts
-        self.last_valid = steps.evaluate(parts.ddp, self.args, parts.valid_ds, parts.layout,
-                                         parts.num_microbatches, forward_step_func=self.forward_step)
+        loss = steps.evaluate(parts.ddp, self.args, parts.valid_ds, parts.layout, parts.num_microbatches,
+                              forward_step_func=self.forward_step,
+                              stop=self.stop_requested if may_stop and self.stop_signals is not None else None)
+        if loss is None:
+            log0(f"iteration {self.iteration}: evaluation cut short by the stop (not logged)")
+            return None
+        self.last_valid = loss
         self.logger.log("valid", {"iteration": self.iteration, "loss": self.last_valid})
         return self.last_valid
 

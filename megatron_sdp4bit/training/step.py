@@ -10,7 +10,7 @@ Tensor, pipeline and virtual-pipeline parallelism use megatron's own schedules
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from megatron.core.distributed import finalize_model_grads
@@ -137,15 +137,23 @@ def train_step(ddp, optimizer, scheduler, args, data_iterator, num_microbatches:
 
 
 def evaluate(ddp, args, valid, layout, num_microbatches: int,
-             forward_step_func: Callable = forward_step) -> float:
+             forward_step_func: Callable = forward_step,
+             stop: Optional[Callable[[], object]] = None) -> Optional[float]:
     """The validation loss over ``--eval-iters`` batches (at least one: with 0 the
     policy never evaluates), the same batches every time, averaged over the
-    data-parallel replicas (the last pipeline stage has it)."""
+    data-parallel replicas (the last pipeline stage has it). ``stop``, a collective
+    asked before every batch: when it answers, the evaluation ends there and returns
+    None."""
     ddp.eval()
     iterator = data_iterators(valid, args, layout, 0)
-    with torch.no_grad():
-        losses = [run_schedule(ddp, args, iterator, num_microbatches, forward_only=True,
-                               forward_step_func=forward_step_func)
-                  for _ in range(args.eval_iters)]
-    ddp.train()
+    losses = []
+    try:
+        with torch.no_grad():
+            for _ in range(args.eval_iters):
+                if stop is not None and stop():
+                    return None
+                losses.append(run_schedule(ddp, args, iterator, num_microbatches, forward_only=True,
+                                           forward_step_func=forward_step_func))
+    finally:
+        ddp.train()
     return all_reduce_mean(torch.stack(losses).mean(), weight=float(is_loss_rank()))

@@ -4,8 +4,10 @@
 in a gloo group on a free port of 127.0.0.1, runs ``fn(rank, world_size, *args)``
 in each and returns the results in rank order -- or raises ``RankFailed`` with the
 failing rank's traceback, or ``TimeoutError`` (after killing the ranks) instead of
-hanging. A world whose port was taken between ``free_port`` and the rendezvous
-(another process on the machine) is started again on a new port, up to twice.
+hanging. The ranks leave together, once every rank has reported: rank 0 hosts
+the rendezvous store, which a slower rank may still be using. A world whose port
+was taken between ``free_port`` and the rendezvous (another process on the
+machine) is started again on a new port, up to twice.
 ``fn`` must be importable by name (a module-level function), and its result
 picklable.
 
@@ -67,23 +69,28 @@ def _join_world(rank: int, world_size: int, port: int, timeout_s: float) -> None
 
 
 def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, fn: Callable,
-               args: tuple, results: Any) -> None:
+               args: tuple, results: Any, leave: Any) -> None:
     try:
         _join_world(rank, world_size, port, timeout_s)
-        import torch.distributed as dist
-
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        value = fn(rank, world_size, *args)
         # Plain pickle bytes: torch's multiprocessing pickler would hand tensors over as
         # shared-memory file descriptors, which die with this process.
         report = (rank, True, pickle.dumps(value))
     except BaseException:  # report everything, including KeyboardInterrupt in a child
         report = (rank, False, traceback.format_exc())
     results.put(report)
-    _exit_now(results)
+    # The ranks leave together: rank 0 hosts the rendezvous store, and a rank still
+    # joining (or still using the store) would fail on its closed connection, and
+    # report that instead of what it was about to say. The parent says when all have
+    # reported (or kills the ranks when one failed).
+    leave.wait(timeout_s)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        _exit_now(results)
 
 
 def _exit_now(results: Any) -> None:
@@ -134,18 +141,19 @@ def spawn_ranks(fn: Callable, world_size: int, *args: Any, timeout_s: float = 18
 
 
 def _run_world(ctx, fn: Callable, world_size: int, args: tuple, timeout_s: float) -> List[Any]:
-    results = ctx.Queue()
+    results, leave = ctx.Queue(), ctx.Event()
     port = free_port()
     # Not daemonic, so a rank may start processes of its own (data workers, pools);
     # the finally clause below kills any rank still running.
     procs = [ctx.Process(target=_rank_main,
-                         args=(rank, world_size, port, timeout_s, fn, args, results))
+                         args=(rank, world_size, port, timeout_s, fn, args, results, leave))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
     values: Dict[int, Any] = {}
     try:
         _collect(procs, results, values, fn, timeout_s)
+        leave.set()
     finally:
         for proc in procs:
             proc.join(timeout=5 if len(values) == world_size else 0.1)

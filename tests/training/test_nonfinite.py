@@ -180,7 +180,7 @@ def test_main_maps_each_stop_to_its_exit_code_with_one_line(monkeypatch, capsys,
               "replicas": ReplicaMismatch("bucket 0: ranks [0] vs ranks [1]"),
               "checkpoint": CheckpointError("iter_0000010/rank_00001.pt: size 3, expected 9")}[error]
 
-    def failing_run(args):  # as the real run: the process group exists when it fails
+    def failing_run(args, **kwargs):  # as the real run: the process group exists when it fails
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                              rank=0, world_size=1)
         raise raised
