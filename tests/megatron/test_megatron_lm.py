@@ -92,6 +92,35 @@ def test_apply_patches_picks_the_patch_of_the_checkouts_version(tmp_path, versio
     assert (wrong / "pretrain_gpt.py").read_text() == _old_side(patch_file)
 
 
+@pytest.mark.parametrize("version", sorted(PATCHED_VERSIONS))
+def test_apply_patches_revert_puts_back_the_tree_it_patched(tmp_path, version):
+    """Before: no way back but git (undocumented). --revert on an unpatched tree changes
+    nothing; on an edited one it is refused, changing nothing."""
+    tag = PATCHED_VERSIONS[version]
+    original = _old_side(os.path.join(ROOT, "patches", f"megatron-lm-{tag}-pretrain_gpt.patch"))
+    tree = _tree(tmp_path, version, original)
+    nothing = _run(["bash", APPLY, "--revert", str(tree)])
+    assert nothing.returncode == 0 and "nothing to revert" in nothing.stdout, nothing.stderr
+    assert _run(["bash", APPLY, str(tree)]).returncode == 0
+    assert (tree / "pretrain_gpt.py").read_text() != original
+    reverted = _run(["bash", APPLY, "--revert", str(tree)])
+    assert reverted.returncode == 0 and f"reverted: megatron-lm-{tag}-pretrain_gpt.patch" in reverted.stdout
+    assert (tree / "pretrain_gpt.py").read_text() == original
+    assert sorted(os.listdir(tree)) == ["megatron", "pretrain_gpt.py"]  # no .orig / .rej left
+    assert _run(["bash", APPLY, str(tree)]).returncode == 0  # patched, then a patched line edited
+    edited = (tree / "pretrain_gpt.py").read_text().replace("import extend_args_provider", "import (extend_args_provider)")
+    (tree / "pretrain_gpt.py").write_text(edited)
+    refused = _run(["bash", APPLY, "--revert", str(tree)])
+    assert refused.returncode == 1 and "Nothing was changed" in refused.stderr
+    assert (tree / "pretrain_gpt.py").read_text() == edited
+
+
+def test_apply_patches_usage_names_revert(tmp_path):
+    for argv in ([], ["--revert"], ["--undo", str(tmp_path)], [str(tmp_path), str(tmp_path)]):
+        result = _run(["bash", APPLY, *argv])
+        assert result.returncode == 2 and "usage:" in result.stderr and "[--revert]" in result.stderr, argv
+
+
 @pytest.mark.parametrize("version", ["0.15.0", "0.16.0", "0.19.2", "0.20.0"])
 def test_apply_patches_refuses_any_other_version_changing_nothing(tmp_path, version):
     script = _old_side(os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1-pretrain_gpt.patch"))
@@ -177,6 +206,10 @@ def test_apply_patches_on_megatron_lm(tmp_path):
     assert again.returncode == 0 and "already applied" in again.stdout
     assert (tree / "pretrain_gpt.py").read_text() == patched
     compile(patched, "pretrain_gpt.py", "exec")
+    reverted = _run(["bash", APPLY, "--revert", str(tree)])
+    assert reverted.returncode == 0 and "reverted:" in reverted.stdout, reverted.stderr
+    with open(os.path.join(MEGATRON_LM, "pretrain_gpt.py")) as original:
+        assert (tree / "pretrain_gpt.py").read_text() == original.read()
 
 
 @needs_megatron_lm
