@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Apply megatron_sdp4bit's patch to a Megatron-LM checkout:
+# Apply megatron_sdp4bit's patch to a Megatron-LM checkout, or take it out again:
 #   scripts/apply_patches.sh /path/to/Megatron-LM
+#   scripts/apply_patches.sh --revert /path/to/Megatron-LM
 # The patch is chosen by the version in the checkout's megatron/core/package_info.py
 # (one patch per supported Megatron-LM tag in patches/). Any other version, or a
 # tree the chosen patch does not fit, is refused and nothing is changed; running it
-# again on a patched tree is a no-op.
+# again on a patched tree (or --revert on an unpatched one) is a no-op.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-if [ $# -ne 1 ]; then
-  echo "usage: $0 MEGATRON_LM_DIR" >&2
+revert=0
+if [ "${1:-}" = "--revert" ]; then
+  revert=1
+  shift
+fi
+if [ $# -ne 1 ] || [ "${1#-}" != "$1" ]; then
+  echo "usage: $0 [--revert] MEGATRON_LM_DIR" >&2
   exit 2
 fi
 tree="$1"
@@ -40,10 +46,25 @@ esac
 command -v patch >/dev/null || { echo "error: the patch tool is missing (apt-get install patch)" >&2; exit 1; }
 p="$here/patches/megatron-lm-$tag-pretrain_gpt.patch"
 name="$(basename "$p")"
-if patch --dry-run -R -p1 -F0 -s -f -d "$tree" < "$p" >/dev/null 2>&1; then
+fits() { patch --dry-run "$@" -p1 -F0 -s -f -d "$tree" < "$p" >/dev/null 2>&1; }
+if [ "$revert" = 1 ]; then
+  if fits -R; then
+    patch -R -p1 -F0 -s -f --no-backup-if-mismatch -d "$tree" < "$p"
+    echo "reverted: $name (pretrain_gpt.py is as it was before the patch)"
+  elif fits; then
+    echo "not applied: $name; nothing to revert"
+  else
+    echo "error: $name is neither applied to $tree nor fits it (made for Megatron-LM $tag, which" \
+         "$version is); is pretrain_gpt.py edited since? Restore it with git (git -C $tree checkout" \
+         "pretrain_gpt.py). Nothing was changed." >&2
+    exit 1
+  fi
+  exit 0
+fi
+if fits -R; then
   echo "already applied: $name"
-elif patch --dry-run -p1 -F0 -s -f -d "$tree" < "$p" >/dev/null 2>&1; then
-  patch -p1 -F0 -s -f -d "$tree" < "$p"
+elif fits; then
+  patch -p1 -F0 -s -f --no-backup-if-mismatch -d "$tree" < "$p"
   echo "applied: $name (Megatron-LM $version, tag $tag)"
 else
   echo "error: $name does not fit $tree (made for Megatron-LM $tag, which $version is);" \

@@ -80,6 +80,19 @@ except where noted.
    only (``AssertionError`` at ``assert len(steps) == 1``). States without a ``step``
    get torch AdamW's own starting value, 0 (what its first step would create; the load
    then sets the saved one).
+10. ``core/dist_checkpointing/strategies/async_utils.py``
+    ``PersistentAsyncCaller.async_loop``, the persistent checkpoint worker of
+    ``--async-save --use-persistent-ckpt-worker`` (``torch_dist`` saves asynchronously only
+    with it): megatron starts it in a spawned process, which has none of these redirects;
+    it selected ``rank % torch.cuda.device_count()`` (a ZeroDivisionError) and died, and the
+    rank waited for it at the first save, for good. ``checkpoint_worker.py`` runs it there
+    with ``torch.cuda`` as one CPU device.
+11. ``training/arguments.py`` ``validate_args`` (rebound in every ``megatron.training``
+    module): before it runs, ``megatron_args.CPU_SETTINGS``: ``--transformer-impl local`` (0.19's default,
+    Transformer Engine, is not installed: ``TypeError: 'NoneType' object is not callable``
+    on every rank when the model is built), the fused kernels off (Apex and CUDA code:
+    ``AssertionError: persist_layer_norm not supported by torch LayerNorm`` and the like)
+    and ``--distributed-backend gloo``; rank 0 says in one line which it set.
 
 Needs nothing more, because ``core.py`` already replaces them process-wide:
 ``torch.cuda.current_device`` (every allocation, the timers' tensors),
@@ -92,27 +105,37 @@ inside a side stream). ``torch.cuda.memory_allocated`` and friends
 Not covered (each fails as it did): ``--profile`` (``torch.cuda.cudart()``), CUDA
 graphs, Transformer Engine, FP8/FP4, Megatron-FSDP / torch FSDP2, optimizer CPU
 offload, ``--inprocess-restart``, checkpoint formats other than ``torch`` and
-``torch_dist`` (the two tested), ``--use-persistent-ckpt-worker``,
-the MoE aux-loss scaler, pipeline parallelism (untested).
+``torch_dist`` (the two tested), ``--async-strategy nvrx`` (nvidia-resiliency-ext),
+the MoE aux-loss scaler, pipeline parallelism (untested), models whose layer specs need
+Transformer Engine (``pretrain_hybrid.py``'s Mamba stack).
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterator
+import os
+from typing import Any, Callable, Dict, Iterator, Mapping
 
 import torch
 
+from megatron_sdp4bit.cpu_backend.checkpoint_worker import redirect_worker
 from megatron_sdp4bit.cpu_backend.core import BACKEND, CoreBackend
 from megatron_sdp4bit.cpu_backend.cuda_twins import CudaNamesOnCpu
+from megatron_sdp4bit.cpu_backend.megatron_args import settle_args_for_cpu
 from megatron_sdp4bit.cpu_backend.switch import Redirects
 from megatron_sdp4bit.megatron.adapters.cpu_sites import TrainingSites
 from megatron_sdp4bit.patching import Patches
 
 __all__ = ["ENV_VAR", "TRAINING", "CpuTraining", "enable_cpu_training", "disable_cpu_training",
-           "is_cpu_training_enabled", "cpu_training"]
+           "is_cpu_training_enabled", "cpu_training", "cpu_training_requested"]
 
 ENV_VAR = "SDP4BIT_CPU"
 """``SDP4BIT_CPU=1``: the launcher calls ``enable_cpu_training()`` before the script runs."""
+
+
+def cpu_training_requested(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``SDP4BIT_CPU`` asks for the CPU mode (set, and not "0")."""
+    return environ.get(ENV_VAR, "0") not in ("", "0")
+
 
 logger = logging.getLogger(__name__)
 
@@ -264,9 +287,26 @@ class CpuTraining(Redirects):
             if site is not None:
                 owner, name = site
                 self.patches.set(owner, name, self.marked(fix(vars(owner)[name]), vars(owner)[name]))
+        if sites.validate_args is not None:
+            set_everywhere(sites.validate_args, self._validate_args_on_cpu(sites.validate_args), "megatron.training")
+        if sites.checkpoint_worker is not None:
+            redirect_worker(sites.checkpoint_worker, self.patches)
 
     def _with_torch_cuda(self, original: Callable, twins: Dict[str, Any]) -> Callable:
         return self.while_enabled(original, lambda: _torch_cuda_as(twins))
+
+    def _validate_args_on_cpu(self, original: Callable) -> Callable:
+        """11. ``CPU_SETTINGS`` before Megatron-LM validates the arguments; one line from rank 0."""
+
+        def validate_args(args, *rest, **kwargs):
+            if self.enabled:
+                changed = settle_args_for_cpu(args)
+                if changed and os.environ.get("RANK", "0") == "0":  # every rank sets the same
+                    print(f"CPU mode ({ENV_VAR}=1): {' '.join(changed)} (Transformer Engine, Apex and the fused "
+                          "kernels are GPU code)", flush=True)
+            return original(args, *rest, **kwargs)
+
+        return self.marked(validate_args, original)
 
     def _initialize_megatron_on_cpu(self, original: Callable) -> Callable:
         """1. ``allow_no_cuda=True`` and the gloo backend."""

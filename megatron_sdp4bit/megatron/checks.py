@@ -24,17 +24,18 @@ def check_same_config_on_all_ranks(config: SDP4BitConfig) -> None:
 
 
 def check_ddp_config(adapter, ddp_config) -> None:
-    """Raise when megatron is set up in a way the layer cannot quantize."""
-    if not ddp_config.use_distributed_optimizer:
-        raise RuntimeError(
-            "SDP4Bit quantizes the distributed optimizer's reduce-scatter and all-gather: "
-            "enable it with --use-distributed-optimizer (DistributedDataParallelConfig("
-            "use_distributed_optimizer=True)), or drop the --sdp4bit flags")
+    """Raise when megatron is set up in a way the layer cannot quantize: what it does not
+    support first (adding the distributed optimizer would not help there)."""
     unsupported = adapter.unsupported_ddp_features(ddp_config)
     if unsupported:
         raise RuntimeError(
             f"SDP4Bit does not support {', '.join(unsupported)} yet: turn "
             f"{'it' if len(unsupported) == 1 else 'them'} off, or drop the --sdp4bit flags")
+    if not ddp_config.use_distributed_optimizer:
+        raise RuntimeError(
+            "SDP4Bit quantizes the distributed optimizer's reduce-scatter and all-gather: "
+            "enable it with --use-distributed-optimizer (DistributedDataParallelConfig("
+            "use_distributed_optimizer=True)), or drop the --sdp4bit flags")
 
 
 def check_alltoall_ddp_config(adapter, ddp_config) -> None:

@@ -68,7 +68,9 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
     if quantize and state.metrics.sample_now(state.iteration) \
             and state.grad_errors_sampled_at != state.iteration:
         state.grad_errors_sampled_at = state.iteration
-        state.metrics.record(quant_metrics.grad_quantization_errors(grads[0], state.config))
+        hops = comm.get_topology(group, state.config.ranks_per_node).levels  # the hops that run
+        state.metrics.record(quant_metrics.grad_quantization_errors(
+            grads[0], state.config, [hop.name for hop in hops]))
     ddp_config = adapter.ddp_config(bucket_group)
     op = torch.distributed.ReduceOp.AVG if ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     async_op = bool(ddp_config.overlap_grad_reduce)

@@ -9,7 +9,7 @@ conversion to floats happens when they are read.
 from __future__ import annotations
 
 import math
-from typing import Dict
+from typing import Dict, Sequence
 
 import torch
 
@@ -62,22 +62,30 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     return torch.where(zero, 0.0, torch.where(torch.isfinite(norm), relative, math.nan))
 
 
-def grad_quantization_errors(grad_data: torch.Tensor, config: SDP4BitConfig) -> Dict[str, torch.Tensor]:
-    """Relative error of each gradient hop's quantizer on a slice of local gradients.
+def grad_quantization_errors(grad_data: torch.Tensor, config: SDP4BitConfig,
+                             levels: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """Relative error of the quantizer of each gradient hop that runs, on a slice of
+    local gradients.
 
-    A local estimate (no communication): hop 1 quantizes the (Hadamard-rotated)
-    local gradients, hop 2 partial sums in the same rotated domain, whose
-    statistics are alike. Returns ``{"grad_intra": e1, "grad_inter": e2}`` as
-    device tensors (empty when the buffer is smaller than one group).
+    ``levels``: the hops the reduce-scatter runs, in order (``comm.Topology.levels``'
+    names): ``("intra", "inter")`` across nodes of several ranks each, ``("intra",)``
+    on one node, ``("inter",)`` with one rank per node. A hop that does not run has no
+    error to report (before, one node reported the 4-bit inter-node hop's too).
+    A local estimate (no communication): hop 1 quantizes the (Hadamard-rotated) local
+    gradients, hop 2 partial sums in the same rotated domain, whose statistics are
+    alike. Returns ``{"grad_<level>": error}`` as device tensors (empty when the buffer
+    is smaller than one group, or no hop runs).
     """
+    if not levels:
+        return {}
     block = config.grad_hadamard_block
-    align = config.grad_alignment(("intra", "inter"))
+    align = config.grad_alignment(tuple(levels))
     n = min(SAMPLE, grad_data.numel()) // align * align
     if n == 0:
         return {}
     x = grad_data.view(-1)[:n].float()
     errors = {}
-    for level in ("intra", "inter"):
+    for level in levels:
         bits, group = config.grad_hop_format(level)
         # A private generator: sampling must not move the training's RNG streams.
         gen = torch.Generator(device=x.device).manual_seed(config.seed)

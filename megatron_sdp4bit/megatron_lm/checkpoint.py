@@ -17,13 +17,11 @@ only, and ``torch_dist`` saves non-sharded entries from rank 0 only: one file pe
 rank is the same for both formats (and any other that saves an iteration folder).
 
 A load reads the folder megatron read (what ``_load_base_checkpoint`` returned while
-``load_checkpoint`` ran). Same world and data-parallel sizes: each rank takes its own
-file. Another data-parallel size: the step count is taken from rank 0's file, a rank
-the saved run had keeps its streams, a new rank starts its streams from the seed; the
-exact fp32 main shards cannot be cut to another size here, so a checkpoint that holds
-them is refused in one line. A checkpoint saved without the layer (a stock run)
-resumes with the layer's step count set to megatron's iteration and fresh streams,
-said in one line.
+``load_checkpoint`` ran) and what the checkpoint's saved args asked for; which state
+each rank takes, and the one outcome all ranks agree on before any goes on (resume, a
+stock checkpoint said in one line, or a refusal in one line naming the file), is
+``resume_state.py``'s. A run without ``--sdp4bit`` that loads a checkpoint saved with it
+says in one line that it leaves that state unused.
 """
 from __future__ import annotations
 
@@ -36,14 +34,10 @@ import torch
 from megatron_sdp4bit.flag_errors import report_bad_flag
 from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
+from megatron_sdp4bit.megatron.args import SDP4BitFlagError, config_from_args
+from megatron_sdp4bit.megatron_lm import resume_state
+from megatron_sdp4bit.megatron_lm.resume_state import rank_file
 from megatron_sdp4bit.patching import Patches
-
-FOLDER = "sdp4bit"
-"""The layer's sub-folder of a Megatron-LM iteration folder."""
-
-
-def rank_file(iteration_folder: str, rank: int) -> str:
-    return os.path.join(iteration_folder, FOLDER, f"rank_{rank:05d}.pt")
 
 
 def _refuse(line: str) -> SystemExit:
@@ -102,39 +96,17 @@ def _loaded_folder(checkpoint_name: str) -> str:
     return os.path.dirname(os.path.dirname(checkpoint_name))
 
 
-def _read(path: str) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:  # a damaged file: torch's zip reader or unpickler
-        raise _refuse(f"{path} is unreadable ({str(error).splitlines()[0]}): the checkpoint's SDP4Bit state "
-                      "is damaged") from error
-
-
-def layer_state_for_resume(folder: str, here: dict) -> Optional[dict]:
-    """This rank's layer state from ``folder``, for the layout ``here`` (see the
-    module docstring); None when the checkpoint was saved without the layer."""
-    first = rank_file(folder, 0)
-    if not os.path.exists(first):
+def saved_with_layer(state_dict) -> Optional[bool]:
+    """Whether the args a checkpoint saved asked for quantization (then it holds the
+    layer's files); None when it saved no args."""
+    saved_args = state_dict.get("args") if isinstance(state_dict, dict) else None
+    if saved_args is None:
         return None
-    saved = _read(first)
-    layout = saved["layout"]
-    if {k: v for k, v in layout.items() if k not in ("rank", "data_parallel_rank")} == \
-            {k: v for k, v in here.items() if k not in ("rank", "data_parallel_rank")}:
-        own = rank_file(folder, here["rank"])
-        if not os.path.exists(own):
-            raise _refuse(f"{own} is missing: the checkpoint's SDP4Bit state is incomplete (the save did "
-                          "not finish); load an earlier iteration (--ckpt-step)")
-        return _read(own)["state"]
-    if layout["model_parallel"] != here["model_parallel"] or saved["state"].get("main_shards"):
-        holds = "exact fp32 main shards" if saved["state"].get("main_shards") else "model-parallel shards"
-        raise _refuse(
-            f"{folder} was saved with {layout['world_size']} ranks (data-parallel {layout['data_parallel_size']}, "
-            f"TP/PP/CP/EP {layout['model_parallel']}) and its SDP4Bit state holds {holds} for that layout; "
-            f"this run has {here['world_size']} ranks (data-parallel {here['data_parallel_size']}, TP/PP/CP/EP "
-            f"{here['model_parallel']}): resume with the saved sizes")
-    mine = rank_file(folder, here["rank"])
-    rng = _read(mine)["state"]["rng"] if here["rank"] < layout["world_size"] and os.path.exists(mine) else {}
-    return {"iteration": saved["state"]["iteration"], "rng": rng, "main_shards": {}}
+    try:
+        config = config_from_args(saved_args)
+    except SDP4BitFlagError:  # flags of a newer or older release: it had some
+        return True
+    return config is not None and config.enabled
 
 
 def _wrap_load(sites: RouteSites, original):
@@ -142,12 +114,12 @@ def _wrap_load(sites: RouteSites, original):
     base_loader = getattr(sites.checkpointing, sites.base_loader)
 
     def load_checkpoint(*args, **kwargs):
-        read = []
+        read = []  # (folder name, saved args asked for the layer) of each base load
 
         def recording_base_loader(*a, **kw):
             result = base_loader(*a, **kw)
             if result[1]:
-                read.append(result[1])
+                read.append((result[1], saved_with_layer(result[0])))
             return result
 
         # no_grad: megatron-core 0.19's ``load_parameter_state_from_dp_zero`` (--ckpt-format
@@ -162,10 +134,12 @@ def _wrap_load(sites: RouteSites, original):
         iteration = result[0]
         if optimizer is None or not read or iteration == 0:
             return result
+        name, with_layer = read[-1]
         layer = patch.installed_layer()
         if layer is None:
+            _say_unused(_loaded_folder(name), with_layer)
             return result
-        _restore(sites, layer, optimizer, _loaded_folder(read[-1]), iteration)
+        _restore(sites, layer, optimizer, _loaded_folder(name), with_layer, iteration)
         # megatron-core's distributed optimizer gives all parameters of torch's AdamW (no
         # Apex / Transformer Engine) one shared ``step`` tensor on load, which AdamW
         # increments once per parameter (adapter docstring).
@@ -177,15 +151,35 @@ def _wrap_load(sites: RouteSites, original):
     return load_checkpoint
 
 
-def _restore(sites: RouteSites, layer, optimizer, folder: str, iteration: int) -> None:
-    state = layer_state_for_resume(folder, _layout(sites, optimizer))
-    if state is None:
+def _say_unused(folder: str, with_layer: Optional[bool]) -> None:
+    """A run without the layer resuming a checkpoint that holds its state: one line."""
+    if torch.distributed.get_rank() == 0 and (with_layer or os.path.isdir(os.path.join(
+            folder, resume_state.FOLDER))):
+        print(f"sdp4bit: {folder} was saved with --sdp4bit; this run has no --sdp4bit, so it continues with "
+              "exact collectives from the weights Megatron-LM saved, leaving the checkpoint's SDP4Bit state "
+              "(rounding streams, exact fp32 main shards) unused: add --sdp4bit to continue the quantized run",
+              flush=True)
+
+
+def _restore(sites: RouteSites, layer, optimizer, folder: str, with_layer: Optional[bool],
+             iteration: int) -> None:
+    """This rank's state from ``folder``, once every rank has decided alike (``resume_state``)."""
+    try:
+        decision = resume_state.decide(folder, _layout(sites, optimizer), with_layer)
+    except resume_state.Refused as refused:
+        decision = refused
+    reports = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(reports, resume_state.report(decision))
+    refusal = resume_state.agree(folder, reports)
+    if refusal is not None:
+        raise _refuse(refusal)
+    if decision is None:
         if torch.distributed.get_rank() == 0:
             print(f"sdp4bit: {folder} holds no SDP4Bit state (saved without --sdp4bit): the layer continues "
                   f"from step {iteration} with fresh rounding streams", flush=True)
         patch.set_iteration(iteration)
     else:
-        patch.load_state_dict(state, optimizer)
+        patch.load_state_dict(decision, optimizer)
 
 
 MARK = "__sdp4bit_checkpointing__"
@@ -196,7 +190,7 @@ def install_checkpointing(sites: RouteSites, patches: Patches) -> None:
     """Make Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` carry the layer's
     state, until ``patches`` is restored; a second call (both routes combined) changes
     nothing. The layer is looked up at each call: a run without ``--sdp4bit`` saves and
-    loads as megatron does. Checkpoint formats: ``sites.checkpoint_formats`` (the others
+    loads as megatron does (saying so when what it loads holds the layer's state). Checkpoint formats: ``sites.checkpoint_formats`` (the others
     are refused before training, ``refusals.py``, and so are local non-persistent
     checkpoints)."""
     if getattr(sites.save_checkpoint, MARK, False):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import socket
 import sys
 
 from megatron_sdp4bit.launcher_watch import watch_launcher
@@ -63,6 +64,25 @@ def _help() -> str:
     return add_sdp4bit_args(parser).format_help()
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun (or any launcher) sets, and Megatron-LM's process group (env://) reads."""
+
+
+def _one_process_world_unless_launched(script: str) -> None:
+    """Started without torchrun (none of ``LAUNCHER_VARIABLES`` set): a world of this one
+    process on this machine, said in one line. Before, Megatron-LM died in
+    ``init_process_group`` ("environment variable MASTER_ADDR expected") with a traceback."""
+    if any(name in os.environ for name in LAUNCHER_VARIABLES):
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    print(f"megatron_sdp4bit.launch: not started by torchrun: one process (MASTER_ADDR=127.0.0.1 "
+          f"MASTER_PORT={port}); SDP4Bit quantizes data-parallel collectives, which need several ranks: "
+          f"torchrun --nproc-per-node N -m megatron_sdp4bit.launch {script} ...", flush=True)
+
+
 def main(argv=None) -> None:
     watch_launcher(os.environ)  # first: a rank never outlives torchrun
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -78,12 +98,13 @@ def main(argv=None) -> None:
                f"(pretrain_gpt.py for Megatron-LM). {USAGE}")
     if not os.path.isfile(script):
         refuse(f"megatron_sdp4bit.launch: no such script: {argv[0]}. {USAGE}")
+    _one_process_world_unless_launched(argv[0])
     sys.argv = [script] + argv[1:]
     sys.path.insert(0, os.path.dirname(script))
     taught = _teach_megatron_lm_parser()
-    if os.environ.get("SDP4BIT_CPU", "0") not in ("", "0"):  # docs/cpu_backend.md
-        from megatron_sdp4bit.cpu_backend import enable_cpu_training
+    from megatron_sdp4bit.cpu_backend import cpu_training_requested, enable_cpu_training
 
+    if cpu_training_requested():  # SDP4BIT_CPU=1, docs/cpu_backend.md
         try:
             enable_cpu_training()
         except RuntimeError as error:

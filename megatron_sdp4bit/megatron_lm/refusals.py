@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import traceback
 from typing import Optional
 
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -30,6 +32,17 @@ _DDP_FIELDS_FROM_ARGS = {
 def refuse(message: str) -> None:
     """End the job: ``message`` once, from rank 0, and exit code 2 (``report_bad_flag``)."""
     raise SystemExit(report_bad_flag(f"error: {message}"))
+
+
+def megatron_lm_refusal(error: AssertionError) -> str:
+    """Megatron-LM's failed argument check (``validate_args``: a bare ``assert``) as one line:
+    its message, or the condition that failed, and where."""
+    frames = traceback.extract_tb(error.__traceback__)
+    said = " ".join(str(error).split())
+    if not said:
+        said = f"`{frames[-1].line}` does not hold" if frames and frames[-1].line else "an assertion failed"
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"Megatron-LM refuses these arguments: {said}{where}"
 
 
 def ddp_config_as_megatron_lm_builds_it(args: argparse.Namespace):
@@ -52,6 +65,12 @@ def layer_refusal(args: argparse.Namespace, config: SDP4BitConfig) -> Optional[s
     from megatron_sdp4bit.megatron import checks
     from megatron_sdp4bit.megatron.adapters import current_adapter
 
+    if config.enabled and getattr(args, "use_torch_fsdp2", False):
+        # torch's fully_shard replaces DDP and the distributed optimizer: nothing of the
+        # layer would run (and Megatron-LM refuses FSDP2 with the distributed optimizer).
+        return ("SDP4Bit does not support torch FSDP2 (--use-torch-fsdp2): it quantizes the distributed "
+                "optimizer's reduce-scatter and all-gather; drop --use-torch-fsdp2 and use "
+                "--use-distributed-optimizer, or drop the --sdp4bit flags")
     adapter = current_adapter()
     ddp_config = ddp_config_as_megatron_lm_builds_it(args)
     rules = []

@@ -133,6 +133,11 @@ def _start(sites: RouteSites, figures: LayerFigures) -> None:
     if torch.distributed.get_rank() == 0:
         print(f"SDP4Bit installed (megatron-core {layer.adapter.minor} adapter, "
               f"{torch.distributed.get_world_size()} ranks): {layer.state.config.to_dict()}", flush=True)
+        if getattr(sites.get_args(), "data_parallel_size", None) == 1:
+            # Before: the run said it was installed and quantized nothing, without a word.
+            print("sdp4bit: data-parallel size 1: nothing to quantize (SDP4Bit quantizes the data-parallel "
+                  "reduce-scatter and all-gather): run more ranks, or fewer tensor/pipeline/context-parallel "
+                  "ones", flush=True)
 
 
 def _wrap_training_log(sites: RouteSites, figures: LayerFigures, original):

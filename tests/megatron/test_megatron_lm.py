@@ -92,6 +92,35 @@ def test_apply_patches_picks_the_patch_of_the_checkouts_version(tmp_path, versio
     assert (wrong / "pretrain_gpt.py").read_text() == _old_side(patch_file)
 
 
+@pytest.mark.parametrize("version", sorted(PATCHED_VERSIONS))
+def test_apply_patches_revert_puts_back_the_tree_it_patched(tmp_path, version):
+    """Before: no way back but git (undocumented). --revert on an unpatched tree changes
+    nothing; on an edited one it is refused, changing nothing."""
+    tag = PATCHED_VERSIONS[version]
+    original = _old_side(os.path.join(ROOT, "patches", f"megatron-lm-{tag}-pretrain_gpt.patch"))
+    tree = _tree(tmp_path, version, original)
+    nothing = _run(["bash", APPLY, "--revert", str(tree)])
+    assert nothing.returncode == 0 and "nothing to revert" in nothing.stdout, nothing.stderr
+    assert _run(["bash", APPLY, str(tree)]).returncode == 0
+    assert (tree / "pretrain_gpt.py").read_text() != original
+    reverted = _run(["bash", APPLY, "--revert", str(tree)])
+    assert reverted.returncode == 0 and f"reverted: megatron-lm-{tag}-pretrain_gpt.patch" in reverted.stdout
+    assert (tree / "pretrain_gpt.py").read_text() == original
+    assert sorted(os.listdir(tree)) == ["megatron", "pretrain_gpt.py"]  # no .orig / .rej left
+    assert _run(["bash", APPLY, str(tree)]).returncode == 0  # patched, then a patched line edited
+    edited = (tree / "pretrain_gpt.py").read_text().replace("import extend_args_provider", "import (extend_args_provider)")
+    (tree / "pretrain_gpt.py").write_text(edited)
+    refused = _run(["bash", APPLY, "--revert", str(tree)])
+    assert refused.returncode == 1 and "Nothing was changed" in refused.stderr
+    assert (tree / "pretrain_gpt.py").read_text() == edited
+
+
+def test_apply_patches_usage_names_revert(tmp_path):
+    for argv in ([], ["--revert"], ["--undo", str(tmp_path)], [str(tmp_path), str(tmp_path)]):
+        result = _run(["bash", APPLY, *argv])
+        assert result.returncode == 2 and "usage:" in result.stderr and "[--revert]" in result.stderr, argv
+
+
 @pytest.mark.parametrize("version", ["0.15.0", "0.16.0", "0.19.2", "0.20.0"])
 def test_apply_patches_refuses_any_other_version_changing_nothing(tmp_path, version):
     script = _old_side(os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.1-pretrain_gpt.patch"))
@@ -177,6 +206,10 @@ def test_apply_patches_on_megatron_lm(tmp_path):
     assert again.returncode == 0 and "already applied" in again.stdout
     assert (tree / "pretrain_gpt.py").read_text() == patched
     compile(patched, "pretrain_gpt.py", "exec")
+    reverted = _run(["bash", APPLY, "--revert", str(tree)])
+    assert reverted.returncode == 0 and "reverted:" in reverted.stdout, reverted.stderr
+    with open(os.path.join(MEGATRON_LM, "pretrain_gpt.py")) as original:
+        assert (tree / "pretrain_gpt.py").read_text() == original.read()
 
 
 @needs_megatron_lm
@@ -233,17 +266,18 @@ PRETRAIN_GPT_ARGS = [
 ]
 
 
-def _launch_pretrain_gpt(tmp_path, tree):
+def _launch_pretrain_gpt(tmp_path, tree, args=PRETRAIN_GPT_ARGS, ranks=4, output_too=False):
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
            "127.0.0.1", "--master-port", str(port), "-m", "megatron_sdp4bit.launch",
-           str(tree / "pretrain_gpt.py"), *PRETRAIN_GPT_ARGS]
+           str(tree / "pretrain_gpt.py"), *args]
     result = _run(cmd, cwd=str(tmp_path), env={
         "SDP4BIT_CPU": "1", "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])})
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
-    return [float(x) for x in re.findall(r"\| lm loss: ([0-9.Ee+-]+) \|", output)]
+    losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.Ee+-]+) \|", output)]
+    return (losses, output) if output_too else losses
 
 
 @needs_megatron_lm
@@ -262,6 +296,28 @@ def test_a_fresh_checkout_trains_through_the_launcher_patched_or_not(tmp_path):
     applied = _run(["bash", APPLY, str(tree)])
     assert applied.returncode == 0 and "applied:" in applied.stdout, applied.stderr
     assert _launch_pretrain_gpt(tmp_path, tree) == unedited
+
+
+GPU_ONLY_FLAGS = ("--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+                  "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion")
+
+
+@needs_megatron_lm
+@pytest.mark.slow
+def test_the_checkouts_pretrain_gpt_trains_on_cpu_without_the_gpu_flags(tmp_path):
+    """Before: without --transformer-impl local (0.19's default is Transformer Engine) every rank
+    died with "TypeError: 'NoneType' object is not callable"; without the six fused-kernel
+    flags, with AssertionErrors. The CPU mode sets them and rank 0 says so once."""
+    if not _checkout_release_is_installed():
+        pytest.skip("the CPU mode runs a checkout of the installed megatron-core release "
+                    "(core_v0.19.0 with make test MCORE=0.19.2)")
+    args = [arg for arg in PRETRAIN_GPT_ARGS if arg not in GPU_ONLY_FLAGS]
+    args[args.index("--train-iters") + 1] = "3"
+    losses, output = _launch_pretrain_gpt(tmp_path, _fresh_copy(tmp_path), args, ranks=2, output_too=True)
+    assert len(losses) == 3, output[-4000:]
+    said = [line for line in output.splitlines() if line.startswith("CPU mode (SDP4BIT_CPU=1): ")]
+    assert len(said) == 1 and said[0].startswith("CPU mode (SDP4BIT_CPU=1): --transformer-impl local "
+                                                 "--no-persist-layer-norm"), said
 
 
 @needs_megatron_lm

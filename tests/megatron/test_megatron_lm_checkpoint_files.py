@@ -1,21 +1,26 @@
 """Which saved SDP4Bit state each rank resumes from, and the log figures' wording.
 
 ``megatron_lm/checkpoint.py`` writes one file per rank beside Megatron-LM's checkpoint;
-``layer_state_for_resume`` picks this rank's state for the layout of the resuming run.
+``resume_state.decide`` picks this rank's state for the layout of the resuming run, and
+``resume_state.agree`` turns every rank's decision into the one outcome all act on.
 Checked here on files the test writes (no megatron, no processes): the same layout
 takes its own file; another data-parallel size keeps the step count, a saved rank's
 streams and gives a new rank fresh ones; exact main shards or another model
-parallelism for another size, and a missing or damaged rank file, are refused in one
-line (``SystemExit`` with exit code 2; the line is printed by rank 0).
+parallelism for another size, and a missing, damaged or foreign rank file, are refused
+with one line naming it (rank 0's file too: a checkpoint whose saved args asked for
+quantization, or that has an ``sdp4bit/`` folder, is not one saved without the layer);
+one rank's refusal is every rank's.
 """
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
 import torch
 
-from megatron_sdp4bit.megatron_lm import checkpoint, reporting
+from megatron_sdp4bit.megatron_lm import checkpoint, reporting, resume_state
+from megatron_sdp4bit.megatron_lm.resume_state import Refused, decide
 
 
 def _layout(world, dp, rank, model_parallel=(1, 1, 1, 1)):
@@ -25,22 +30,16 @@ def _layout(world, dp, rank, model_parallel=(1, 1, 1, 1)):
 
 def _save(folder, world, dp, main_shards=False, model_parallel=(1, 1, 1, 1)):
     for rank in range(world):
-        path = checkpoint.rank_file(str(folder), rank)
+        path = resume_state.rank_file(str(folder), rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         state = {"iteration": 7, "rng": {("cpu", 1234, rank, "grads"): torch.tensor([rank], dtype=torch.uint8)},
                  "main_shards": {(0, 0): torch.full((4,), float(rank))} if main_shards else {}}
         torch.save({"layout": _layout(world, dp, rank, model_parallel), "state": state}, path)
 
 
-@pytest.fixture(autouse=True)
-def _quiet_refusals(monkeypatch):
-    """Refusals print on RANK 0 and make other ranks wait: here, rank 0."""
-    monkeypatch.setenv("RANK", "0")
-
-
 def test_same_layout_takes_its_own_file(tmp_path):
     _save(tmp_path, world=4, dp=4, main_shards=True)
-    state = checkpoint.layer_state_for_resume(str(tmp_path), _layout(4, 4, 2))
+    state = decide(str(tmp_path), _layout(4, 4, 2), saved_with_layer=True)
     assert state["iteration"] == 7
     assert list(state["rng"]) == [("cpu", 1234, 2, "grads")]
     assert torch.equal(state["main_shards"][(0, 0)], torch.full((4,), 2.0))
@@ -48,45 +47,100 @@ def test_same_layout_takes_its_own_file(tmp_path):
 
 def test_another_data_parallel_size_keeps_the_step_count_and_saved_streams(tmp_path):
     _save(tmp_path, world=2, dp=2)
-    kept = checkpoint.layer_state_for_resume(str(tmp_path), _layout(4, 4, 1))
-    new = checkpoint.layer_state_for_resume(str(tmp_path), _layout(4, 4, 3))
+    kept = decide(str(tmp_path), _layout(4, 4, 1), saved_with_layer=True)
+    new = decide(str(tmp_path), _layout(4, 4, 3), saved_with_layer=True)
     assert kept == {"iteration": 7, "rng": {("cpu", 1234, 1, "grads"): torch.tensor([1], dtype=torch.uint8)},
                     "main_shards": {}}
     assert new == {"iteration": 7, "rng": {}, "main_shards": {}}
 
 
-def test_main_shards_for_another_size_are_refused_in_one_line(tmp_path, capsys):
+def test_main_shards_for_another_size_are_refused_in_one_line(tmp_path):
     _save(tmp_path, world=4, dp=4, main_shards=True)
-    with pytest.raises(SystemExit) as stop:
-        checkpoint.layer_state_for_resume(str(tmp_path), _layout(2, 2, 0))
-    assert stop.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("sdp4bit: ")
-    assert "exact fp32 main shards" in lines[0] and "data-parallel 4" in lines[0] and "data-parallel 2" in lines[0]
+    with pytest.raises(Refused) as refused:
+        decide(str(tmp_path), _layout(2, 2, 0), saved_with_layer=True)
+    line = str(refused.value)
+    assert "\n" not in line and "exact fp32 main shards" in line
+    assert "data-parallel 4" in line and "data-parallel 2" in line
 
 
-def test_another_model_parallelism_is_refused(tmp_path, capsys):
+def test_another_model_parallelism_is_refused(tmp_path):
     _save(tmp_path, world=4, dp=2, model_parallel=(2, 1, 1, 1))
-    with pytest.raises(SystemExit):
-        checkpoint.layer_state_for_resume(str(tmp_path), _layout(4, 4, 0))
-    assert "model-parallel shards" in capsys.readouterr().err
+    with pytest.raises(Refused, match="model-parallel shards"):
+        decide(str(tmp_path), _layout(4, 4, 0), saved_with_layer=True)
 
 
-def test_missing_and_damaged_rank_files_are_refused(tmp_path, capsys):
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_missing_rank_file_is_refused_naming_it(tmp_path, rank):
+    """Rank 0's file too: before, a missing rank_00000.pt read as "saved without --sdp4bit"
+    and every rank dropped its own intact state."""
     _save(tmp_path, world=4, dp=4)
-    os.remove(checkpoint.rank_file(str(tmp_path), 3))
-    with pytest.raises(SystemExit):
-        checkpoint.layer_state_for_resume(str(tmp_path), _layout(4, 4, 3))
-    assert "rank_00003.pt is missing" in capsys.readouterr().err
-    with open(checkpoint.rank_file(str(tmp_path), 2), "wb") as f:
-        f.write(b"not a checkpoint")
-    with pytest.raises(SystemExit):
-        checkpoint.layer_state_for_resume(str(tmp_path), _layout(4, 4, 2))
-    assert "is unreadable" in capsys.readouterr().err
+    os.remove(resume_state.rank_file(str(tmp_path), rank))
+    for saved_with_layer in (True, None):  # the saved args asked for it, or recorded nothing
+        with pytest.raises(Refused, match=f"rank_{rank:05d}.pt is missing: the checkpoint's SDP4Bit state is "
+                                          "incomplete"):
+            decide(str(tmp_path), _layout(4, 4, rank), saved_with_layer)
 
 
-def test_a_checkpoint_without_the_layer_has_no_state(tmp_path):
-    assert checkpoint.layer_state_for_resume(str(tmp_path), _layout(4, 4, 0)) is None
+def test_no_layer_folder_is_missing_state_when_the_saved_args_asked_for_it(tmp_path):
+    with pytest.raises(Refused, match="rank_00000.pt is missing"):
+        decide(str(tmp_path), _layout(4, 4, 1), saved_with_layer=True)
+
+
+def test_a_saved_rank_missing_its_file_for_another_size_is_refused(tmp_path):
+    """Before: that rank started fresh rounding streams, silently."""
+    _save(tmp_path, world=2, dp=2)
+    os.remove(resume_state.rank_file(str(tmp_path), 1))
+    with pytest.raises(Refused, match="rank_00001.pt is missing"):
+        decide(str(tmp_path), _layout(4, 4, 1), saved_with_layer=True)
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint", None])
+def test_damaged_and_foreign_rank_files_are_refused_naming_them(tmp_path, content):
+    _save(tmp_path, world=4, dp=4)
+    path = resume_state.rank_file(str(tmp_path), 2)
+    if content is None:  # a readable file that is not the layer's (before: a KeyError traceback)
+        torch.save({"something": "else"}, path)
+    else:
+        with open(path, "wb") as f:
+            f.write(content)
+    with pytest.raises(Refused) as refused:
+        decide(str(tmp_path), _layout(4, 4, 2), saved_with_layer=True)
+    line = str(refused.value)
+    assert line.startswith(f"{path} is ") and "\n" not in line, line
+    assert ("unreadable" if content else "not an SDP4Bit state file") in line
+
+
+def test_a_checkpoint_saved_without_the_layer_has_no_state(tmp_path):
+    assert decide(str(tmp_path), _layout(4, 4, 0), saved_with_layer=False) is None
+    assert decide(str(tmp_path), _layout(4, 4, 0), saved_with_layer=None) is None
+
+
+def test_every_rank_acts_on_the_first_refusal():
+    assert resume_state.agree("f", [("state", None)] * 4) is None
+    assert resume_state.agree("f", [("none", None)] * 4) is None
+    one = resume_state.agree("f", [("state", None), ("refused", "f/sdp4bit/rank_00001.pt is missing: ..."),
+                                   ("state", None), ("state", None)])
+    assert one == "f/sdp4bit/rank_00001.pt is missing: ..."
+    two = resume_state.agree("f", [("refused", "a"), ("state", None), ("refused", "b"), ("refused", "c")])
+    assert two == "a (rank 0; 2 other ranks refused too)"
+    # Ranks that saw the layer's files and ranks that did not (no shared filesystem)
+    split = resume_state.agree("f", [("state", None), ("none", None)])
+    assert split.startswith("f: ranks [0] found SDP4Bit state in it and the other ranks none")
+
+
+def test_report_says_what_the_rank_decided():
+    assert resume_state.report({"iteration": 1}) == ("state", None)
+    assert resume_state.report(None) == ("none", None)
+    assert resume_state.report(Refused("line")) == ("refused", "line")
+
+
+def test_what_the_saved_args_asked_for():
+    assert checkpoint.saved_with_layer({"args": argparse.Namespace(sdp4bit=True)}) is True
+    assert checkpoint.saved_with_layer({"args": argparse.Namespace(sdp4bit=False, sdp4bit_preset=None)}) is False
+    assert checkpoint.saved_with_layer({"args": argparse.Namespace(num_layers=2)}) is False  # a stock run
+    assert checkpoint.saved_with_layer({"args": argparse.Namespace(sdp4bit_preset="baseline")}) is False
+    assert checkpoint.saved_with_layer({"iteration": 3}) is None
+    assert checkpoint.saved_with_layer(None) is None
 
 
 class _Recorder:

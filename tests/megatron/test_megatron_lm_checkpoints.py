@@ -15,12 +15,17 @@ minimal pre-training script of ``test_megatron_training_loop.py``:
   saved at N (a save changes the overlapped gathers' noise, see below), bit for bit;
 - a resume of that checkpoint on 2 ranks (another data-parallel size) is refused in one
   line, from one rank, before training;
+- a missing or damaged ``sdp4bit/rank_N.pt`` (rank 0's too) stops every rank with one line
+  naming it; a checkpoint saved without ``--sdp4bit`` resumes with one line saying so; a
+  resume without ``--sdp4bit`` of one saved with it says it leaves that state unused;
+- ``torch_dist`` saves asynchronously through megatron's persistent checkpoint worker;
 - the iteration lines carry the bytes sent vs exact, the replica checks and the sampled
   quantization errors; rank 0 prints the install line once; the last rank prints the
   summary.
 
-``layer_state_for_resume`` (which saved file each rank takes, and when another size is
-refused) is checked on files the test writes, without megatron.
+``resume_state`` (which saved file each rank takes, when another size is refused, and the
+one outcome of all ranks) is checked on files the test writes, without megatron
+(``test_megatron_lm_checkpoint_files.py``).
 
 Needs ``megatron.training`` (the megatron-core 0.19.2 wheel ships it; 0.16.1's does not).
 """
@@ -30,6 +35,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -75,8 +81,9 @@ needs_loop = [
 ]
 
 
-def _launch(tmp_path, name: str, ranks: int, extra_args):
-    """One job: (exit code, output, Megatron-LM's losses by iteration, reports by rank)."""
+def _launch(tmp_path, name: str, ranks: int, extra_args, sdp4bit=True):
+    """One job: (exit code, output, Megatron-LM's losses by iteration, reports by rank);
+    ``sdp4bit=False``: without any --sdp4bit flag (a stock run)."""
     folder = tmp_path / name
     folder.mkdir()
     script = tmp_path / "pretrain_tiny_gpt.py"
@@ -86,7 +93,8 @@ def _launch(tmp_path, name: str, ranks: int, extra_args):
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "megatron_sdp4bit.launch", str(script), *FP32_ARGS, *extra_args, *SDP4BIT_ARGS]
+           "--monitor-interval", "0.1", "-m", "megatron_sdp4bit.launch", str(script), *FP32_ARGS, *extra_args,
+           *(SDP4BIT_ARGS if sdp4bit else [])]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(folder))
     output = result.stdout + result.stderr
     losses = {int(i): float(x) for i, x in
@@ -109,9 +117,14 @@ def straight(tmp_path_factory):
     return _ok(_launch(tmp_path_factory.mktemp("straight"), "run", 4, []))
 
 
+ASYNC_SAVE = ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
+
+
 def _save_and_resume(tmp_path, ckpt_format: str):
     save = ["--save", str(tmp_path / "ckpt"), "--save-interval", str(N), "--exit-interval", str(N),
             "--ckpt-format", ckpt_format]
+    if ckpt_format == "torch_dist":  # asynchronously, through megatron's persistent worker
+        save += ASYNC_SAVE
     first = _ok(_launch(tmp_path, "first", 4, save))
     second = _ok(_launch(tmp_path, "second", 4, ["--load", str(tmp_path / "ckpt"), "--ckpt-format", ckpt_format]))
     return first, second
@@ -120,6 +133,8 @@ def _save_and_resume(tmp_path, ckpt_format: str):
 @pytest.mark.slow
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
 def test_resumed_run_equals_straight_run(tmp_path, straight, ckpt_format):
+    """``torch_dist`` saves asynchronously (--async-save --use-persistent-ckpt-worker: before,
+    the CPU mode's first save waited for a worker that had died, for good)."""
     by_iteration, reports, _ = straight[1], straight[2], straight[0]
     assert sorted(by_iteration) == list(range(1, 2 * N + 1)), by_iteration
     (first_out, first_losses, _), (second_out, second_losses, second_reports) = _save_and_resume(
@@ -203,3 +218,67 @@ def test_resume_on_another_data_parallel_size_is_refused_in_one_line(tmp_path):
 
 
 pytestmark = needs_loop
+
+
+@pytest.fixture(scope="module")
+def one_save(tmp_path_factory):
+    """A checkpoint of iteration 1 saved by 2 ranks with --sdp4bit (fp32: exact main shards)."""
+    tmp_path = tmp_path_factory.mktemp("one_save")
+    _ok(_launch(tmp_path, "save", 2, ["--save", str(tmp_path / "ckpt"), "--save-interval", "1",
+                                      "--exit-interval", "1", "--ckpt-format", "torch_dist"]))
+    return tmp_path / "ckpt"
+
+
+def _load(tmp_path, ckpt, sdp4bit=True):
+    return _launch(tmp_path, "load", 2, ["--load", str(ckpt), "--ckpt-format", "torch_dist"], sdp4bit=sdp4bit)
+
+
+def _damaged_copy(tmp_path, one_save, rank, content):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(one_save, ckpt)
+    path = ckpt / "iter_0000001" / "sdp4bit" / f"rank_{rank:05d}.pt"
+    if content is None:
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[:content])  # a save cut short
+    return ckpt, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank, content, how", [(1, None, "is missing"), (0, None, "is missing"),
+                                                (1, 100, "is unreadable")])
+def test_a_missing_or_damaged_rank_file_stops_every_rank_with_one_line(tmp_path, one_save, rank, content, how):
+    """Before: rank 1's file missing or cut short, rank 1 stopped alone and the others died in
+    gloo after a 30 s stall, no line; rank 0's file missing read as "saved without --sdp4bit"
+    and every rank dropped its intact state (exact fp32 main shards, rounding streams) and
+    trained on."""
+    ckpt, path = _damaged_copy(tmp_path, one_save, rank, content)
+    code, output, losses, _ = _load(tmp_path, ckpt)
+    assert code != 0 and not losses, output[-4000:]
+    ours = [line for line in output.splitlines() if line.startswith("sdp4bit: ")]
+    assert len(ours) == 1 and ours[0].startswith(f"sdp4bit: {path} {how}"), output[-4000:]
+    assert "load an earlier iteration (--ckpt-step)" in ours[0], ours
+    assert "exitcode  : 2" in output and "Connection closed by peer" not in output, output[-4000:]
+    assert output.count("Traceback") <= 1, output[-4000:]  # torchrun's own report only
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_without_sdp4bit_resumes_with_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    _ok(_launch(tmp_path, "stock", 2, ["--save", str(ckpt), "--save-interval", "1", "--exit-interval", "1",
+                                       "--ckpt-format", "torch_dist"], sdp4bit=False))
+    output, losses, reports = _ok(_load(tmp_path, ckpt))
+    said = [line for line in output.splitlines() if line.startswith("sdp4bit: ")]
+    assert said == [f"sdp4bit: {ckpt / 'iter_0000001'} holds no SDP4Bit state (saved without --sdp4bit): the "
+                    "layer continues from step 1 with fresh rounding streams"], said
+    assert sorted(losses) == list(range(2, 2 * N + 1)) and reports[0]["iteration"] == 2 * N
+
+
+@pytest.mark.slow
+def test_a_resume_without_sdp4bit_says_it_leaves_the_layers_state_unused(tmp_path, one_save):
+    """Before: the exact fp32 main shards and rounding streams were dropped without a word."""
+    output, losses, _ = _ok(_load(tmp_path, one_save, sdp4bit=False))
+    said = [line for line in output.splitlines() if line.startswith("sdp4bit: ")]
+    assert len(said) == 1 and said[0].startswith(f"sdp4bit: {one_save / 'iter_0000001'} was saved with "
+                                                 "--sdp4bit; this run has no --sdp4bit"), said
+    assert sorted(losses) == list(range(2, 2 * N + 1))

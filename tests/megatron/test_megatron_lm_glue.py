@@ -19,6 +19,8 @@ def fake_megatron_parse_args(extra_args_provider=None, ignore_unknown_args=False
     parser.add_argument("--save", default=None)
     parser.add_argument("--load", default=None)
     parser.add_argument("--ckpt-format", default="torch_dist")
+    parser.add_argument("--use-torch-fsdp2", action="store_true")
+    parser.add_argument("--use-megatron-fsdp", action="store_true")
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser.parse_known_args()[0] if ignore_unknown_args else parser.parse_args()
@@ -122,6 +124,63 @@ def test_cuda_graphs_are_refused_when_the_flags_are_parsed(monkeypatch, capsys):
     assert err.startswith("error: SDP4Bit does not support CUDA graphs")
 
 
+def test_torch_fsdp2_is_refused_as_unsupported(monkeypatch, capsys):
+    """Before: told to add --use-distributed-optimizer, which Megatron-LM then rejects with
+    FSDP2 (tracebacks on every rank); FSDP2 replaces what the layer quantizes."""
+    for extra in ([], ["--use-distributed-optimizer"]):
+        err = _refused(monkeypatch, capsys, ["--sdp4bit", "--use-torch-fsdp2", *extra])
+        assert err.startswith("error: SDP4Bit does not support torch FSDP2 (--use-torch-fsdp2)"), err
+
+
+def test_megatron_fsdp_is_refused_as_unsupported_not_sent_to_the_distributed_optimizer(monkeypatch, capsys):
+    """Megatron-FSDP needs no --use-distributed-optimizer; before, that was the advice."""
+    err = _refused(monkeypatch, capsys, ["--sdp4bit", "--use-megatron-fsdp"])
+    assert err.startswith("error: SDP4Bit does not support use_megatron_fsdp"), err
+
+
+MEGATRON_LM_STYLE_CHECKS = """
+def validate_args(args, defaults={}):
+    if args.with_message:
+        assert args.overlap_grad_reduce, 'Must use --overlap-param-gather with --overlap-grad-reduce'
+    assert args.overlap_grad_reduce
+"""
+
+
+def test_megatron_lms_own_assertion_is_one_line_naming_what_failed(monkeypatch, capsys, tmp_path):
+    """Megatron-LM's validate_args checks with bare asserts: a traceback on every rank."""
+    import importlib.util
+
+    (tmp_path / "arguments.py").write_text(MEGATRON_LM_STYLE_CHECKS)  # a module pytest does not rewrite
+    spec = importlib.util.spec_from_file_location("arguments", tmp_path / "arguments.py")
+    arguments = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arguments)
+    monkeypatch.setenv("RANK", "0")
+    validate = routes._refusing_assertions(arguments.validate_args)
+    validate(argparse.Namespace(with_message=True, overlap_grad_reduce=True))  # nothing to refuse
+    for with_message, said, line in ((True, "Must use --overlap-param-gather with --overlap-grad-reduce", 4),
+                                     (False, "`assert args.overlap_grad_reduce` does not hold", 5)):
+        with pytest.raises(SystemExit) as exit_info:
+            validate(argparse.Namespace(with_message=with_message, overlap_grad_reduce=False))
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1, err
+        assert err == f"error: Megatron-LM refuses these arguments: {said} (arguments.py:{line})\n", err
+
+
+def test_sdp4bit_cpu_outside_the_launcher_is_refused(monkeypatch, capsys):
+    """A patched pretrain_gpt.py started directly: before, SDP4BIT_CPU=1 was silently
+    ignored (and Megatron-LM died wanting CUDA)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("SDP4BIT_CPU", "1")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "2"])
+    with pytest.raises(SystemExit) as exit_info:
+        fake_megatron_parse_args(megatron_lm.extend_args_provider(None))  # the patch's provider
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: SDP4BIT_CPU=1 is read by the launcher only") and "megatron_sdp4bit.launch" in err
+    monkeypatch.setenv("SDP4BIT_CPU", "0")
+    assert fake_megatron_parse_args(megatron_lm.extend_args_provider(None)).num_layers == 2
+
+
 def test_quantization_off_with_nothing_to_refuse_parses(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--sdp4bit-preset", "baseline", "--save", "/tmp/x",
                                       "--ckpt-format", "zarr"])
@@ -186,7 +245,13 @@ def test_the_dataset_helpers_are_hooked_once_while_the_flags_are_parsed(monkeypa
     hooked = datasets_utils.compile_helpers
     assert hooked is not original and getattr(hooked, routes.ROUTE_MARK) is not None
     assert "(built)" in hooked.__doc__  # the wheel's own build imports
+    import megatron.training.arguments as arguments
+
+    validate_args = arguments.validate_args
+    assert validate_args.__wrapped__ is not None  # Megatron-LM's asserts become one line
     megatron_lm.wrap_parse_args(fake_megatron_parse_args)()
     assert datasets_utils.compile_helpers is hooked  # not wrapped a second time
+    assert arguments.validate_args is validate_args
     routes.remove_megatron_lm_hooks()
     assert datasets_utils.compile_helpers is original
+    assert not hasattr(arguments.validate_args, "__wrapped__")

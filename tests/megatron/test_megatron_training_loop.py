@@ -216,8 +216,8 @@ SCRIPT = textwrap.dedent('''
         config = patch.current_config()
         stats = patch.wire_stats()
         report = {
-            "installed": patch.is_installed(), "weight_mode": config.weight_mode,
-            "grad_mode": config.grad_mode, "ranks_per_node": config.ranks_per_node,
+            "installed": patch.is_installed(), "weight_mode": config and config.weight_mode,
+            "grad_mode": config and config.grad_mode, "ranks_per_node": config and config.ranks_per_node,
             "iteration": patch.get_iteration(), "replica_checks": len(REPLICA_CHECKS),
             "wire": {c: [stats.sent_bytes(c), stats.exact_bytes(c)]
                      for c in ("all_gather", "reduce_scatter")},
@@ -422,19 +422,3 @@ def test_a_fresh_checkout_compiles_its_helpers_for_this_python(tmp_path):
     built = tree / "megatron" / "core" / "datasets" / ("helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX"))
     assert built.is_file()
     assert all(report["helpers_cpp"] == str(built) for report in reports), reports
-
-
-# ---------------------------------------------------------------- refused before training
-
-@pytest.mark.parametrize("change, message", [
-    (["--use-distributed-optimizer"], "error: SDP4Bit quantizes the distributed optimizer's"),
-    (["--save", "ckpt", "--ckpt-format", "torch_dcp"], "error: --ckpt-format torch_dcp: SDP4Bit's state"),
-])
-def test_what_would_fail_later_is_refused_before_anything_starts(tmp_path, change, message):
-    """Before: a RuntimeError traceback on every rank after initialization (no distributed
-    optimizer), or a checkpoint without the layer's state."""
-    args = [arg for arg in MEGATRON_LM_ARGS if change[0] != "--use-distributed-optimizer" or arg != change[0]]
-    if change[0] != "--use-distributed-optimizer":
-        args += change
-    line = _refused_line(_launch(tmp_path, [*args, *SDP4BIT_ARGS], nproc=2))
-    assert line.startswith(message), line

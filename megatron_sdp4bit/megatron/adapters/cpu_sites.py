@@ -78,3 +78,10 @@ class TrainingSites:
     optimizer_state_dict: Site = None
     """9. The distributed optimizer's ``state_dict`` (a ``torch_dist`` load's template):
     states made before any step get torch AdamW's ``step`` (0)."""
+    validate_args: Callable = None
+    """11. ``validate_args`` (rebound wherever megatron binds it): before it runs, the
+    arguments set to what CPU can run (``CPU_SETTINGS``)."""
+    checkpoint_worker: Site = None
+    """10. The persistent checkpoint worker's loop (``--use-persistent-ckpt-worker``), a
+    static method started in a spawned process: there it runs with ``torch.cuda`` as one
+    CPU "device"."""

@@ -5,7 +5,7 @@ applies it (the launcher and the patch in ``patches/``). The objects are Megatro
 looked up by the adapter when asked (``megatron.training`` is imported then), so a name
 that moved fails in the adapter, by name. Why each is hooked is written where it is
 hooked: ``megatron_lm/dataset_helpers.py``, ``checkpoint.py``, ``reporting.py``,
-``refusals.py``.
+``refusals.py``, ``routes.py``.
 """
 from __future__ import annotations
 
@@ -47,6 +47,9 @@ class RouteSites:
     """The name ``training_log`` prints its iteration line with (``print_rank_last``)."""
     train: str
     """The training loop; returns (or exits) after the last iteration."""
+    validate_args: Callable
+    """``training/arguments.py`` ``validate_args``: Megatron-LM's checks of its arguments (bare
+    ``assert``\ s), rebound wherever ``megatron.training`` binds it."""
     get_args: Callable
     """``training/global_vars.py`` ``get_args``: the parsed arguments (``--save``, ``--log-interval``)."""
     writers: Tuple[Callable, Callable]

@@ -337,6 +337,7 @@ class Adapter(MegatronAdapter):
         """The same names from core_v0.16.1 to core_v0.19.0 (and Megatron-LM main, 0.20.0):
         the wrapped functions and the module globals they call."""
         import megatron.core.datasets.utils as datasets_utils
+        import megatron.training.arguments as arguments
         import megatron.training.checkpointing as checkpointing
         import megatron.training.global_vars as global_vars
         import megatron.training.training as training
@@ -349,6 +350,7 @@ class Adapter(MegatronAdapter):
             checkpoint_formats=("torch", "torch_dist"),
             training=training,
             training_log="training_log", log_printer="print_rank_last", train="train",
+            validate_args=arguments.validate_args,
             get_args=global_vars.get_args,
             writers=(global_vars.get_tensorboard_writer, global_vars.get_wandb_writer),
         )

@@ -57,9 +57,11 @@ class Adapter(Adapter018):
 
     def cpu_training_sites(self) -> TrainingSites:
         """What the CPU mode of ``megatron.training`` redirects (``cpu_backend/megatron_training.py``)."""
+        import megatron.training.arguments as arguments
         import megatron.training.checkpointing as checkpointing
         import megatron.training.initialize as initialize
         import megatron.training.training as training
+        from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         from megatron.core.rerun_state_machine import RerunStateMachine
         from megatron.training.utils import common_utils
@@ -74,4 +76,6 @@ class Adapter(Adapter018):
             pretrain=training.pretrain,
             optimizer_state_setter=(DistributedOptimizer, "_set_main_param_and_optimizer_states"),
             optimizer_state_dict=(DistributedOptimizer, "state_dict"),
+            validate_args=arguments.validate_args,
+            checkpoint_worker=(PersistentAsyncCaller, "async_loop"),
         )
