@@ -65,17 +65,18 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
         return  # already dispatched during the first batch (as megatron does)
     adapter.before_grad_reduce(bucket_group)
     grads = adapter.grad_buffers(bucket_group)
+    runner, group = state.runner, state.runner.group_for(group)
     if quantize and state.metrics.sample_now(state.iteration) \
             and state.grad_errors_sampled_at != state.iteration:
         state.grad_errors_sampled_at = state.iteration
-        hops = comm.get_topology(group, state.config.ranks_per_node).levels  # the hops that run
+        # the hops that run (the topology was built at DDP construction: no collective here)
+        hops = comm.get_topology(group, state.config.ranks_per_node).levels
         state.metrics.record(quant_metrics.grad_quantization_errors(
             grads[0], state.config, [hop.name for hop in hops]))
     ddp_config = adapter.ddp_config(bucket_group)
     op = torch.distributed.ReduceOp.AVG if ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     async_op = bool(ddp_config.overlap_grad_reduce)
     config = state.config if quantize else state.exact_config
-    runner, group = state.runner, state.runner.group_for(group)
     handles = []
     for grad_data in grads:
         if force_all_reduce:  # the layer's own exact path only (megatron's does this otherwise)

@@ -180,7 +180,9 @@ class TrainingRun:
             # sampled on the window's last step: none (null) when that step was
             # skipped or quantized nothing; 0 with quantization off
             "weight_quant_rel_error": errors.get("weight") if quantized else 0.0,
-            "grad_quant_rel_error": errors.get("grad_inter") if quantized else 0.0,
+            # the gradients' last hop that ran: across nodes, or inside the one node
+            "grad_quant_rel_error": errors.get("grad_inter", errors.get("grad_intra"))
+            if quantized else 0.0,
             "skipped": skipped,
         })
 
