@@ -176,12 +176,11 @@ class _QuantizedReduceScatter:
 
     def _exchange(self, hop):
         """Start ``hop``'s all-to-all and record its bytes."""
-        work = all_to_all_equal(hop.incoming, hop.outgoing, hop.level.group)
-        if len(self.plan.levels) == 1:  # a flat hop reaches peers on this node and others
+        work = all_to_all_equal(hop.incoming, hop.outgoing, self.topology.levels[hop.index].group)
+        if self.plan.levels == 1:  # a flat hop reaches peers on this node and others
             intra, inter = self.topology.same_node_peers, self.topology.other_node_peers
         else:
-            intra, inter = ((hop.level.size - 1, 0) if hop.level.name == "intra"
-                            else (0, hop.level.size - 1))
+            intra, inter = (hop.peers - 1, 0) if hop.name == "intra" else (0, hop.peers - 1)
         codes, scales, padding, elements = hop.sent_per_peer
         self.recorder.peer_sends(_COLLECTIVE, intra, inter, codes=codes, scales=scales,
                                  padding=padding, elements=elements)

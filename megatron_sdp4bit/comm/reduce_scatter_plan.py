@@ -36,10 +36,13 @@ from megatron_sdp4bit.quant import QuantizedTensor, segment_layout, segment_nbyt
 
 @dataclass
 class Hop:
-    """One chunk's all-to-all over ``level``: the bytes sent and received, and how the
-    received bytes read (one segment per peer)."""
+    """One chunk's all-to-all over the topology's level ``index``: the bytes sent and
+    received, and how the received bytes read (one segment per peer). The process group
+    is not kept here: a plan outlives no process group (``topology.forget_subgroups``)."""
 
-    level: Level
+    index: int
+    name: str  # "intra" or "inter"
+    peers: int
     outgoing: torch.Tensor
     incoming: torch.Tensor
     received: QuantizedTensor
@@ -59,20 +62,21 @@ class ChunkSteps:
 
 
 class ReduceScatterPlan:
-    """Every chunk's ``ChunkSteps`` for one (output, input, op, topology, config)."""
+    """Every chunk's ``ChunkSteps`` for one (output, input, op, topology, config);
+    ``levels``: how many hops each chunk makes."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, average: bool,
                  topology: Topology, config: SDP4BitConfig, workspace: Workspace):
-        self.levels = topology.levels
-        formats = [config.grad_hop_format(level.name) for level in self.levels]
+        self.levels = len(topology.levels)
+        formats = [config.grad_hop_format(level.name) for level in topology.levels]
         block = config.grad_hadamard_block
         shard = output.numel()
         dp = topology.dp_size
-        align = config.grad_alignment([level.name for level in self.levels])
+        align = config.grad_alignment([level.name for level in topology.levels])
         chunks = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks,
                                                       MAX_CHUNK_ELEMENTS, MIN_CHUNK_SHARD_ELEMENTS))
         device = input.device
-        buffers = _buffers(workspace, chunks, dp, self.levels, formats, device)
+        buffers = _buffers(workspace, chunks, dp, topology.levels, formats, device)
         # Views of detached aliases: a view would keep the caller's tensor object alive,
         # and the workspace keeps a plan only while that object lives (Workspace.plan).
         rows = input.detach().view(dp, shard)
@@ -82,8 +86,8 @@ class ReduceScatterPlan:
         self.chunks: List[ChunkSteps] = []
         for index, chunk in enumerate(chunks):
             hops, numel = [], dp * chunk.padded
-            for hop, level in enumerate(self.levels):
-                hops.append(_hop(buffers, index, hop, level, numel, formats[hop], self.levels))
+            for hop, level in enumerate(topology.levels):
+                hops.append(_hop(buffers, index, hop, level, numel, formats[hop]))
                 numel //= level.size
             bits, group = formats[0]
             quantize = quant.prepare(
@@ -94,7 +98,7 @@ class ReduceScatterPlan:
             if len(hops) == 2:
                 bits, group = formats[1]
                 requantize = quant.prepare(
-                    "dequantize_sum_requantize", hops[0].received, num_chunks=hops[0].level.size,
+                    "dequantize_sum_requantize", hops[0].received, num_chunks=hops[0].peers,
                     bits=bits, group_size=group, rounding=config.rounding,
                     out=_send_view(hops[1], formats[1]))
             dest = flat_output[chunk.start: chunk.start + chunk.valid]
@@ -118,7 +122,7 @@ def _buffers(workspace: Workspace, chunks, dp: int, levels, formats, device) -> 
     return {name: workspace.buffer(name, nbytes, device) for name, nbytes in sizes.items()}
 
 
-def _hop(buffers: dict, index: int, hop: int, level: Level, numel: int, fmt, levels) -> Hop:
+def _hop(buffers: dict, index: int, hop: int, level: Level, numel: int, fmt) -> Hop:
     bits, group = fmt
     peers = level.size
     per_peer = numel // peers
@@ -127,20 +131,21 @@ def _hop(buffers: dict, index: int, hop: int, level: Level, numel: int, fmt, lev
     incoming = buffers[f"grads hop {hop} receive {index % 2}"][:nbytes]
     layout = segment_layout(per_peer, bits, group)
     scales = 4 * layout.groups
-    return Hop(level, outgoing, incoming, wire_view(incoming, peers, per_peer, bits, group),
+    return Hop(hop, level.name, peers, outgoing, incoming,
+               wire_view(incoming, peers, per_peer, bits, group),
                (layout.codes_nbytes, scales, layout.nbytes - layout.codes_nbytes - scales,
                 per_peer))
 
 
 def _send_view(hop: Hop, fmt) -> QuantizedTensor:
     bits, group = fmt
-    return wire_view(hop.outgoing, hop.level.size, hop.sent_per_peer[3], bits, group)
+    return wire_view(hop.outgoing, hop.peers, hop.sent_per_peer[3], bits, group)
 
 
 def _write(last: Hop, dest: torch.Tensor, chunk: Chunk, block, buffers: dict) -> Callable:
     """Sum the last hop's pieces into the chunk's columns of the output; the shard's
     unaligned end is summed in fp32 first (the sum's padding is not the caller's)."""
-    peers = last.level.size
+    peers = last.peers
     if chunk.valid == chunk.padded:
         return quant.prepare("dequantize_sum", last.received, num_chunks=peers,
                              inverse_hadamard_block=block, out=dest)

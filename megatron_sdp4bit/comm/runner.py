@@ -23,7 +23,7 @@ jobs may share buffers (``Workspace``), and every rank issues each process
 group's collectives in submission order, which is the same on every rank when the
 callers submit in the same order. A thread runner's jobs run beside the caller's
 own collectives, so they must use process groups nobody else uses at the same
-time (``ThreadRunner.private_groups``; ``topology.private_group``): two threads
+time (``topology.private_group``): two threads
 issuing collectives on one gloo group may pair them wrongly.
 
 A job that raises makes that handle's ``wait()`` raise the same exception, and
@@ -40,6 +40,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_sdp4bit.comm.topology import private_group
 
 logger = logging.getLogger(__name__)
 
@@ -130,18 +132,17 @@ class StreamRunner:
 class ThreadRunner:
     """gloo: one worker thread runs the jobs in submission order.
 
-    ``private_groups`` maps each process group a caller names to one with the same
-    members that only this runner's jobs use (``group_for``).
+    Its jobs use the private twins of the groups a caller names (``group_for``:
+    ``topology.private_group``, built on every rank beforehand). The runner keeps
+    no process group itself, so none outlives ``topology.forget_subgroups``.
     """
 
     kind = "thread"
 
-    def __init__(self, device: torch.device, private_groups: Optional[dict] = None,
-                 name: str = "sdp4bit-collectives") -> None:
+    def __init__(self, device: torch.device, name: str = "sdp4bit-collectives") -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.private_groups = dict(private_groups or {})
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._failure: Optional[BaseException] = None
         self._pid = os.getpid()
@@ -151,9 +152,9 @@ class ThreadRunner:
         self._thread.start()
 
     def group_for(self, group):
-        """The private twin of ``group`` (``group`` itself if it has none: only this
-        runner may then use it)."""
-        return self.private_groups.get(group, group)
+        """The private twin of ``group``, which only this runner's jobs use (raises when
+        ``topology.build_private_groups`` made none for it)."""
+        return private_group(group)
 
     def submit(self, job: Job, tensors: Sequence[torch.Tensor] = ()) -> Completion:
         if os.getpid() != self._pid:
@@ -255,12 +256,12 @@ def runner_kind(group, device: torch.device) -> str:
     return "inline"
 
 
-def make_runner(kind: str, device: torch.device, private_groups: Optional[dict] = None):
+def make_runner(kind: str, device: torch.device):
     """The runner of ``kind`` (``runner_kind``) for collectives on ``device``."""
     if kind == "stream":
         return StreamRunner(device)
     if kind == "thread":
-        return ThreadRunner(device, private_groups)
+        return ThreadRunner(device)
     if kind == "inline":
         return InlineRunner()
     raise ValueError(f"unknown runner kind {kind!r}; use 'inline', 'thread' or 'stream'")

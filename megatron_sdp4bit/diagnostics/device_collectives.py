@@ -183,9 +183,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if world % args.ranks_per_node:
             raise SystemExit(f"--ranks-per-node {args.ranks_per_node} does not divide {world} ranks")
         build_private_groups([list(range(world))])
-        twin = private_group(dist.group.WORLD)
-        get_topology(twin, args.ranks_per_node)  # built here: its first use is a collective
-        runner = ThreadRunner(device, {dist.group.WORLD: twin})
+        get_topology(private_group(dist.group.WORLD), args.ranks_per_node)  # a collective: here
+        runner = ThreadRunner(device)
         try:
             cases = run_cases(device, (4101, args.shard), args.ranks_per_node, runner)
         finally:

@@ -51,4 +51,4 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
     for lists in rank_lists:
         build_private_groups(lists)
     for group in groups:
-        state.runner.private_groups[group] = private_group(group)
+        private_group(group)  # every group the runner will be asked for has its twin

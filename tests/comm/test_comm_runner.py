@@ -22,7 +22,7 @@ from comm_worlds import WORLDS, battery, make_input, ranks_per_node_choices
 from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm import quantized_all_gather_weights, quantized_reduce_scatter, reduce_scatter_plan
 from megatron_sdp4bit.comm.runner import InlineRunner, ThreadRunner, run_or_submit
-from megatron_sdp4bit.comm.topology import build_private_groups, private_group
+from megatron_sdp4bit.comm.topology import build_private_groups
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
 
@@ -35,8 +35,7 @@ LATE_START_S = 1.0  # how long the late rank waits before its call
 def _runner(world: int) -> ThreadRunner:
     """A worker thread with a private twin of the world (collective: every rank calls it)."""
     build_private_groups([list(range(world))])
-    twin = private_group(dist.group.WORLD)
-    return ThreadRunner(torch.device("cpu"), {dist.group.WORLD: twin})
+    return ThreadRunner(torch.device("cpu"))
 
 
 def _reduce_scatter(x, config, seed, runner=None, group=None):
