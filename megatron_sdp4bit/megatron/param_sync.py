@@ -14,6 +14,14 @@ Three of megatron's methods cooperate, all swapped by the layer:
   into every shard, the owner's included (sync, or an async handle megatron waits
   on as usual).
 
+Under --overlap-param-gather megatron starts a bucket group's gather only when the
+forward pass reaches the group before it, so each gather has one group's forward
+work to hide behind, and the first none. With new main weights ready, the layer
+instead submits every group's gather to its runner right after the optimizer step,
+in the order the forward pass needs them (``prefetch_gathers``), and hands each
+handle to megatron when megatron starts that group: the runner keeps the link busy
+from the step on, and a slow link's gathers hide behind the whole forward pass.
+
 With one rank in the group nothing is quantized: megatron's own methods run. So do
 they for the exact all-gather, except where megatron's coalesced one cannot run
 (gloo on CUDA tensors, ``LayerState.own_exact_collectives``): there the layer
@@ -57,6 +65,8 @@ def step_with_ready_grads(layer, optimizer) -> bool:
     state, adapter = layer.state, layer.adapter
     if state.config.enabled:
         check_optimizer_config(getattr(optimizer, "config", None))
+    for bucket_group in list(state.prefetched):  # a group the forward pass never started
+        state.prefetched.pop(bucket_group).wait()
     _check_replicas(layer, optimizer)
     if _weights_quantized(layer, optimizer):
         rank, size = adapter.optimizer_group(optimizer)
@@ -77,7 +87,22 @@ def step_with_ready_grads(layer, optimizer) -> bool:
     finally:
         state.in_optimizer_step = False
     state.iteration += 1
+    if success and _weights_quantized(layer, optimizer) \
+            and adapter.ddp_config(optimizer).overlap_param_gather:
+        prefetch_gathers(layer, optimizer)
     return success
+
+
+def prefetch_gathers(layer, optimizer) -> None:
+    """Every bucket group with new main weights: its gather submitted now, in forward
+    order, kept until megatron starts it (``start_param_sync`` hands the handle over)."""
+    state, adapter = layer.state, layer.adapter
+    for bucket_group in adapter.gather_order(optimizer):
+        buckets = adapter.group_buckets(bucket_group)
+        if bucket_group in state.prefetched or adapter.param_gather_in_flight(bucket_group):
+            continue
+        if all(b in state.buckets and state.buckets[b].fresh for b in buckets):
+            state.prefetched[bucket_group] = _quantized_gather(layer, bucket_group, async_op=True)
 
 
 def copy_main_params_to_model_params(layer, optimizer):
@@ -130,6 +155,14 @@ def _own_exact_param_sync(layer, bucket_group, async_op: bool, force_sync: bool)
 
 def start_param_sync(layer, bucket_group, force_sync: bool = False):
     state, adapter = layer.state, layer.adapter
+    prefetched = state.prefetched.pop(bucket_group, None)
+    if prefetched is not None:  # submitted after the optimizer step: megatron takes it now
+        if force_sync:
+            prefetched.wait()
+            adapter.set_param_gather_handle(bucket_group, None, force_sync)
+        else:
+            adapter.set_param_gather_handle(bucket_group, prefetched, force_sync)
+        return
     buckets = adapter.group_buckets(bucket_group)
     fresh = all(b in state.buckets and state.buckets[b].fresh for b in buckets)
     quantize = state.config.quantize_weights and fresh
@@ -144,6 +177,19 @@ def start_param_sync(layer, bucket_group, force_sync: bool = False):
     async_op = bool(adapter.ddp_config(bucket_group).overlap_param_gather) and not force_sync
     if not quantize:
         return _own_exact_param_sync(layer, bucket_group, async_op, force_sync)
+    gather = _quantized_gather(layer, bucket_group, async_op)
+    if async_op:
+        adapter.set_param_gather_handle(bucket_group, gather, force_sync)
+    else:
+        gather.wait()
+        adapter.set_param_gather_handle(bucket_group, None, force_sync)
+
+
+def _quantized_gather(layer, bucket_group, async_op: bool) -> Handles:
+    """The qWD/qW gather of every bucket of the group (fresh main weights), as one handle
+    that also samples the weight error where asked when it is waited on."""
+    state, adapter = layer.state, layer.adapter
+    buckets = adapter.group_buckets(bucket_group)
     group, size, rank = adapter.collective_group(bucket_group)
     kept = [state.bucket(b) for b in buckets]
     handles = []
@@ -164,9 +210,4 @@ def start_param_sync(layer, bucket_group, force_sync: bool = False):
         shard = adapter.param_shard(first_bucket, size, rank)
         state.metrics.record({"weight": quant_metrics.relative_error(shard[:n], first.main_shard[:n])})
 
-    gather = Handles(handles, on_done=record_weight_error)
-    if async_op:
-        adapter.set_param_gather_handle(bucket_group, gather, force_sync)
-    else:
-        gather.wait()
-        adapter.set_param_gather_handle(bucket_group, None, force_sync)
+    return Handles(handles, on_done=record_weight_error)

@@ -74,6 +74,9 @@ class LayerState:
     warm_up_seconds: float = 0.0
     """Time those compilations took (0 where the reference serves the device)."""
     buckets: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    prefetched: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    """Weight gathers submitted right after the optimizer step (--overlap-param-gather),
+    by bucket group, until megatron starts them (``param_sync.prefetch_gathers``)."""
 
     def bucket(self, bucket) -> BucketState:
         state = self.buckets.get(bucket)

@@ -61,7 +61,16 @@ def _train(spec, config, inline: bool) -> dict:
 
         setattr(module, name, wrapped)
 
-    real_kind = background.runner_kind
+    from megatron_sdp4bit.megatron import param_sync
+
+    real_kind, real_prefetch = background.runner_kind, param_sync.prefetch_gathers
+    prefetched = []
+
+    def prefetch(layer, optimizer):
+        real_prefetch(layer, optimizer)
+        prefetched.append(len(layer.state.prefetched))
+
+    param_sync.prefetch_gathers = prefetch
     if inline:
         background.runner_kind = lambda group, device: "inline"
     spy(gradients, "all_to_all_equal")  # the reduce-scatter's hops
@@ -76,13 +85,14 @@ def _train(spec, config, inline: bool) -> dict:
         reported = patch.memory(trainer.optimizer, params).buffer_bytes
         buffers = layer.state.buffer_bytes()
     finally:
-        background.runner_kind = real_kind
+        background.runner_kind, param_sync.prefetch_gathers = real_kind, real_prefetch
         for (module, name), original in originals.items():
             setattr(module, name, original)
         patch.uninstall()
     return {"losses": [r.loss for r in records], "hashes": [r.weights_sha256 for r in records],
             "buckets": trainer.num_buckets, "kind": kind, "threads": sorted(threads),
-            "main": threading.current_thread().name, "buffers": (buffers, reported)}
+            "main": threading.current_thread().name, "buffers": (buffers, reported),
+            "prefetched": prefetched}
 
 
 def _world(rank, world_size, cases):
@@ -122,6 +132,17 @@ def test_the_collectives_run_on_the_worker_thread(runs, spec_name):
         assert run["main"] != "sdp4bit-collectives"
     for run in runs[(spec_name, "sdp4bit", True)]:
         assert run["threads"] == [run["main"]]
+
+
+def test_with_overlapped_gathers_every_step_submits_them_all_after_the_optimizer(runs):
+    """--overlap-param-gather: each step's gathers are submitted right after the optimizer
+    step (param_sync.prefetch_gathers), every bucket group's, and megatron takes them."""
+    for spec_name, spec in SPECS.items():
+        for run in runs[(spec_name, "sdp4bit", False)]:
+            if spec.overlap_param_gather:
+                assert len(run["prefetched"]) == STEPS and min(run["prefetched"]) > 1, run["prefetched"]
+            else:
+                assert run["prefetched"] == []
 
 
 def test_the_buffers_stay_one_set_per_direction(runs):

@@ -158,6 +158,12 @@ class MegatronAdapter:
         """The distributed optimizers inside a (possibly chained) optimizer."""
         raise NotImplementedError
 
+    def gather_order(self, optimizer) -> List[Any]:
+        """The bucket groups of a distributed optimizer's model chunks in the order the
+        forward pass needs their weights (the order megatron's forward pre-hooks start
+        their gathers under --overlap-param-gather)."""
+        raise NotImplementedError
+
     def buffer_buckets(self, optimizer) -> Iterator[Tuple[Tuple[int, int], Any]]:
         """((buffer index, bucket index), bucket) for a distributed optimizer."""
         raise NotImplementedError

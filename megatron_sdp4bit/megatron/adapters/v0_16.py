@@ -133,6 +133,12 @@ class Adapter(MegatronAdapter):
     def sub_optimizers(self, optimizer) -> List[Any]:
         return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
+    def gather_order(self, optimizer) -> List[Any]:
+        # DDP chains each bucket group to the one before it in its list
+        # (next_param_gather_bucket_group): the forward pass starts at the last.
+        return [group for chunk in getattr(optimizer, "model_chunks", [])
+                for group in reversed(self.ddp_bucket_groups(chunk))]
+
     def buffer_buckets(self, optimizer) -> Iterator[Tuple[Tuple[int, int], Any]]:
         for b_index, buffer in enumerate(getattr(optimizer, "buffers", [])):
             for k, bucket in enumerate(buffer.buckets):
