@@ -154,6 +154,14 @@ class KernelModel:
             rate = _log_interp(GPU_ASSUMED_SIZES_MIB, GPU_ASSUMED_GBPS, size_mib) * self.scale
         return rate * (GPU_COPY_FACTOR if key == "clone" else 1.0)
 
+    @property
+    def shares_compute(self) -> bool:
+        """The kernels run on the cores the model's compute runs on (the CPU table, or
+        rates measured on a CPU): work beside the backward pass slows it by as much."""
+        if self.table == "measured":
+            return "cpu" in self.measured.device.lower()
+        return self.table == "cpu"
+
     def seconds(self, op: str, numel: int) -> float:
         if numel <= 0:
             return 0.0

@@ -21,8 +21,7 @@ The model, stated once (docs/performance.md, "Estimator"):
   all-reduce of the embedding gradients between the first and last stage
   follows (``volume.embedding_allreduce_links``).
 - **Kernels**: the quantize/dequantize ops of each rank and the reduce-scatter's
-  staging copy (``kernels.py``), never overlapped with compute (they share the
-  device).
+  staging copy (``kernels.py``); without overlap they add to the step.
 - **Overlap** (``none``, ``grads``, ``full``): ``none`` adds everything.
   ``grads`` hides bucket i's reduce-scatter under the backward pass of the
   buckets after it (Megatron's ``--overlap-grad-reduce``): exposed =
@@ -35,10 +34,11 @@ The model, stated once (docs/performance.md, "Estimator"):
   backward (forward) work of the buckets after (before) it, all but the last
   bucket's reduce-scatter and the first bucket's gather, unless the collectives
   outrun that work (then the queue grows and the excess is exposed: the
-  ``comm - window x (B - 1) / B`` term). The quantization kernels stay counted
-  in full: they share the device (on a GPU they may run on SMs the backward
-  leaves idle, which this model does not credit; on the CPU emulation they take
-  cores the backward needs).
+  ``comm - window x (B - 1) / B`` term). The runner runs each bucket's kernels
+  and transfers one after the other, so ``comm`` there is the chain: transfers,
+  latency and the direction's kernels. Not modelled: the kernels' share of the
+  device beside the backward pass (on a GPU they may take SMs the backward
+  needs; on the CPU emulation they take its cores).
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ class VariantEstimate:
     weight_latency_s: float
     grad_exposed_s: float
     weight_exposed_s: float
-    kernel_s: float
+    kernel_s: float                 # kernels outside an overlapped chain (else in *_exposed_s)
     compute_s: float
     tp_comm_s: float = 0.0          # tensor-parallel all-reduces (with a TFLOP/s rate)
     embedding_s: float = 0.0        # tied-embedding gradient all-reduce (PP > 1)
@@ -403,12 +403,22 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
     weight_s = _collective_seconds([t.weight], 1, net) + weight_lat
     n_buckets = max(len(b) for b in buckets.values())
     backward, forward = compute_s * 2 / 3, compute_s / 3
-    if workload.overlap == "none":
-        grad_exposed, weight_exposed = grad_s, weight_s
-    else:
-        grad_exposed = _exposed(grad_s, backward, n_buckets)
-        weight_exposed = (_exposed(weight_s, forward, n_buckets) if workload.overlap == "full"
-                          else weight_s)
+    # An overlapped direction's kernels run in the runner's chain with its transfers
+    # (one after the other, bucket after bucket): the chain hides as a whole. Where the
+    # kernels share the compute's cores (a CPU), they cost that time anyway: they stay
+    # in the step and lengthen the window they run in instead.
+    grad_kernels = sum(s for op, s in t.kernel_ops.items() if op.startswith("grad_"))
+    weight_kernels = sum(t.kernel_ops.values()) - grad_kernels
+    kernel_s = sum(t.kernel_ops.values())
+    shared = kernels.shares_compute
+    grad_exposed, weight_exposed = grad_s, weight_s
+    if workload.overlap != "none":
+        grad_exposed = _exposed(grad_s + grad_kernels, backward + shared * grad_kernels, n_buckets)
+        kernel_s -= 0 if shared else grad_kernels
+    if workload.overlap == "full":
+        weight_exposed = _exposed(weight_s + weight_kernels, forward + shared * weight_kernels,
+                                  n_buckets)
+        kernel_s -= 0 if shared else weight_kernels
     memory = max((_stage_memory(stage, layout, buckets[stage], config, cluster, workload)
                   for stage, layout in layouts), key=lambda m: m.per_param(m.total_bytes))
     all_links = volume.Links.empty()
@@ -420,7 +430,7 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
         node_inter_bytes=all_links.max_node_inter, gpu_intra_bytes=all_links.max_gpu_intra,
         grad_comm_s=grad_s, weight_comm_s=weight_s, grad_latency_s=grad_lat,
         weight_latency_s=weight_lat, grad_exposed_s=grad_exposed,
-        weight_exposed_s=weight_exposed, kernel_s=sum(t.kernel_ops.values()),
+        weight_exposed_s=weight_exposed, kernel_s=kernel_s,
         compute_s=compute_s, tp_comm_s=tp_s, embedding_s=embedding_s,
         kernel_ops=t.kernel_ops, memory=memory)
 
