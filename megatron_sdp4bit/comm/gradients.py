@@ -13,9 +13,9 @@ shard):
    the group-size alignment: one kernel reads the slices where they are
    (``quant.hadamard_quantize_rows``), and writes every peer's codes and scales
    into one buffer, which one all-to-all sends inside the node;
-3. two levels only: dequantize the L received chunks, sum in fp32, requantize
+2. two levels only: dequantize the L received chunks, sum in fp32, requantize
    at the inter-node bits, all-to-all across nodes;
-4. dequantize the received chunks, sum in fp32, inverse Hadamard, write the
+3. dequantize the received chunks, sum in fp32, inverse Hadamard, write the
    valid part into ``output``.
 
 Chunk i+1's first hop is in flight while chunk i's second hop runs. A chunk
@@ -113,7 +113,7 @@ def quantized_reduce_scatter(
                          topology.global_rank, "grads")
     run = _QuantizedReduceScatter(plan, gen, wire, topology)
     # chunk by chunk: a few chunks' buffers alive at a time
-    return run_or_submit(runner, run.finish, async_op, (output, input))
+    return run_or_submit(runner, run.finish, async_op, (output, input, *plan.buffers))
 
 
 def _validate(output: torch.Tensor, input: torch.Tensor, op, dp_size: int) -> None:

@@ -1,10 +1,9 @@
 """Async handles shaped like ``torch.distributed.Work``.
 
-A quantized collective is several communication calls with tensor math in
-between. ``async_op=True`` issues the first calls and returns a
-``PendingCollective``; its ``wait()`` runs the rest in program order. Because
-it issues further communication, every rank must wait on its handles in the
-same order it launched them (as Megatron does); a second ``wait()`` is a no-op.
+``PendingCollective`` is a handle whose ``wait()`` runs a small piece of work once
+(the copy of a one-rank "collective", gloo's division after an AVG all-reduce);
+a second ``wait()`` is a no-op. The quantized collectives' own handles come from
+their runner (``runner.py``).
 """
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ class ChunkSteps:
 
 class ReduceScatterPlan:
     """Every chunk's ``ChunkSteps`` for one (output, input, op, topology, config);
-    ``levels``: how many hops each chunk makes."""
+    ``levels``: how many hops each chunk makes; ``buffers``: the workspace buffers it
+    uses (allocated on the caller's stream)."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, average: bool,
                  topology: Topology, config: SDP4BitConfig, workspace: Workspace):
@@ -77,6 +78,9 @@ class ReduceScatterPlan:
                                                       MAX_CHUNK_ELEMENTS, MIN_CHUNK_SHARD_ELEMENTS))
         device = input.device
         buffers = _buffers(workspace, chunks, dp, topology.levels, formats, device)
+        # A side stream uses them: its runner records them there, so that a buffer the
+        # workspace replaces goes back to the allocator only once that stream is done.
+        self.buffers = tuple(buffers.values())
         # Views of detached aliases: a view would keep the caller's tensor object alive,
         # and the workspace keeps a plan only while that object lives (Workspace.plan).
         rows = input.detach().view(dp, shard)

@@ -6,10 +6,8 @@ reference fork allocates them once. A ``Workspace`` is that once: named byte
 buffers that grow to the largest request and are then reused. The caller decides
 how far one is shared, which is what makes reuse safe: a buffer may only be
 handed to the next call once the collective that used it has completed. The
-patch layer gives each bucket of a bucket group its own gradient workspace (the
-buckets of a group are in flight together; groups are completed one before the
-next starts) and each bucket its own weight workspace when gathers overlap the
-forward pass (all of them may be in flight), one shared one when they do not.
+patch layer keeps one workspace per direction for every bucket: its runner
+(``runner.py``) runs one collective after another, on one thread or one stream.
 
 Inside one reduce-scatter the chunks of the pipeline take turns on two slots per
 buffer: chunk i + 2 reuses chunk i's buffers, which are done by then (chunk i's

@@ -67,7 +67,13 @@ def kernel_spans(events: Sequence[dict]) -> Tuple[List[Interval], List[Interval]
     """(quantization kernels, every other kernel) of a CUDA trace, in microseconds."""
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     quant = [_span(e) for e in kernels if any(k in e["name"] for k in QUANTIZATION_KERNELS)]
-    other = [_span(e) for e in kernels if not any(k in e["name"] for k in QUANTIZATION_KERNELS)]
+    quant_streams = {e.get("args", {}).get("stream") for e in kernels
+                     if any(k in e["name"] for k in QUANTIZATION_KERNELS)}
+    # the rest of the step: not the collectives' own (NCCL) kernels, not their stream's
+    other = [_span(e) for e in kernels
+             if not any(k in e["name"] for k in QUANTIZATION_KERNELS)
+             and not e["name"].lower().startswith("nccl")
+             and e.get("args", {}).get("stream") not in quant_streams]
     return quant, other
 
 

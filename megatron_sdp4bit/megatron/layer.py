@@ -171,9 +171,10 @@ def _megatron_collectives_cannot_run(adapter, ddp) -> bool:
 
 
 def _collective_groups(adapter, ddp) -> list:
-    """The distinct process groups of a model chunk's bucket groups, in their order."""
+    """The distinct process groups of a model chunk's bucket groups (the experts' too),
+    in their order."""
     groups = []
-    for bucket_group in adapter.ddp_bucket_groups(ddp):
+    for bucket_group in adapter.ddp_bucket_groups(ddp) + adapter.expert_bucket_groups(ddp):
         group, size, _rank = adapter.collective_group(bucket_group)
         if size > 1 and all(group is not known for known in groups):
             groups.append(group)

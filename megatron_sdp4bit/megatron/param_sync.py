@@ -65,8 +65,10 @@ def step_with_ready_grads(layer, optimizer) -> bool:
     state, adapter = layer.state, layer.adapter
     if state.config.enabled:
         check_optimizer_config(getattr(optimizer, "config", None))
-    for bucket_group in list(state.prefetched):  # a group the forward pass never started
-        state.prefetched.pop(bucket_group).wait()
+    for bucket_group in adapter.gather_order(optimizer):  # one the forward never started
+        leftover = state.prefetched.pop(bucket_group, None)
+        if leftover is not None:
+            leftover.wait()
     _check_replicas(layer, optimizer)
     if _weights_quantized(layer, optimizer):
         rank, size = adapter.optimizer_group(optimizer)

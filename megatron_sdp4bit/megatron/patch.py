@@ -26,7 +26,8 @@ from megatron_sdp4bit.megatron.layer import SDP4BitLayer
 
 __all__ = ["install", "uninstall", "is_installed", "current_config", "set_iteration",
            "get_iteration", "set_metrics_interval", "quantization_errors", "replica_checks_passed",
-           "kernel_warm_up", "memory", "state_dict", "load_state_dict", "installed_layer"]
+           "kernel_warm_up", "memory", "state_dict", "load_state_dict", "installed_layer",
+           "drain"]
 
 
 def installed_layer() -> Optional[SDP4BitLayer]:
@@ -64,6 +65,15 @@ def uninstall() -> None:
     layer = installed_layer()
     if layer is not None:
         layer.uninstall()
+
+
+def drain() -> None:
+    """Wait until every collective the layer has started is done (its runner's queue:
+    with --overlap-param-gather the weight gathers submitted at the optimizer step).
+    Call it before reading the weights between a step and the next forward pass."""
+    layer = installed_layer()
+    if layer is not None:
+        layer.state.runner.drain()
 
 
 def is_installed() -> bool:

@@ -16,7 +16,9 @@ collectives issue tens of ops a step).
 ``run(generator=None)``, which makes the same call again on the same tensors (a
 fresh ``generator`` each time: the one thing that changes from step to step). A
 collective that issues the same calls every step prepares them once
-(``comm/gradients.py``). A backend whose body is ``planned`` returns ``(result,
+(``comm/reduce_scatter_plan.py``): pass it contiguous tensors of a dtype the kernels
+read, and ``out=``, since a backend that has to copy an input, or allocates the
+result, does so once, at prepare. A backend whose body is ``planned`` returns ``(result,
 launch)`` and leaves the launch to ``launch(generator)``, so that everything the
 body works out (the Triton ops: strides, tiling, kernel variant) is worked out once.
 """

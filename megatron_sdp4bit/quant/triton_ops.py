@@ -187,7 +187,7 @@ class _KernelCall:
     """One kernel launch worked out once: ``call(generator)`` launches it (a seed drawn
     from ``generator`` first for stochastic rounding, the only argument that changes)."""
 
-    SEED = 16  # the quantize kernel's seed argument
+    SEED = quantize_kernel.arg_names.index("seed_ptr")  # the quantize kernel's seed argument
 
     def __init__(self, kernel, grid, on: torch.Tensor, stochastic: bool, args: list,
                  kwargs: dict) -> None:

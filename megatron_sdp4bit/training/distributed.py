@@ -19,6 +19,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_sdp4bit.comm import forget_subgroups
 from megatron_sdp4bit.jobs import free_port
+from megatron_sdp4bit.megatron import patch
 
 from megatron_sdp4bit.training.arguments import ArgumentError, check_parallel_sizes
 
@@ -242,6 +243,7 @@ def all_reduce_sum(value: int, group=None) -> int:
 def shutdown() -> None:
     if torch.distributed.is_initialized():
         try:
+            patch.uninstall()  # its runner's worker stops first: it may hold process groups
             parallel_state.destroy_model_parallel()
             forget_subgroups()  # no process group may outlive destroy_process_group
         finally:

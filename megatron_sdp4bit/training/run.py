@@ -125,6 +125,7 @@ class TrainingRun:
                     request = self.stop_requested() if self.iteration < self.args.train_iters else None
                     if request is not None:
                         self.stop(request, saved=actions.save)
+                patch.drain()  # the last step's overlapped weight gathers: the weights are final
                 # A signal from here on waits for the final save: the run is complete.
                 if self.policy.saves_at_end(self.iteration):
                     self.save()

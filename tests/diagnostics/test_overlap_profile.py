@@ -29,9 +29,16 @@ def test_covered_is_one_pass_over_many_intervals(n):
 
 def test_kernels_and_threads_are_told_apart_by_name_and_thread():
     events = [
-        {"ph": "X", "cat": "kernel", "name": "quantize_kernel", "ts": 0, "dur": 10},
-        {"ph": "X", "cat": "kernel", "name": "dequantize_kernel", "ts": 20, "dur": 5},
-        {"ph": "X", "cat": "kernel", "name": "ampere_bf16_gemm", "ts": 5, "dur": 20},
+        {"ph": "X", "cat": "kernel", "name": "quantize_kernel", "ts": 0, "dur": 10,
+         "args": {"stream": 3}},
+        {"ph": "X", "cat": "kernel", "name": "dequantize_kernel", "ts": 20, "dur": 5,
+         "args": {"stream": 3}},
+        {"ph": "X", "cat": "kernel", "name": "ampere_bf16_gemm", "ts": 5, "dur": 20,
+         "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllToAll", "ts": 0, "dur": 30,
+         "args": {"stream": 9}},  # the collectives' own: not "other work"
+        {"ph": "X", "cat": "kernel", "name": "elementwise", "ts": 30, "dur": 5,
+         "args": {"stream": 3}},  # on the quantization kernels' stream: theirs
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 3, "tid": 7},
         {"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 1, "dur": 1, "tid": 9},
         {"ph": "M", "name": "thread_name", "tid": 7},

@@ -158,6 +158,11 @@ class MegatronAdapter:
         """The distributed optimizers inside a (possibly chained) optimizer."""
         raise NotImplementedError
 
+    def expert_bucket_groups(self, ddp) -> List[Any]:
+        """A DDP model chunk's bucket groups of expert parameters (their own data-parallel
+        group); megatron runs their collectives through the same swapped methods."""
+        raise NotImplementedError
+
     def gather_order(self, optimizer) -> List[Any]:
         """The bucket groups of a distributed optimizer's model chunks in the order the
         forward pass needs their weights (the order megatron's forward pre-hooks start

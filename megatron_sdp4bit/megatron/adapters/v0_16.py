@@ -134,10 +134,20 @@ class Adapter(MegatronAdapter):
         return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
     def gather_order(self, optimizer) -> List[Any]:
-        # DDP chains each bucket group to the one before it in its list
-        # (next_param_gather_bucket_group): the forward pass starts at the last.
-        return [group for chunk in getattr(optimizer, "model_chunks", [])
-                for group in reversed(self.ddp_bucket_groups(chunk))]
+        # DDP's bucket groups (the objects whose start_param_sync megatron calls) that
+        # hold this optimizer's buckets (dense or expert), per model chunk; DDP chains
+        # each to the one before it in its list (next_param_gather_bucket_group): the
+        # forward pass starts at the last.
+        mine = set(map(id, self.optimizer_buckets(optimizer)))
+        order = []
+        for chunk in getattr(optimizer, "model_chunks", []):
+            for groups in (self.ddp_bucket_groups(chunk), self.expert_bucket_groups(chunk)):
+                order += [group for group in reversed(groups)
+                          if all(id(bucket) in mine for bucket in self.group_buckets(group))]
+        return order
+
+    def expert_bucket_groups(self, ddp) -> List[Any]:
+        return list(getattr(ddp, "expert_parallel_bucket_groups", []))
 
     def buffer_buckets(self, optimizer) -> Iterator[Tuple[Tuple[int, int], Any]]:
         for b_index, buffer in enumerate(getattr(optimizer, "buffers", [])):
