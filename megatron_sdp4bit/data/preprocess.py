@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -141,11 +142,9 @@ def preprocess(
     except OSError as error:
         why = "a file of that name is in the way" if os.path.isfile(folder) else error.strerror or error
         raise ValueError(f"cannot create the folder of --output-prefix {output_prefix}: {folder} ({why})") from None
-    write_indexed_dataset(prefix, ids, tokenizer.vocab_size)
+    written = write_indexed_dataset(prefix, ids, tokenizer.vocab_size)
     stats.seconds = time.perf_counter() - start
-    if stats.documents == 0:  # nothing to train on: no pair of files that looks like data
-        for ext in (".bin", ".idx"):
-            os.remove(prefix + ext)
+    if written == 0:  # nothing to train on: no pair of files, and an earlier one at PREFIX kept
         raise ValueError(f"no document in {', '.join(inputs)}: the input is empty, or holds only blank "
                          "lines/empty texts; nothing was written")
     return stats
@@ -178,6 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def driver_flags(prefix: str, spec: TokenizerSpec) -> str:
+    """The driver's data flags for what was written, quoted for a shell: ``--data-path``
+    alone would be refused (it needs the tokenizer the data was made with), and a
+    path with a space would split into two prefixes."""
+    flags = ["--data-path", prefix, "--tokenizer-type", spec.tokenizer_type]
+    for flag, value in (("--vocab-file", spec.vocab_file), ("--merge-file", spec.merge_file),
+                        ("--tokenizer-model", spec.tokenizer_model)):
+        if value is not None:
+            flags += [flag, value]
+    return " ".join(shlex.quote(flag) for flag in flags)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point."""
     args = build_parser().parse_args(argv)
@@ -191,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     print(f"wrote {stats.prefix}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens "
           f"from {stats.characters} characters in {stats.seconds:.1f} s")
-    print(f"use it with: --data-path {stats.prefix}")
+    print(f"use it with: {driver_flags(stats.prefix, spec)}")
     return 0
 
 

@@ -200,3 +200,44 @@ def test_eod_token_is_checked_for_the_default_tokenizer(small_corpus_prefix, mon
     with pytest.raises(ValueError, match="'zzz' is not in its vocabulary"):
         tokenizer_types.build_tokenizer("StdlibBPETokenizer", eod_token="zzz")
     assert tokenizer_types.build_tokenizer("StdlibBPETokenizer", eod_token="<|endoftext|>").eod == 0
+
+
+def test_an_input_without_documents_keeps_the_dataset_already_at_the_prefix(tmp_path, gpt2_files, capsys):
+    """Issue 28, round two: an empty input given the prefix of an earlier dataset (a
+    mistyped --input, a file still being written) said "nothing was written", but had
+    replaced that dataset's files with its own and then removed them."""
+    vocab, merges = gpt2_files
+    (tmp_path / "doc.txt").write_text("some text to keep")
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    common = ["--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "GPT2BPETokenizer",
+              "--vocab-file", vocab, "--merge-file", merges]
+    assert main(["--input", str(tmp_path / "doc.txt")] + common) == 0
+    before = {ext: (tmp_path / f"o_text_document{ext}").read_bytes() for ext in (".bin", ".idx")}
+    assert main(["--input", str(tmp_path / "empty.jsonl")] + common) == 2
+    assert "nothing was written" in capsys.readouterr().err
+    assert {ext: (tmp_path / f"o_text_document{ext}").read_bytes() for ext in (".bin", ".idx")} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.txt", "empty.jsonl", "o_text_document.bin",
+                                                          "o_text_document.idx"]
+
+
+def test_the_suggested_driver_flags_read_the_data_back(tmp_path, gpt2_files, capsys):
+    """The line the preprocessor ends with is the driver's data flags: before, it was
+    ``--data-path PREFIX`` alone, which the driver refuses (it needs --tokenizer-type),
+    unquoted, so a folder with a space split into two prefixes."""
+    import shlex
+
+    from megatron_sdp4bit.training.arguments import parse_args
+    from megatron_sdp4bit.training.datasets import _tokenizer_and_prefixes
+
+    vocab, merges = gpt2_files
+    folder = tmp_path / "my data"
+    folder.mkdir()
+    (folder / "doc.txt").write_text("some text")
+    assert main(["--input", str(folder / "doc.txt"), "--output-prefix", str(folder / "o"),
+                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("use it with: --data-path ")
+    args = parse_args(shlex.split(line[len("use it with: "):]))
+    tokenizer, prefixes = _tokenizer_and_prefixes(args)
+    assert prefixes == [str(folder / "o_text_document")]
+    assert tokenizer.tokenize("some text") == read_indexed(prefixes[0])[0][0]
