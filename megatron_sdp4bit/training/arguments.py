@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -251,10 +252,32 @@ def _decide_evaluation(args: argparse.Namespace) -> None:
         args.no_evaluation = f"--split {args.split} gives the validation set weight 0"
 
 
+PATH_FLAGS = ("data_path", "vocab_file", "merge_file", "tokenizer_model", "data_cache_path", "save", "load",
+              "run_dir", "tensorboard_dir")
+"""Flags that name files or folders (``--data-path``'s weights are left as they are)."""
+
+
+def _expand_home(args: argparse.Namespace) -> None:
+    """``~`` in a path flag is the home folder, as the user meant: no shell expands it
+    in a config file, in quotes, or after ``=`` (``--save=~/ck``), and a folder named
+    ``~`` made in the working directory would hold the run's checkpoints where
+    ``--load ~/ck`` never looks."""
+    for dest in PATH_FLAGS:
+        value = getattr(args, dest)
+        if isinstance(value, list):
+            setattr(args, dest, [os.path.expanduser(word) for word in value])
+        elif value is not None:
+            setattr(args, dest, os.path.expanduser(value))
+
+
 def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
     def bad(message):
         raise ArgumentError(message)
 
+    _expand_home(args)
+    if args.data_path == []:  # `--data-path $DATA` with DATA unset: not the embedded corpus
+        bad("--data-path was given no prefix (an empty variable?): pass the prefix of your PREFIX.bin/"
+            "PREFIX.idx files, or drop --data-path to train on the embedded corpus")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -321,7 +344,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if flags:  # a typo on the command line: name the flag it is closest to
         raise ArgumentError(f"unrecognized arguments: {' '.join(unknown)}{nearest_flag(flags[0], parser)}")
     try:
-        config = read_config(pre.config, parser) if pre.config else ConfigFile("")
+        config = read_config(os.path.expanduser(pre.config), parser) if pre.config else ConfigFile("")
     except ValueError as error:
         raise ArgumentError(str(error)) from None
     try:
