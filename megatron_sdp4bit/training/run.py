@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import time
 from typing import Callable, Optional
 
 from megatron_sdp4bit.launcher_watch import Launcher
@@ -24,7 +23,7 @@ from megatron_sdp4bit.training.console import is_rank0, log0
 from megatron_sdp4bit.training.datasets import data_iterators
 from megatron_sdp4bit.training.distributed import all_reduce_mean, is_loss_rank, parallel_ranks
 from megatron_sdp4bit.training.meters import TrainingWindow, WireMeter
-from megatron_sdp4bit.training.metrics import MetricsLogger, plot_losses
+from megatron_sdp4bit.training.metrics import MetricsLogger, default_run_dir, plot_losses
 from megatron_sdp4bit.training.policy import Actions, StepPolicy
 from megatron_sdp4bit.training.setup import RunParts
 from megatron_sdp4bit.training.signals import StopOnSignals, StoppedBySignal, StopRequest
@@ -45,7 +44,7 @@ class TrainingRun:
         self.forward_step = forward_step or steps.forward_step
         self.policy = StepPolicy.from_args(args)
         self.iteration = parts.start_iteration
-        self.run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        self.run_dir = args.run_dir or default_run_dir()
         self.logger = MetricsLogger(self.run_dir, enabled=is_rank0(), total_iters=args.train_iters,
                                     progress_bar=not args.no_progress_bar,
                                     tensorboard_dir=args.tensorboard_dir)
@@ -223,9 +222,16 @@ class TrainingRun:
         }
         self.logger.close()
         if is_rank0() and os.path.isfile(self.logger.path):
-            args = self.args
-            summary["plot"] = plot_losses(
-                self.logger.path, os.path.join(self.run_dir, "loss.png"),
-                title=f"GPT {args.num_layers}x{args.hidden_size}"
-                + (" with SDP4Bit" if self.parts.quantized else " (exact collectives)"))
+            summary["plot"] = self.plot()
         return summary
+
+    def plot(self) -> Optional[str]:
+        """The loss curve's PNG in the run folder; None without matplotlib, or when it
+        cannot be written (said in one line: the run itself has completed)."""
+        args, png = self.args, os.path.join(self.run_dir, "loss.png")
+        try:
+            return plot_losses(self.logger.path, png, title=f"GPT {args.num_layers}x{args.hidden_size}"
+                               + (" with SDP4Bit" if self.parts.quantized else " (exact collectives)"))
+        except OSError as error:
+            log0(f"warning: the loss curve {png} could not be written ({error.strerror or error})")
+            return None

@@ -19,12 +19,14 @@ from megatron_sdp4bit.config import SDP4BitConfig, preset
 from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.training import checkpoint
 from megatron_sdp4bit.training.checkpoint.lock import SaveLock, lock_save_folder
-from megatron_sdp4bit.training.console import log0
+from megatron_sdp4bit.training.agreement import on_every_rank
+from megatron_sdp4bit.training.console import is_rank0, log0
 from megatron_sdp4bit.training.datasets import build_data
 from megatron_sdp4bit.training.distributed import (
     ParallelLayout, all_reduce_sum, check_backend_layout, describe_placement, init_distributed,
     init_model_parallel, parallel_layout)
 from megatron_sdp4bit.training.fusions import choose_fusions
+from megatron_sdp4bit.training.metrics import check_run_folders, default_run_dir
 from megatron_sdp4bit.training.model import ModelChunks, build_model, build_optimizer
 from megatron_sdp4bit.training.step import wire_schedule_hooks
 
@@ -74,8 +76,9 @@ class RunParts:
 
 def start_processes(args) -> tuple:
     """(device, layout, micro-batches per rank): the process group, the parallel layout
-    (a bad TP/PP/VP layout stops here, naming the flag), megatron's parallel state
-    and the seeds."""
+    (a bad TP/PP/VP layout stops here, naming the flag), the output folders checked
+    (``--save``, ``--run-dir``, ``--tensorboard-dir``), megatron's parallel state and
+    the seeds."""
     device = init_distributed(args.distributed_backend)
     world = torch.distributed.get_world_size()
     layout = parallel_layout(args, world)
@@ -83,6 +86,8 @@ def start_processes(args) -> tuple:
     num_microbatches = args.global_batch_size // (args.micro_batch_size * layout.data)
     if args.save:
         checkpoint.check_writable(args.save)
+    args.run_dir = args.run_dir or default_run_dir()  # the logging rank's is the one written
+    on_every_rank(lambda: check_run_folders(args.run_dir, args.tensorboard_dir) if is_rank0() else None)
     log0(f"device: {describe_placement(device)}, "
          f"{world} ranks{f' ({layout.describe()})' if world != layout.data else ''}, "
          f"{num_microbatches} micro-batches of {args.micro_batch_size} per rank")
