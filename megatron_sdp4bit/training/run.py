@@ -24,6 +24,7 @@ from megatron_sdp4bit.training.datasets import data_iterators
 from megatron_sdp4bit.training.distributed import all_reduce_mean, is_loss_rank, parallel_ranks
 from megatron_sdp4bit.training.meters import TrainingWindow, WireMeter
 from megatron_sdp4bit.training.metrics import MetricsLogger, default_run_dir, plot_losses
+from megatron_sdp4bit.training.out_of_memory import lower_the_micro_batch, says_out_of_memory
 from megatron_sdp4bit.training.policy import Actions, StepPolicy
 from megatron_sdp4bit.training.setup import RunParts
 from megatron_sdp4bit.training.signals import StopOnSignals, StoppedBySignal, StopRequest
@@ -70,8 +71,12 @@ class TrainingRun:
     def train_step(self) -> tuple:
         """One iteration: (loss tensor, grad norm, whether the optimizer stepped)."""
         parts = self.parts
-        return steps.train_step(parts.ddp, parts.optimizer, parts.scheduler, self.args, self.train_iter,
-                                parts.num_microbatches, forward_step_func=self.forward_step)
+        with says_out_of_memory(f"in iteration {self.iteration + 1}", self._lower_the_micro_batch()):
+            return steps.train_step(parts.ddp, parts.optimizer, parts.scheduler, self.args, self.train_iter,
+                                    parts.num_microbatches, forward_step_func=self.forward_step)
+
+    def _lower_the_micro_batch(self) -> str:
+        return lower_the_micro_batch(self.args.micro_batch_size, self.args.global_batch_size)
 
     def advance(self) -> Actions:
         """One iteration, its bookkeeping, the callback, then the policy's actions."""
@@ -188,9 +193,11 @@ class TrainingRun:
         between its batches (a long evaluation would outlast the launcher's grace
         period, and the checkpoint with it): nothing is logged, the stop follows."""
         parts = self.parts
-        loss = steps.evaluate(parts.ddp, self.args, parts.valid_ds, parts.layout, parts.num_microbatches,
-                              forward_step_func=self.forward_step,
-                              stop=self.stop_requested if may_stop and self.stop_signals is not None else None)
+        with says_out_of_memory(f"in the evaluation after iteration {self.iteration}",
+                                self._lower_the_micro_batch()):
+            loss = steps.evaluate(parts.ddp, self.args, parts.valid_ds, parts.layout, parts.num_microbatches,
+                                  forward_step_func=self.forward_step,
+                                  stop=self.stop_requested if may_stop and self.stop_signals is not None else None)
         if loss is None:
             log0(f"iteration {self.iteration}: evaluation cut short by the stop (not logged)")
             return None

@@ -28,7 +28,12 @@ from megatron_sdp4bit.training.distributed import (
 from megatron_sdp4bit.training.fusions import choose_fusions
 from megatron_sdp4bit.training.metrics import check_run_folders, default_run_dir
 from megatron_sdp4bit.training.model import ModelChunks, build_model, build_optimizer
+from megatron_sdp4bit.training.out_of_memory import says_out_of_memory
 from megatron_sdp4bit.training.step import wire_schedule_hooks
+
+
+BUILD_SMALLER = ("build a smaller model (--num-layers, --hidden-size), or split it over more ranks "
+                 "(--tensor-model-parallel-size, --pipeline-model-parallel-size)")
 
 
 class NothingToTrain(RuntimeError):
@@ -196,7 +201,9 @@ def set_up(args) -> RunParts:
     try:
         config, quantized = install_layer(args, layout)
         tokenizer, train_ds, valid_ds = build_data(args)
-        model, ddp, optimizer, scheduler = build_training(args, tokenizer.vocab_size, device)
+        with says_out_of_memory(f"building the model (GPT {args.num_layers} layers x {args.hidden_size}) and "
+                                "its optimizer", BUILD_SMALLER):
+            model, ddp, optimizer, scheduler = build_training(args, tokenizer.vocab_size, device)
         if quantized:  # collective (plans the node layout), logged by rank 0 for its own stage
             footprint = patch.memory(optimizer, sum(p.numel() for p in ddp.parameters()))
             log0(f"sdp4bit memory on rank 0: {footprint.describe()}")
