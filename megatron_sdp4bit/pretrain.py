@@ -12,6 +12,7 @@ code. Without a GPU it runs on gloo with the CPU backend.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from contextlib import nullcontext
 from typing import Callable, Optional
@@ -31,7 +32,8 @@ from megatron_sdp4bit.training.out_of_memory import OutOfMemory
 from megatron_sdp4bit.training.report import print_summary, report_crash, report_stop
 from megatron_sdp4bit.training.run import NonFiniteTraining, TrainingRun
 from megatron_sdp4bit.training.setup import NothingToTrain, set_up
-from megatron_sdp4bit.training.signals import StopBeforeTraining, StoppedBySignal, StoppedDuringSetUp
+from megatron_sdp4bit.training.signals import (
+    StopBeforeTraining, StoppedBySignal, StoppedDuringSetUp, interrupted_without_handler)
 
 __all__ = ["main", "run", "NonFiniteTraining", "NothingToTrain"]
 
@@ -78,6 +80,9 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     except StoppedDuringSetUp as exc:  # not an Exception: see its docstring
         return report_stop("stopped", exc, exc.exit_code, "rank 0, now")
+    except KeyboardInterrupt:  # Ctrl-C with the handler off (it is on with --save)
+        stop = StoppedBySignal(interrupted_without_handler(args.save), signal.SIGINT)
+        return report_stop("stopped", stop, stop.exit_code, "rank 0, now")
     except Exception as exc:
         exc = lost_peer(exc) or exc
         for kinds, kind, code, who in STOPS:
