@@ -76,9 +76,38 @@ def check_run_folders(run_dir: str, tensorboard_dir: Optional[str]) -> None:
                   tensorboard_dir or os.path.join(run_dir, "tensorboard"))
 
 
+def set_aside_later_records(path: str, start_iteration: int) -> Optional[str]:
+    """Records of ``path`` past ``start_iteration`` belong to a run this one replaces (an
+    earlier run in the same ``--run-dir``, or the steps after the checkpoint a resume
+    starts from): appended to, the file would hold two runs' iterations, and the loss
+    plot would draw them as one curve. They go to ``metrics.replaced-<time>.jsonl``
+    beside it (returned; None when there were none)."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line)["iteration"] <= start_iteration
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+            return False
+
+    keep = [line for line in lines if kept(line)]
+    if len(keep) == len(lines):
+        return None
+    aside = os.path.join(os.path.dirname(path), f"metrics.replaced-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    with open(aside, "a", encoding="utf-8") as f:
+        f.writelines(line for line in lines if not kept(line))
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+    return aside
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str, enabled: bool, total_iters: int,
-                 progress_bar: bool = True, tensorboard_dir: Optional[str] = None):
+                 progress_bar: bool = True, tensorboard_dir: Optional[str] = None, start_iteration: int = 0):
         self.enabled = enabled
         self.run_dir = run_dir
         self.total_iters = total_iters
@@ -90,6 +119,12 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
+        aside = set_aside_later_records(self.path, start_iteration)
+        if aside is not None:
+            whose = ("an earlier run's records, and this run starts from scratch" if start_iteration == 0 else
+                     f"records past iteration {start_iteration}, where this run resumes (steps trained after "
+                     "its checkpoint, or another run's)")
+            print(f"{self.path} held {whose}: they are moved to {aside}", flush=True)
         self._file = open(self.path, "a", encoding="utf-8")
         SummaryWriter = summary_writer_class()
         if SummaryWriter is not None:

@@ -48,7 +48,7 @@ class TrainingRun:
         self.run_dir = args.run_dir or default_run_dir()
         self.logger = MetricsLogger(self.run_dir, enabled=is_rank0(), total_iters=args.train_iters,
                                     progress_bar=not args.no_progress_bar,
-                                    tensorboard_dir=args.tensorboard_dir)
+                                    tensorboard_dir=args.tensorboard_dir, start_iteration=self.iteration)
         self.meter = WireMeter()
         self.train_iter = data_iterators(parts.train_ds, args, parts.layout,
                                          self.iteration * args.global_batch_size)

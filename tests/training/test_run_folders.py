@@ -89,3 +89,30 @@ def test_a_run_whose_metrics_cannot_be_written_still_trains_and_saves(tmp_path):
     assert [line for line in done.stderr.splitlines() if "metrics" in line] == [
         "warning: iteration 1: writing the metrics in run failed (No space left on device); training goes on, "
         "its log lines below are the only record"]
+
+
+def _records(path):
+    return [(r["kind"], r["iteration"]) for r in metrics.read_metrics(str(path))]
+
+
+def test_records_past_the_start_are_moved_aside_not_mixed_with_this_runs(tmp_path, capsys):
+    """Issue 28, round two: a run started again in the same --run-dir appended to the
+    earlier run's metrics.jsonl (iterations 1, 2, 3, 1, 2, ...), and loss.png drew both
+    as one curve; a resume after a crash logged the steps after its checkpoint twice."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"kind": "train", "iteration": {i}, "loss": {9 - i}}}\n' for i in (1, 2, 3))
+                    + '{"kind": "valid", "iteration": 2, "loss": 7}\n{"kind": "train", "iter')  # cut by a crash
+    logger = MetricsLogger(str(tmp_path), enabled=True, total_iters=4, progress_bar=False, start_iteration=2)
+    logger.log("valid", {"iteration": 3, "loss": 5.5})
+    logger.close()
+    assert _records(path) == [("train", 1), ("train", 2), ("valid", 2), ("valid", 3)]
+    (aside,) = tmp_path.glob("metrics.replaced-*.jsonl")
+    assert aside.read_text() == '{"kind": "train", "iteration": 3, "loss": 6}\n{"kind": "train", "iter'
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{path} held records past iteration 2, where this run resumes (steps trained after its checkpoint, or "
+        f"another run's): they are moved to {aside}")
+    MetricsLogger(str(tmp_path), enabled=True, total_iters=4, progress_bar=False).close()  # from scratch
+    assert _records(path) == [] and "held an earlier run's records, and this run starts from scratch" in \
+        capsys.readouterr().out
+    assert MetricsLogger(str(tmp_path / "new"), enabled=True, total_iters=4, progress_bar=False).path  # no file yet
+    assert capsys.readouterr().out == ""
