@@ -17,6 +17,7 @@ import argparse
 import multiprocessing
 import os
 import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ _worker_tokenizer: Optional[Tokenizer] = None
 
 def _init_worker(spec: TokenizerSpec) -> None:
     global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the main process's to handle: it ends the pool
     _worker_tokenizer = spec.build()
 
 
@@ -200,6 +202,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, OSError) as error:
         print(f"sdp4bit-preprocess: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the files are written under temporary names, removed on the way out
+        print(f"sdp4bit-preprocess: interrupted (Ctrl-C): nothing was written to {args.output_prefix}",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
     print(f"wrote {stats.prefix}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens "
           f"from {stats.characters} characters in {stats.seconds:.1f} s")
     print(f"use it with: {driver_flags(stats.prefix, spec)}")

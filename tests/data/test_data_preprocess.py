@@ -241,3 +241,36 @@ def test_the_suggested_driver_flags_read_the_data_back(tmp_path, gpt2_files, cap
     tokenizer, prefixes = _tokenizer_and_prefixes(args)
     assert prefixes == [str(folder / "o_text_document")]
     assert tokenizer.tokenize("some text") == read_indexed(prefixes[0])[0][0]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_is_one_line_and_leaves_no_files(tmp_path, small_corpus_prefix, workers):
+    """Issue 28, round two: Ctrl-C printed ``KeyboardInterrupt``'s traceback (with
+    --workers, one per worker too). Now one line, exit 130, and neither the pair of
+    files nor their temporary names are left (an earlier dataset there stays)."""
+    import random
+    import signal
+    import time
+
+    words = "the quick brown fox jumps over a lazy dog while python code runs".split()
+    rng = random.Random(0)
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join('{"text": "%s"}\n' % " ".join(rng.choice(words) for _ in range(300))
+                           for _ in range(30000)))
+    model = os.path.join(os.path.dirname(small_corpus_prefix), "tokenizer.json")
+    out = tmp_path / "o"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                                          os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_sdp4bit.data.preprocess", "--input", str(big),
+                             "--output-prefix", str(out), "--tokenizer-model", model, "--workers", str(workers)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "o_text_document.bin.tmp").exists():  # encoding has begun
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip() == f"sdp4bit-preprocess: interrupted (Ctrl-C): nothing was written to {out}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
