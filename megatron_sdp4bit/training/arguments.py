@@ -257,13 +257,26 @@ PATH_FLAGS = ("data_path", "vocab_file", "merge_file", "tokenizer_model", "data_
 """Flags that name files or folders (``--data-path``'s weights are left as they are)."""
 
 
-def _expand_home(args: argparse.Namespace) -> None:
-    """``~`` in a path flag is the home folder, as the user meant: no shell expands it
-    in a config file, in quotes, or after ``=`` (``--save=~/ck``), and a folder named
-    ``~`` made in the working directory would hold the run's checkpoints where
-    ``--load ~/ck`` never looks."""
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """An empty path (``--save "$CKPT"`` with CKPT unset) is refused: taken as no flag,
+    it saved nothing (``--save``) or started from scratch (``--load``) without a word.
+    ``~`` is the home folder, as the user meant: no shell expands it in a config file,
+    in quotes, or after ``=`` (``--save=~/ck``), and a folder named ``~`` made in the
+    working directory would hold the run's checkpoints where ``--load ~/ck`` never
+    looks."""
+    if args.data_path == []:  # `--data-path $DATA` with DATA unset: not the embedded corpus
+        raise ArgumentError("--data-path was given no prefix (an empty variable?): pass the prefix of your "
+                            "PREFIX.bin/PREFIX.idx files, or drop --data-path to train on the embedded corpus")
     for dest in PATH_FLAGS:
         value = getattr(args, dest)
+        words = value if isinstance(value, list) else [value]
+        if "" in words:
+            raise ArgumentError(f"{_flag(dest)} was given an empty path (an empty variable?): pass the path, or "
+                                f"drop {_flag(dest)}")
         if isinstance(value, list):
             setattr(args, dest, [os.path.expanduser(word) for word in value])
         elif value is not None:
@@ -274,10 +287,7 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
     def bad(message):
         raise ArgumentError(message)
 
-    _expand_home(args)
-    if args.data_path == []:  # `--data-path $DATA` with DATA unset: not the embedded corpus
-        bad("--data-path was given no prefix (an empty variable?): pass the prefix of your PREFIX.bin/"
-            "PREFIX.idx files, or drop --data-path to train on the embedded corpus")
+    _check_paths(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -343,6 +353,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     flags = [word.split("=", 1)[0] for word in unknown if word.startswith("--")]
     if flags:  # a typo on the command line: name the flag it is closest to
         raise ArgumentError(f"unrecognized arguments: {' '.join(unknown)}{nearest_flag(flags[0], parser)}")
+    if pre.config == "":
+        raise ArgumentError("--config was given an empty path (an empty variable?): pass the YAML file, or drop "
+                            "--config")
     try:
         config = read_config(os.path.expanduser(pre.config), parser) if pre.config else ConfigFile("")
     except ValueError as error:

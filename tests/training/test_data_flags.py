@@ -22,6 +22,23 @@ def test_an_empty_data_path_is_refused_rather_than_the_embedded_corpus_trained()
     assert parse_args([]).data_path is None  # without the flag: the embedded corpus
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["--save", ""], "--save"), (["--load="], "--load"), (["--run-dir", ""], "--run-dir"),
+    (["--data-path", "1", "", "--tokenizer-type", "GPT2BPETokenizer"], "--data-path"),
+    (["--vocab-file", ""], "--vocab-file"), (["--tensorboard-dir", ""], "--tensorboard-dir"),
+])
+def test_an_empty_path_is_refused_rather_than_taken_as_no_flag(argv, flag):
+    """``--save "$CKPT"`` with CKPT unset: before, the run trained and saved nothing, and
+    ``--load ""`` started from scratch, both without a word (an empty string was taken
+    as the flag's absence)."""
+    with pytest.raises(ArgumentError) as refused:
+        parse_args(argv)
+    assert str(refused.value) == (f"{flag} was given an empty path (an empty variable?): pass the path, or "
+                                  f"drop {flag}")
+    with pytest.raises(ArgumentError, match=r"^--config was given an empty path \(an empty variable\?\)"):
+        parse_args(["--config", ""])
+
+
 def test_a_home_folder_no_shell_expanded_is_the_home_folder(tmp_path, monkeypatch):
     """Before: ``save: ~/ck`` in a config file (or ``--save=~/ck``, or quoted) saved into a
     folder named ``~`` in the working directory, where ``--load ~/ck`` never looked."""
