@@ -131,6 +131,9 @@ def preprocess(
     """
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}.")
+    if not output_prefix:  # `--output-prefix "$OUT"` with OUT unset
+        raise ValueError("--output-prefix was given an empty path (an empty variable?): pass where the data "
+                         "goes, e.g. data/my")
     check_inputs(inputs)
     tokenizer = spec.build()  # before any worker starts: trains the default once
     prefix = output_prefix_for(output_prefix, json_key)

@@ -274,3 +274,14 @@ def test_ctrl_c_is_one_line_and_leaves_no_files(tmp_path, small_corpus_prefix, w
     assert proc.returncode == 130, err[-3000:]
     assert err.strip() == f"sdp4bit-preprocess: interrupted (Ctrl-C): nothing was written to {out}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
+
+
+def test_an_empty_output_prefix_is_refused(tmp_path, capsys, monkeypatch):
+    """``--output-prefix "$OUT"`` with OUT unset wrote ``_text_document.bin/.idx`` into the
+    working directory (issue 28, round two)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.txt").write_text("some text")
+    assert main(["--input", "doc.txt", "--output-prefix", ""]) == 2
+    assert capsys.readouterr().err.strip() == ("sdp4bit-preprocess: error: --output-prefix was given an empty path "
+                                               "(an empty variable?): pass where the data goes, e.g. data/my")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.txt"]

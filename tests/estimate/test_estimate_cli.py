@@ -117,6 +117,15 @@ def test_a_cluster_type_without_nodes_asks_for_the_nodes_only(capsys):
         "gives the rest, not how many nodes)")
 
 
+def test_an_empty_config_path_is_refused_rather_than_the_default_model_estimated(capsys):
+    """Issue 28, round two: ``--config "$CONFIG"`` with CONFIG unset estimated the driver's
+    default model (2 layers x 128) under the user's cluster, without a word."""
+    assert cli.main(["--config", "", "--cluster-type", "h800-ib", "--nodes", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "sdp4bit-estimate: error: --config was given an empty path (an empty variable?): pass the YAML file, or "
+        "drop --config to estimate the driver's default model")
+
+
 def test_cluster_type_gives_the_defaults_and_flags_win(capsys):
     from megatron_sdp4bit.estimate.clusters import A100_SLINGSHOT
 
