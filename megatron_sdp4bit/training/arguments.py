@@ -314,6 +314,10 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
         bad("--save-interval needs --save DIR")
     if args.exit_signal_handler is None:  # a stop with somewhere to save saves
         args.exit_signal_handler = bool(args.save)
+    if args.exit_signal != "SIGTERM" and not args.exit_signal_handler:  # the signal would end the run unheard
+        bad(f"--exit-signal {args.exit_signal} is handled by the exit-signal handler, which is off "
+            f"({'--no-exit-signal-handler' if args.save else 'no --save'}): add --save DIR "
+            "(or --exit-signal-handler), or drop --exit-signal")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         bad("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
             "use this run's schedule or the checkpoint's, not both")
