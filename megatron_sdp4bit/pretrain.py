@@ -12,6 +12,7 @@ code. Without a GPU it runs on gloo with the CPU backend.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from contextlib import nullcontext
 from typing import Callable, Optional
@@ -26,10 +27,13 @@ from megatron_sdp4bit.training.arguments import ArgumentError, parse_args
 from megatron_sdp4bit.training.checkpoint import CheckpointError
 from megatron_sdp4bit.training.console import outlive_the_console
 from megatron_sdp4bit.training.distributed import shutdown
+from megatron_sdp4bit.training.lost_peer import LostPeer, lost_peer
+from megatron_sdp4bit.training.out_of_memory import OutOfMemory
 from megatron_sdp4bit.training.report import print_summary, report_crash, report_stop
 from megatron_sdp4bit.training.run import NonFiniteTraining, TrainingRun
 from megatron_sdp4bit.training.setup import NothingToTrain, set_up
-from megatron_sdp4bit.training.signals import StopBeforeTraining, StoppedBySignal, StoppedDuringSetUp
+from megatron_sdp4bit.training.signals import (
+    StopBeforeTraining, StoppedBySignal, StoppedDuringSetUp, interrupted_without_handler)
 
 __all__ = ["main", "run", "NonFiniteTraining", "NothingToTrain"]
 
@@ -56,6 +60,9 @@ STOPS = (
     (ReplicaMismatch, "stopped", 4, "rank 0"),
     ((ArgumentError, CheckpointError, AgreedError), "error", 2, "rank 0"),
     ((FileNotFoundError, ValueError), "error", 2, "each rank"),
+    # A rank out of memory may be alone (a pipeline stage): the others are in a collective with it.
+    (OutOfMemory, "error", 2, "each rank"),
+    (LostPeer, "stopped", 1, "each rank"),  # one of those others: the first failure says why
 )
 
 
@@ -73,7 +80,11 @@ def main(argv: Optional[list] = None) -> int:
         return 0
     except StoppedDuringSetUp as exc:  # not an Exception: see its docstring
         return report_stop("stopped", exc, exc.exit_code, "rank 0, now")
+    except KeyboardInterrupt:  # Ctrl-C with the handler off (it is on with --save)
+        stop = StoppedBySignal(interrupted_without_handler(args.save), signal.SIGINT)
+        return report_stop("stopped", stop, stop.exit_code, "rank 0, now")
     except Exception as exc:
+        exc = lost_peer(exc) or exc
         for kinds, kind, code, who in STOPS:
             if isinstance(exc, kinds):
                 return report_stop(kind, exc, exc.exit_code if code is None else code, who)

@@ -12,10 +12,12 @@
 #   NNODES=4 NODE_RANK=1 MASTER_ADDR=node0 scripts/pretrain_gpt.sh 6.7b ...   (on node1, ...)
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
-size="${1:?usage: $0 SIZE (125m|350m|1.3b|2.7b|6.7b) [flags]}"
+if [ $# -eq 0 ]; then
+  echo "pretrain_gpt.sh: error: usage: $0 SIZE (125m|350m|1.3b|2.7b|6.7b) [flags]" >&2
+  exit 2
+fi
+size="$1"
 shift
-config="$here/configs/gpt_${size}.yaml"
-[ -f "$config" ] || { echo "no config for size '$size' ($config)" >&2; exit 2; }
 # The project's Python: $PYTHON, else this checkout's .venv (what `make setup` makes),
 # else python3 from PATH; one that cannot import the package is refused here, not by
 # every rank after torchrun started.
@@ -31,43 +33,10 @@ if ! "$python" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('m
        "'make setup' in $here (it makes .venv), or set PYTHON to the interpreter that has them" >&2
   exit 2
 fi
-gpus="${GPUS_PER_NODE:-$("$python" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}"
-nnodes="${NNODES:-1}"
-
-# TP and PP as the driver will see them (the last --flag on the command line wins over
-# the config), checked against the machines before torchrun starts anything.
-read -r tp pp < <("$python" - "$config" "$@" <<'EOF'
-import sys
-
-import yaml
-
-config = yaml.safe_load(open(sys.argv[1])) or {}
-sizes = {"tensor": int(config.get("tensor_model_parallel_size", 1)),
-         "pipeline": int(config.get("pipeline_model_parallel_size", 1))}
-argv = sys.argv[2:]
-for i, arg in enumerate(argv):
-    for kind in sizes:
-        flag = f"--{kind}-model-parallel-size"
-        if arg == flag and i + 1 < len(argv):
-            sizes[kind] = int(argv[i + 1])
-        elif arg.startswith(flag + "="):
-            sizes[kind] = int(arg.split("=", 1)[1])
-print(sizes["tensor"], sizes["pipeline"])
-EOF
-)
-[ -n "${tp:-}" ] && [ -n "${pp:-}" ] || { echo "could not read the parallel sizes of $config" >&2; exit 2; }
-world=$((nnodes * gpus))
-if (( gpus % tp )); then
-  echo "$size: --tensor-model-parallel-size $tp does not divide the $gpus GPUs of a node" \
-       "(tensor parallelism stays inside a node); set GPUS_PER_NODE or pass another size" >&2
-  exit 2
-fi
-if (( world % (tp * pp) )); then
-  echo "$size: $nnodes node(s) x $gpus GPUs = $world ranks is not divisible by" \
-       "--tensor-model-parallel-size $tp x --pipeline-model-parallel-size $pp" >&2
-  exit 2
-fi
-echo "GPT-$size: TP $tp x PP $pp x DP $((world / (tp * pp))) on $nnodes node(s) x $gpus GPUs" >&2
-exec "$python" -m torch.distributed.run --nnodes "$nnodes" --node-rank "${NODE_RANK:-0}" \
-  --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \
-  --nproc-per-node "$gpus" -m megatron_sdp4bit.pretrain --config "$config" "$@"
+# The size's config, every flag (the driver's own parser), the node variables and
+# TP/PP against the machines, checked once here before torchrun starts anything
+# (megatron_sdp4bit/gpt_launch.py); it prints the layout and torchrun's node flags.
+words="$("$python" -m megatron_sdp4bit.gpt_launch "$here/configs" "$size" "$@")" || exit $?
+read -r -a node_flags <<< "$words"
+exec "$python" -m torch.distributed.run "${node_flags[@]}" \
+  -m megatron_sdp4bit.pretrain --config "$here/configs/gpt_${size}.yaml" "$@"

@@ -50,6 +50,12 @@ def token_dtype_for(vocab_size: int) -> type:
     return numpy.uint16 if vocab_size < 65500 else numpy.int32
 
 
+def _remove(*paths: str) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)
+
+
 def write_indexed_dataset(
     prefix: str, documents: Iterable[Sequence[int]], vocab_size: int
 ) -> int:
@@ -57,7 +63,9 @@ def write_indexed_dataset(
 
     Files are written under temporary names and renamed at the end, so an
     interrupted run never leaves a pair that looks valid. Empty documents are
-    skipped (they hold no token to train on). Returns the number of documents.
+    skipped (they hold no token to train on). Returns the number of documents;
+    with none, nothing is renamed: files already at ``PREFIX`` (an earlier
+    dataset) stay as they were.
     """
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -80,10 +88,11 @@ def write_indexed_dataset(
         builder.finalize(idx_tmp)
     except BaseException:
         builder.data_file.close()
-        for path in (bin_tmp, idx_tmp):
-            if os.path.exists(path):
-                os.remove(path)
+        _remove(bin_tmp, idx_tmp)
         raise
+    if count == 0:  # no pair of files that looks like data, and an earlier one stays
+        _remove(bin_tmp, idx_tmp)
+        return 0
     os.replace(bin_tmp, prefix + ".bin")
     os.replace(idx_tmp, prefix + ".idx")
     return count

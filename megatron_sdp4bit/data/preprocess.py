@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -63,6 +65,7 @@ _worker_tokenizer: Optional[Tokenizer] = None
 
 def _init_worker(spec: TokenizerSpec) -> None:
     global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the main process's to handle: it ends the pool
     _worker_tokenizer = spec.build()
 
 
@@ -128,6 +131,9 @@ def preprocess(
     """
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}.")
+    if not output_prefix:  # `--output-prefix "$OUT"` with OUT unset
+        raise ValueError("--output-prefix was given an empty path (an empty variable?): pass where the data "
+                         "goes, e.g. data/my")
     check_inputs(inputs)
     tokenizer = spec.build()  # before any worker starts: trains the default once
     prefix = output_prefix_for(output_prefix, json_key)
@@ -141,11 +147,9 @@ def preprocess(
     except OSError as error:
         why = "a file of that name is in the way" if os.path.isfile(folder) else error.strerror or error
         raise ValueError(f"cannot create the folder of --output-prefix {output_prefix}: {folder} ({why})") from None
-    write_indexed_dataset(prefix, ids, tokenizer.vocab_size)
+    written = write_indexed_dataset(prefix, ids, tokenizer.vocab_size)
     stats.seconds = time.perf_counter() - start
-    if stats.documents == 0:  # nothing to train on: no pair of files that looks like data
-        for ext in (".bin", ".idx"):
-            os.remove(prefix + ext)
+    if written == 0:  # nothing to train on: no pair of files, and an earlier one at PREFIX kept
         raise ValueError(f"no document in {', '.join(inputs)}: the input is empty, or holds only blank "
                          "lines/empty texts; nothing was written")
     return stats
@@ -178,6 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def driver_flags(prefix: str, spec: TokenizerSpec) -> str:
+    """The driver's data flags for what was written, quoted for a shell: ``--data-path``
+    alone would be refused (it needs the tokenizer the data was made with), and a
+    path with a space would split into two prefixes."""
+    flags = ["--data-path", prefix, "--tokenizer-type", spec.tokenizer_type]
+    for flag, value in (("--vocab-file", spec.vocab_file), ("--merge-file", spec.merge_file),
+                        ("--tokenizer-model", spec.tokenizer_model)):
+        if value is not None:
+            flags += [flag, value]
+    return " ".join(shlex.quote(flag) for flag in flags)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point."""
     args = build_parser().parse_args(argv)
@@ -189,9 +205,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, OSError) as error:
         print(f"sdp4bit-preprocess: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the files are written under temporary names, removed on the way out
+        print(f"sdp4bit-preprocess: interrupted (Ctrl-C): nothing was written to {args.output_prefix}",
+              file=sys.stderr)
+        return 128 + signal.SIGINT
     print(f"wrote {stats.prefix}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens "
           f"from {stats.characters} characters in {stats.seconds:.1f} s")
-    print(f"use it with: --data-path {stats.prefix}")
+    print(f"use it with: {driver_flags(stats.prefix, spec)}")
     return 0
 
 

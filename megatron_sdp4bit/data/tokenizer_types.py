@@ -15,6 +15,24 @@ from megatron_sdp4bit.data.corpus import default_tokenizer
 from megatron_sdp4bit.data.tokenizer import EOD_TOKEN, Tokenizer, load_gpt2_bpe, load_huggingface
 
 TOKENIZER_TYPES = ("StdlibBPETokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+TOKENIZER_FILES = {"GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+                   "HuggingFaceTokenizer": ("--tokenizer-model",),
+                   "StdlibBPETokenizer": ("--tokenizer-model",)}  # (the first that reads a flag is named)
+"""The file flags each tokenizer type reads (StdlibBPETokenizer's: an already trained one)."""
+
+
+def check_tokenizer_files(tokenizer_type: str, given: dict) -> None:
+    """A file flag the tokenizer type does not read is refused: ignored, it would leave
+    the user believing the run tokenizes with that file. ``given``: flag -> value."""
+    unread = [flag for flag, value in given.items()
+              if value is not None and flag not in TOKENIZER_FILES.get(tokenizer_type, given)]
+    if unread:
+        reads = " and ".join(TOKENIZER_FILES[tokenizer_type])
+        them = "it" if len(unread) == 1 else "them"
+        readers = [kind for kind, flags in TOKENIZER_FILES.items() if set(unread) <= set(flags)]
+        instead = f", or pass --tokenizer-type {readers[0]}, which reads {them}" if readers else ""
+        raise ValueError(f"--tokenizer-type {tokenizer_type} reads {reads}, not {' or '.join(unread)}: drop "
+                         f"{them}{instead}")
 
 
 @dataclass(frozen=True)
@@ -52,6 +70,8 @@ def build_tokenizer(
         eod_token: overrides the end-of-document token string.
         cache_dir: where the default tokenizer is cached (StdlibBPETokenizer).
     """
+    check_tokenizer_files(tokenizer_type, {"--vocab-file": vocab_file, "--merge-file": merge_file,
+                                           "--tokenizer-model": tokenizer_model})
     if tokenizer_type == "GPT2BPETokenizer":
         return load_gpt2_bpe(vocab_file, merge_file, eod_token or EOD_TOKEN)
     if tokenizer_type == "HuggingFaceTokenizer":

@@ -257,9 +257,10 @@ def _run_estimate(args) -> int:
                                         ("--inter-gbps", args.inter_gbps)) if value is None]
     if args.tflops is None and args.compute_s is None:
         missing.append("--tflops or --compute-s")
-    if missing:
-        return _fail(missing[0], "the following arguments are required: " + ", ".join(missing)
-                     + " (or take a cluster's with --cluster-type)")
+    if missing:  # a cluster type gives all but the node count
+        hint = (f"--cluster-type {args.cluster_type} gives the rest, not how many nodes" if ctype
+                else "or take a cluster's with --cluster-type")
+        return _fail(missing[0], "the following arguments are required: " + ", ".join(missing) + f" ({hint})")
     kernels = _kernel_model(args, ctype)
     latency = _latency(args.latency_us) or (ctype.latency if ctype else None)
     return _estimate_and_print(args, variants, kernels, latency)

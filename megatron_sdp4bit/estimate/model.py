@@ -83,6 +83,9 @@ def load_model_shape(config_path: Optional[str], vocab_size: Optional[int] = Non
     """
     from megatron_sdp4bit.training.arguments import ArgumentError, build_parser, yaml_to_argv
 
+    if config_path == "":  # `--config "$CONFIG"` with CONFIG unset: not the driver's defaults
+        raise ModelError("--config", "--config was given an empty path (an empty variable?): pass the YAML file, "
+                         "or drop --config to estimate the driver's default model")
     parser = build_parser()
     try:
         argv = yaml_to_argv(config_path, parser) if config_path else []

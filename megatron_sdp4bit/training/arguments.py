@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -251,10 +252,42 @@ def _decide_evaluation(args: argparse.Namespace) -> None:
         args.no_evaluation = f"--split {args.split} gives the validation set weight 0"
 
 
+PATH_FLAGS = ("data_path", "vocab_file", "merge_file", "tokenizer_model", "data_cache_path", "save", "load",
+              "run_dir", "tensorboard_dir")
+"""Flags that name files or folders (``--data-path``'s weights are left as they are)."""
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """An empty path (``--save "$CKPT"`` with CKPT unset) is refused: taken as no flag,
+    it saved nothing (``--save``) or started from scratch (``--load``) without a word.
+    ``~`` is the home folder, as the user meant: no shell expands it in a config file,
+    in quotes, or after ``=`` (``--save=~/ck``), and a folder named ``~`` made in the
+    working directory would hold the run's checkpoints where ``--load ~/ck`` never
+    looks."""
+    if args.data_path == []:  # `--data-path $DATA` with DATA unset: not the embedded corpus
+        raise ArgumentError("--data-path was given no prefix (an empty variable?): pass the prefix of your "
+                            "PREFIX.bin/PREFIX.idx files, or drop --data-path to train on the embedded corpus")
+    for dest in PATH_FLAGS:
+        value = getattr(args, dest)
+        words = value if isinstance(value, list) else [value]
+        if "" in words:
+            raise ArgumentError(f"{_flag(dest)} was given an empty path (an empty variable?): pass the path, or "
+                                f"drop {_flag(dest)}")
+        if isinstance(value, list):
+            setattr(args, dest, [os.path.expanduser(word) for word in value])
+        elif value is not None:
+            setattr(args, dest, os.path.expanduser(value))
+
+
 def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
     def bad(message):
         raise ArgumentError(message)
 
+    _check_paths(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -281,6 +314,10 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
         bad("--save-interval needs --save DIR")
     if args.exit_signal_handler is None:  # a stop with somewhere to save saves
         args.exit_signal_handler = bool(args.save)
+    if args.exit_signal != "SIGTERM" and not args.exit_signal_handler:  # the signal would end the run unheard
+        bad(f"--exit-signal {args.exit_signal} is handled by the exit-signal handler, which is off "
+            f"({'--no-exit-signal-handler' if args.save else 'no --save'}): add --save DIR "
+            "(or --exit-signal-handler), or drop --exit-signal")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         bad("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
             "use this run's schedule or the checkpoint's, not both")
@@ -320,8 +357,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     flags = [word.split("=", 1)[0] for word in unknown if word.startswith("--")]
     if flags:  # a typo on the command line: name the flag it is closest to
         raise ArgumentError(f"unrecognized arguments: {' '.join(unknown)}{nearest_flag(flags[0], parser)}")
+    if pre.config == "":
+        raise ArgumentError("--config was given an empty path (an empty variable?): pass the YAML file, or drop "
+                            "--config")
     try:
-        config = read_config(pre.config, parser) if pre.config else ConfigFile("")
+        config = read_config(os.path.expanduser(pre.config), parser) if pre.config else ConfigFile("")
     except ValueError as error:
         raise ArgumentError(str(error)) from None
     try:

@@ -42,9 +42,12 @@ def _tokenizer_and_prefixes(args) -> tuple:
             args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
             tokenizer_model=args.tokenizer_model))
         return tokenizer, args.data_path
-    if args.tokenizer_type not in (None, "StdlibBPETokenizer"):  # (a config file may name one)
-        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type} needs --data-path (without it the run "
-                            "trains on the embedded corpus, which has its own tokenizer)")
+    files = [flag for flag, value in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file),
+                                      ("--tokenizer-model", args.tokenizer_model)) if value is not None]
+    if args.tokenizer_type not in (None, "StdlibBPETokenizer") or files:  # (a config file may name one)
+        given = f"--tokenizer-type {args.tokenizer_type}" if not files else " and ".join(files)
+        raise ArgumentError(f"{given} needs --data-path (without it the run trains on the embedded corpus, "
+                            "which has its own tokenizer)")
     prefix = on_every_rank(lambda: prepare_default_corpus(max_mb=args.default_corpus_mb))
     log0(f"data: embedded corpus (Python standard library) at {prefix}")
     return load_default_corpus_tokenizer(prefix), [prefix]

@@ -27,6 +27,11 @@ from megatron_sdp4bit.training.arguments import ArgumentError, check_parallel_si
 BACKENDS = ("nccl", "gloo")
 
 
+class LauncherEnvironmentError(ValueError):
+    """A launcher's variable (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) this process
+    cannot run with; said by each process that has it (they may differ by rank)."""
+
+
 @dataclass(frozen=True)
 class ProcessPlacement:
     """Where this rank runs: its process-group backend, device type and GPU."""
@@ -84,9 +89,14 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.
     if "RANK" not in os.environ:  # plain `python -m ...`: one rank
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    rank, world = launcher_int("RANK", 0), launcher_int("WORLD_SIZE", 1, minimum=1)
+    local_rank = launcher_int("LOCAL_RANK", 0)
+    local_world = launcher_int("LOCAL_WORLD_SIZE", world, minimum=1)
+    if rank >= world or local_rank >= local_world:
+        raise LauncherEnvironmentError(
+            f"RANK={rank} of WORLD_SIZE={world} (LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world}) in "
+            f"the environment: a rank must be below its size; {_LAUNCHERS}")
     cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     placement = place_process(backend, cuda_devices, local_rank, local_world)
     if placement.device == "cuda":
         torch.cuda.set_device(placement.gpu)
@@ -95,9 +105,47 @@ def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.
 
         enable_cpu_backend()
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            backend=placement.backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        _join(placement.backend, rank, world, timeout_minutes)
     return placement.device
+
+
+_LAUNCHERS = "torchrun sets these variables for each rank; unset them to run one process"
+
+
+def launcher_int(name: str, default: int, minimum: int = 0) -> int:
+    """The launcher's variable ``name`` as an integer (``default`` when unset); one that
+    is not (``LOCAL_WORLD_SIZE=abc``, left over in a shell) raises ``LauncherEnvironmentError``
+    naming it, instead of ``invalid literal for int()``."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        raise LauncherEnvironmentError(f"{name}={value!r} in the environment is not an integer >= {minimum}: "
+                                       f"{_LAUNCHERS}")
+    return number
+
+
+def _join(backend: str, rank: int, world: int, timeout_minutes: float) -> None:
+    """The process group. Without torchrun (RANK and WORLD_SIZE set by hand, or left
+    over in a shell), rank 0 says whom it waits for, and a world that never forms is
+    one line at the timeout, not a silent wait ending in the store's traceback."""
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if world > 1 and rank == 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        print(f"waiting up to {timeout_minutes:g} min for the {world - 1} other rank(s) of WORLD_SIZE={world} at "
+              f"{where} (RANK and WORLD_SIZE are set in the environment; unset them to run one process)", flush=True)
+    try:
+        torch.distributed.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    except torch.distributed.DistError as error:  # the store's wait (rank 0) or connection (the others)
+        if "timed out" not in str(error).lower():
+            raise
+        raise LauncherEnvironmentError(
+            f"the {world} ranks of WORLD_SIZE={world} did not all join at {where} within {timeout_minutes:g} min "
+            f"({str(error).strip().splitlines()[0]}): start every rank (torchrun does, setting RANK and "
+            "WORLD_SIZE for each), or unset RANK and WORLD_SIZE to run one process") from None
 
 
 def describe_placement(device: str) -> str:

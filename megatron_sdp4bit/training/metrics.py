@@ -24,9 +24,90 @@ TRAIN_FIELDS = (
 )
 
 
+def default_run_dir() -> str:
+    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+
+
+def summary_writer_class():
+    """torch's TensorBoard writer, or None: tensorboard is an optional package."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter
+
+
+def _check_folder(flag: str, folder: str) -> None:
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f".write-probe-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        blocking = next((path for path in _parents(folder) if os.path.isfile(path)), None)
+        why = f"{blocking} is a file" if blocking else error.strerror or str(error)
+        raise ValueError(f"{flag} {folder} cannot be written ({why}): the run's metrics go there; "
+                         f"pass a {flag} you can write") from None
+
+
+def _parents(folder: str) -> list:
+    """``folder`` and the folders above it."""
+    path, paths = os.path.abspath(folder), []
+    while path not in paths:
+        paths.append(path)
+        path = os.path.dirname(path)
+    return paths
+
+
+def check_run_folders(run_dir: str, tensorboard_dir: Optional[str]) -> None:
+    """Before training, on the logging rank: the folders ``MetricsLogger`` writes can be
+    written, and a ``--tensorboard-dir`` can be served; else ``ValueError`` naming the
+    flag (at the first log line it was a traceback of that rank alone, and a
+    ``--tensorboard-dir`` without tensorboard installed was ignored)."""
+    _check_folder("--run-dir", run_dir)
+    if summary_writer_class() is None:
+        if tensorboard_dir is not None:
+            raise ValueError(f"--tensorboard-dir {tensorboard_dir}: tensorboard is not installed, so no events "
+                             "would be written there; install it (pip install tensorboard), or drop "
+                             "--tensorboard-dir (--run-dir's metrics.jsonl holds every value)")
+        return
+    _check_folder("--tensorboard-dir" if tensorboard_dir else "--run-dir",
+                  tensorboard_dir or os.path.join(run_dir, "tensorboard"))
+
+
+def set_aside_later_records(path: str, start_iteration: int) -> Optional[str]:
+    """Records of ``path`` past ``start_iteration`` belong to a run this one replaces (an
+    earlier run in the same ``--run-dir``, or the steps after the checkpoint a resume
+    starts from): appended to, the file would hold two runs' iterations, and the loss
+    plot would draw them as one curve. They go to ``metrics.replaced-<time>.jsonl``
+    beside it (returned; None when there were none)."""
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+
+    def kept(line: str) -> bool:
+        try:
+            return json.loads(line)["iteration"] <= start_iteration
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash
+            return False
+
+    keep = [line for line in lines if kept(line)]
+    if len(keep) == len(lines):
+        return None
+    aside = os.path.join(os.path.dirname(path), f"metrics.replaced-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+    with open(aside, "a", encoding="utf-8") as f:
+        f.writelines(line for line in lines if not kept(line))
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+    return aside
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str, enabled: bool, total_iters: int,
-                 progress_bar: bool = True, tensorboard_dir: Optional[str] = None):
+                 progress_bar: bool = True, tensorboard_dir: Optional[str] = None, start_iteration: int = 0):
         self.enabled = enabled
         self.run_dir = run_dir
         self.total_iters = total_iters
@@ -38,11 +119,14 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
+        aside = set_aside_later_records(self.path, start_iteration)
+        if aside is not None:
+            whose = ("an earlier run's records, and this run starts from scratch" if start_iteration == 0 else
+                     f"records past iteration {start_iteration}, where this run resumes (steps trained after "
+                     "its checkpoint, or another run's)")
+            print(f"{self.path} held {whose}: they are moved to {aside}", flush=True)
         self._file = open(self.path, "a", encoding="utf-8")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is optional
-            SummaryWriter = None
+        SummaryWriter = summary_writer_class()
         if SummaryWriter is not None:
             self._tb = SummaryWriter(tensorboard_dir or os.path.join(run_dir, "tensorboard"))
 
@@ -50,13 +134,29 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"kind": kind, **record}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "iteration" and math.isfinite(value):
-                    self._tb.add_scalar(f"{kind}/{key}", value, record["iteration"])
+        self._write(kind, record)
         self._print(kind, record)
+
+    def _write(self, kind: str, record: dict) -> None:
+        """The record into metrics.jsonl and TensorBoard. A disk that fills up (or a
+        folder that goes away) stops the files, said once, not the run: a traceback
+        here ended the logging rank, and the others with it, losing every step since
+        the last checkpoint."""
+        if self._file is None:
+            return
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            if self._tb is not None:
+                for key, value in record.items():
+                    if isinstance(value, (int, float)) and key != "iteration" and math.isfinite(value):
+                        self._tb.add_scalar(f"{kind}/{key}", value, record["iteration"])
+        except OSError as error:
+            print(f"warning: iteration {record['iteration']}: writing the metrics in {self.run_dir} failed "
+                  f"({error.strerror or error}); training goes on, its log lines below are the only record",
+                  file=sys.stderr, flush=True)
+            self.close()
+            self._file = self._tb = None
 
     def _print(self, kind: str, r: dict) -> None:
         if kind == "train":
@@ -76,10 +176,12 @@ class MetricsLogger:
         print(line, flush=True)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for stream in (self._file, self._tb):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:  # (its error was said when writing)
+                    pass
 
 
 def read_metrics(path: str) -> list[dict]:

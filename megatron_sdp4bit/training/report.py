@@ -70,7 +70,10 @@ def launcher_error_file(message: str, callstack: Optional[str] = None) -> None:
 def _rank() -> int:
     if torch.distributed.is_initialized():
         return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:  # a RANK that is no number: the error being reported says so
+        return 0
 
 
 def report_stop(kind: str, exc: BaseException, code: int, who: str = "rank 0") -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import time
 from typing import Callable, Optional
 
 from megatron_sdp4bit.launcher_watch import Launcher
@@ -24,7 +23,8 @@ from megatron_sdp4bit.training.console import is_rank0, log0
 from megatron_sdp4bit.training.datasets import data_iterators
 from megatron_sdp4bit.training.distributed import all_reduce_mean, is_loss_rank, parallel_ranks
 from megatron_sdp4bit.training.meters import TrainingWindow, WireMeter
-from megatron_sdp4bit.training.metrics import MetricsLogger, plot_losses
+from megatron_sdp4bit.training.metrics import MetricsLogger, default_run_dir, plot_losses
+from megatron_sdp4bit.training.out_of_memory import lower_the_micro_batch, says_out_of_memory
 from megatron_sdp4bit.training.policy import Actions, StepPolicy
 from megatron_sdp4bit.training.setup import RunParts
 from megatron_sdp4bit.training.signals import StopOnSignals, StoppedBySignal, StopRequest
@@ -45,10 +45,10 @@ class TrainingRun:
         self.forward_step = forward_step or steps.forward_step
         self.policy = StepPolicy.from_args(args)
         self.iteration = parts.start_iteration
-        self.run_dir = args.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        self.run_dir = args.run_dir or default_run_dir()
         self.logger = MetricsLogger(self.run_dir, enabled=is_rank0(), total_iters=args.train_iters,
                                     progress_bar=not args.no_progress_bar,
-                                    tensorboard_dir=args.tensorboard_dir)
+                                    tensorboard_dir=args.tensorboard_dir, start_iteration=self.iteration)
         self.meter = WireMeter()
         self.train_iter = data_iterators(parts.train_ds, args, parts.layout,
                                          self.iteration * args.global_batch_size)
@@ -71,8 +71,12 @@ class TrainingRun:
     def train_step(self) -> tuple:
         """One iteration: (loss tensor, grad norm, whether the optimizer stepped)."""
         parts = self.parts
-        return steps.train_step(parts.ddp, parts.optimizer, parts.scheduler, self.args, self.train_iter,
-                                parts.num_microbatches, forward_step_func=self.forward_step)
+        with says_out_of_memory(f"in iteration {self.iteration + 1}", self._lower_the_micro_batch()):
+            return steps.train_step(parts.ddp, parts.optimizer, parts.scheduler, self.args, self.train_iter,
+                                    parts.num_microbatches, forward_step_func=self.forward_step)
+
+    def _lower_the_micro_batch(self) -> str:
+        return lower_the_micro_batch(self.args.micro_batch_size, self.args.global_batch_size)
 
     def advance(self) -> Actions:
         """One iteration, its bookkeeping, the callback, then the policy's actions."""
@@ -192,9 +196,11 @@ class TrainingRun:
         between its batches (a long evaluation would outlast the launcher's grace
         period, and the checkpoint with it): nothing is logged, the stop follows."""
         parts = self.parts
-        loss = steps.evaluate(parts.ddp, self.args, parts.valid_ds, parts.layout, parts.num_microbatches,
-                              forward_step_func=self.forward_step,
-                              stop=self.stop_requested if may_stop and self.stop_signals is not None else None)
+        with says_out_of_memory(f"in the evaluation after iteration {self.iteration}",
+                                self._lower_the_micro_batch()):
+            loss = steps.evaluate(parts.ddp, self.args, parts.valid_ds, parts.layout, parts.num_microbatches,
+                                  forward_step_func=self.forward_step,
+                                  stop=self.stop_requested if may_stop and self.stop_signals is not None else None)
         if loss is None:
             log0(f"iteration {self.iteration}: evaluation cut short by the stop (not logged)")
             return None
@@ -226,9 +232,16 @@ class TrainingRun:
         }
         self.logger.close()
         if is_rank0() and os.path.isfile(self.logger.path):
-            args = self.args
-            summary["plot"] = plot_losses(
-                self.logger.path, os.path.join(self.run_dir, "loss.png"),
-                title=f"GPT {args.num_layers}x{args.hidden_size}"
-                + (" with SDP4Bit" if self.parts.quantized else " (exact collectives)"))
+            summary["plot"] = self.plot()
         return summary
+
+    def plot(self) -> Optional[str]:
+        """The loss curve's PNG in the run folder; None without matplotlib, or when it
+        cannot be written (said in one line: the run itself has completed)."""
+        args, png = self.args, os.path.join(self.run_dir, "loss.png")
+        try:
+            return plot_losses(self.logger.path, png, title=f"GPT {args.num_layers}x{args.hidden_size}"
+                               + (" with SDP4Bit" if self.parts.quantized else " (exact collectives)"))
+        except OSError as error:
+            log0(f"warning: the loss curve {png} could not be written ({error.strerror or error})")
+            return None

@@ -19,14 +19,21 @@ from megatron_sdp4bit.config import SDP4BitConfig, preset
 from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.training import checkpoint
 from megatron_sdp4bit.training.checkpoint.lock import SaveLock, lock_save_folder
-from megatron_sdp4bit.training.console import log0
+from megatron_sdp4bit.training.agreement import on_every_rank
+from megatron_sdp4bit.training.console import is_rank0, log0
 from megatron_sdp4bit.training.datasets import build_data
 from megatron_sdp4bit.training.distributed import (
     ParallelLayout, all_reduce_sum, check_backend_layout, describe_placement, init_distributed,
     init_model_parallel, parallel_layout)
 from megatron_sdp4bit.training.fusions import choose_fusions
+from megatron_sdp4bit.training.metrics import check_run_folders, default_run_dir
 from megatron_sdp4bit.training.model import ModelChunks, build_model, build_optimizer
+from megatron_sdp4bit.training.out_of_memory import says_out_of_memory
 from megatron_sdp4bit.training.step import wire_schedule_hooks
+
+
+BUILD_SMALLER = ("build a smaller model (--num-layers, --hidden-size), or split it over more ranks "
+                 "(--tensor-model-parallel-size, --pipeline-model-parallel-size)")
 
 
 class NothingToTrain(RuntimeError):
@@ -74,8 +81,9 @@ class RunParts:
 
 def start_processes(args) -> tuple:
     """(device, layout, micro-batches per rank): the process group, the parallel layout
-    (a bad TP/PP/VP layout stops here, naming the flag), megatron's parallel state
-    and the seeds."""
+    (a bad TP/PP/VP layout stops here, naming the flag), the output folders checked
+    (``--save``, ``--run-dir``, ``--tensorboard-dir``), megatron's parallel state and
+    the seeds."""
     device = init_distributed(args.distributed_backend)
     world = torch.distributed.get_world_size()
     layout = parallel_layout(args, world)
@@ -83,6 +91,8 @@ def start_processes(args) -> tuple:
     num_microbatches = args.global_batch_size // (args.micro_batch_size * layout.data)
     if args.save:
         checkpoint.check_writable(args.save)
+    args.run_dir = args.run_dir or default_run_dir()  # the logging rank's is the one written
+    on_every_rank(lambda: check_run_folders(args.run_dir, args.tensorboard_dir) if is_rank0() else None)
     log0(f"device: {describe_placement(device)}, "
          f"{world} ranks{f' ({layout.describe()})' if world != layout.data else ''}, "
          f"{num_microbatches} micro-batches of {args.micro_batch_size} per rank")
@@ -191,7 +201,9 @@ def set_up(args) -> RunParts:
     try:
         config, quantized = install_layer(args, layout)
         tokenizer, train_ds, valid_ds = build_data(args)
-        model, ddp, optimizer, scheduler = build_training(args, tokenizer.vocab_size, device)
+        with says_out_of_memory(f"building the model (GPT {args.num_layers} layers x {args.hidden_size}) and "
+                                "its optimizer", BUILD_SMALLER):
+            model, ddp, optimizer, scheduler = build_training(args, tokenizer.vocab_size, device)
         if quantized:  # collective (plans the node layout), logged by rank 0 for its own stage
             footprint = patch.memory(optimizer, sum(p.numel() for p in ddp.parameters()))
             log0(f"sdp4bit memory on rank 0: {footprint.describe()}")

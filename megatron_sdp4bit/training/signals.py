@@ -70,6 +70,15 @@ class StoppedDuringSetUp(BaseException):
         return 128 + self.signum
 
 
+def interrupted_without_handler(save: Optional[str]) -> str:
+    """What a Ctrl-C did with the handler off (no ``--save``, or ``--no-exit-signal-handler``):
+    Python's ``KeyboardInterrupt`` ended the run where it was (before: its traceback)."""
+    if not save:
+        return "SIGINT received: stopped at once, nothing saved (no --save)"
+    return (f"SIGINT received: stopped at once (--no-exit-signal-handler), nothing saved since the latest "
+            f"checkpoint in {save}; resume with --load {save}")
+
+
 @dataclass(frozen=True)
 class StopRequest:
     """What the ranks agreed on: the signal (the largest number of the first signal

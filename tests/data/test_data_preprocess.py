@@ -200,3 +200,88 @@ def test_eod_token_is_checked_for_the_default_tokenizer(small_corpus_prefix, mon
     with pytest.raises(ValueError, match="'zzz' is not in its vocabulary"):
         tokenizer_types.build_tokenizer("StdlibBPETokenizer", eod_token="zzz")
     assert tokenizer_types.build_tokenizer("StdlibBPETokenizer", eod_token="<|endoftext|>").eod == 0
+
+
+def test_an_input_without_documents_keeps_the_dataset_already_at_the_prefix(tmp_path, gpt2_files, capsys):
+    """Issue 28, round two: an empty input given the prefix of an earlier dataset (a
+    mistyped --input, a file still being written) said "nothing was written", but had
+    replaced that dataset's files with its own and then removed them."""
+    vocab, merges = gpt2_files
+    (tmp_path / "doc.txt").write_text("some text to keep")
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    common = ["--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "GPT2BPETokenizer",
+              "--vocab-file", vocab, "--merge-file", merges]
+    assert main(["--input", str(tmp_path / "doc.txt")] + common) == 0
+    before = {ext: (tmp_path / f"o_text_document{ext}").read_bytes() for ext in (".bin", ".idx")}
+    assert main(["--input", str(tmp_path / "empty.jsonl")] + common) == 2
+    assert "nothing was written" in capsys.readouterr().err
+    assert {ext: (tmp_path / f"o_text_document{ext}").read_bytes() for ext in (".bin", ".idx")} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.txt", "empty.jsonl", "o_text_document.bin",
+                                                          "o_text_document.idx"]
+
+
+def test_the_suggested_driver_flags_read_the_data_back(tmp_path, gpt2_files, capsys):
+    """The line the preprocessor ends with is the driver's data flags: before, it was
+    ``--data-path PREFIX`` alone, which the driver refuses (it needs --tokenizer-type),
+    unquoted, so a folder with a space split into two prefixes."""
+    import shlex
+
+    from megatron_sdp4bit.training.arguments import parse_args
+    from megatron_sdp4bit.training.datasets import _tokenizer_and_prefixes
+
+    vocab, merges = gpt2_files
+    folder = tmp_path / "my data"
+    folder.mkdir()
+    (folder / "doc.txt").write_text("some text")
+    assert main(["--input", str(folder / "doc.txt"), "--output-prefix", str(folder / "o"),
+                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("use it with: --data-path ")
+    args = parse_args(shlex.split(line[len("use it with: "):]))
+    tokenizer, prefixes = _tokenizer_and_prefixes(args)
+    assert prefixes == [str(folder / "o_text_document")]
+    assert tokenizer.tokenize("some text") == read_indexed(prefixes[0])[0][0]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_is_one_line_and_leaves_no_files(tmp_path, small_corpus_prefix, workers):
+    """Issue 28, round two: Ctrl-C printed ``KeyboardInterrupt``'s traceback (with
+    --workers, one per worker too). Now one line, exit 130, and neither the pair of
+    files nor their temporary names are left (an earlier dataset there stays)."""
+    import random
+    import signal
+    import time
+
+    words = "the quick brown fox jumps over a lazy dog while python code runs".split()
+    rng = random.Random(0)
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join('{"text": "%s"}\n' % " ".join(rng.choice(words) for _ in range(300))
+                           for _ in range(30000)))
+    model = os.path.join(os.path.dirname(small_corpus_prefix), "tokenizer.json")
+    out = tmp_path / "o"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                                          os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_sdp4bit.data.preprocess", "--input", str(big),
+                             "--output-prefix", str(out), "--tokenizer-model", model, "--workers", str(workers)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "o_text_document.bin.tmp").exists():  # encoding has begun
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip() == f"sdp4bit-preprocess: interrupted (Ctrl-C): nothing was written to {out}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
+
+
+def test_an_empty_output_prefix_is_refused(tmp_path, capsys, monkeypatch):
+    """``--output-prefix "$OUT"`` with OUT unset wrote ``_text_document.bin/.idx`` into the
+    working directory (issue 28, round two)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.txt").write_text("some text")
+    assert main(["--input", "doc.txt", "--output-prefix", ""]) == 2
+    assert capsys.readouterr().err.strip() == ("sdp4bit-preprocess: error: --output-prefix was given an empty path "
+                                               "(an empty variable?): pass where the data goes, e.g. data/my")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.txt"]

@@ -108,6 +108,24 @@ def test_missing_flags_are_named():
     assert "--gpus-per-node" in line and "--inter-gbps" in line
 
 
+def test_a_cluster_type_without_nodes_asks_for_the_nodes_only(capsys):
+    """Issue 28, round two: it said "(or take a cluster's with --cluster-type)" to a
+    command that had one."""
+    assert cli.main(["--cluster-type", "h800-ib"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "sdp4bit-estimate: error: --nodes: the following arguments are required: --nodes (--cluster-type h800-ib "
+        "gives the rest, not how many nodes)")
+
+
+def test_an_empty_config_path_is_refused_rather_than_the_default_model_estimated(capsys):
+    """Issue 28, round two: ``--config "$CONFIG"`` with CONFIG unset estimated the driver's
+    default model (2 layers x 128) under the user's cluster, without a word."""
+    assert cli.main(["--config", "", "--cluster-type", "h800-ib", "--nodes", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "sdp4bit-estimate: error: --config was given an empty path (an empty variable?): pass the YAML file, or "
+        "drop --config to estimate the driver's default model")
+
+
 def test_cluster_type_gives_the_defaults_and_flags_win(capsys):
     from megatron_sdp4bit.estimate.clusters import A100_SLINGSHOT
 

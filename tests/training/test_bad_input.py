@@ -30,6 +30,10 @@ TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2"
     (["--save-interval", "5"], "--save"),
     (["--lr-warmup-iters", "2"], "--lr-decay-iters 2"),
     (["--sdp4bit", "--sdp4bit-weight-bits", "3"], r"--sdp4bit-weight-bits 3: .*use one of \(2, 4, 8\)"),
+    # issue 28, round two: before, SIGUSR1 then ended the run without a word
+    (["--exit-signal", "SIGUSR1"], r"^--exit-signal SIGUSR1 is handled by the exit-signal handler, which is off "
+     r"\(no --save\): add --save DIR \(or --exit-signal-handler\), or drop --exit-signal$"),
+    (["--exit-signal", "SIGUSR2", "--save", "ck", "--no-exit-signal-handler"], r"which is off \(--no-exit-signal"),
 ])
 def test_flag_errors_name_the_flag(argv, message):
     with pytest.raises(ArgumentError, match=message):

@@ -257,3 +257,21 @@ def test_ctrl_c_to_a_single_process_run_saves_and_exits_130(tmp_path):
     assert job.proc.returncode == 130, job.err.read_text()[-3000:]
     saved = _latest_checkpoint(ck)
     assert job.our_lines() == [_stopped_line("SIGINT received", saved, ck)]
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_ctrl_c_with_the_handler_off_is_one_line_not_a_traceback(tmp_path, save):
+    """Without --save (or with --no-exit-signal-handler) Ctrl-C ends the run where it is;
+    before, with Python's ``KeyboardInterrupt`` traceback (issue 28, round two)."""
+    ck = tmp_path / "ck"
+    flags = ["--save", str(ck), "--no-exit-signal-handler"] if save else []
+    job = Job(tmp_path, [sys.executable, "-m", "megatron_sdp4bit.pretrain", *TINY, *flags], ranks=0)
+    job.wait_for_iteration(3)
+    job.signal_group(signal.SIGINT)
+    job.wait_for_ranks()
+    assert job.proc.returncode == 130, job.err.read_text()[-3000:]
+    assert "Traceback" not in job.err.read_text()
+    assert job.our_lines() == [
+        f"sdp4bit-pretrain: stopped: SIGINT received: stopped at once (--no-exit-signal-handler), nothing saved "
+        f"since the latest checkpoint in {ck}; resume with --load {ck}" if save else
+        "sdp4bit-pretrain: stopped: SIGINT received: stopped at once, nothing saved (no --save)"]

@@ -63,3 +63,56 @@ def test_the_flag_takes_megatron_lms_choices():
     assert parse_args([]).distributed_backend is None
     with pytest.raises(ArgumentError, match="--distributed-backend"):
         parse_args(["--distributed-backend", "mpi"])
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"LOCAL_WORLD_SIZE": "abc"}, "LOCAL_WORLD_SIZE='abc' in the environment is not an integer >= 1: torchrun sets "
+     "these variables for each rank; unset them to run one process"),
+    ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0' in the environment is not an integer >= 1"),
+    ({"LOCAL_RANK": "x"}, "LOCAL_RANK='x' in the environment is not an integer >= 0"),
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 of WORLD_SIZE=2 (LOCAL_RANK=0 of LOCAL_WORLD_SIZE=2) in the "
+     "environment: a rank must be below its size"),
+])
+def test_a_launcher_variable_that_cannot_be_is_named(monkeypatch, env, line):
+    """Issue 28, round two: before, ``invalid literal for int() with base 10: 'abc'`` (or,
+    for LOCAL_WORLD_SIZE=0 with --sdp4bit, a line from the layer about ``ranks_per_node``
+    after the process group was up)."""
+    from megatron_sdp4bit.training.distributed import LauncherEnvironmentError, init_distributed
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(LauncherEnvironmentError) as refused:
+        init_distributed()
+    assert str(refused.value).startswith(line)
+
+
+def test_a_world_that_never_forms_is_said_and_ends_in_one_line(tmp_path):
+    """RANK=0 WORLD_SIZE=2 left in a shell, one process started: it says whom it waits for,
+    and at the timeout (10 minutes in the driver; 3 s here) one line, not the store's
+    traceback after a silent wait."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from megatron_sdp4bit.jobs import free_port
+
+    code = ("from megatron_sdp4bit.training.distributed import LauncherEnvironmentError, init_distributed\n"
+            "try:\n    init_distributed(timeout_minutes=0.05)\n"
+            "except LauncherEnvironmentError as error:\n    print('refused:', error)\n")
+    port = free_port()
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PYTHONWARNINGS": "ignore"}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    waiting, refused = done.stdout.splitlines()
+    assert waiting == (f"waiting up to 0.05 min for the 1 other rank(s) of WORLD_SIZE=2 at 127.0.0.1:{port} (RANK "
+                       "and WORLD_SIZE are set in the environment; unset them to run one process)")
+    assert re.fullmatch(rf"refused: the 2 ranks of WORLD_SIZE=2 did not all join at 127\.0\.0\.1:{port} within 0\.05 "
+                        r"min \(Timed out after \d+ seconds waiting for clients\. 1/2 clients joined\.\): start every "
+                        r"rank \(torchrun does, setting RANK and WORLD_SIZE for each\), or unset RANK and WORLD_SIZE to "
+                        r"run one process", refused), done.stdout + done.stderr[-2000:]

@@ -234,6 +234,9 @@ def test_blends_paths_and_digests_on_records():
         _compare({**RECORD, "data_path": ["a"]}, data_path=["a"], corpus=[[50, 247431]])
     with pytest.raises(CheckpointError, match=r"resume with --default-corpus-mb 1 \(and without --data-path\)$"):
         _compare(RECORD, data_path=["a"], default_corpus_mb=None, corpus=[[50, 1]])
+    with pytest.raises(CheckpointError, match=r"resume with --data-path 'my data/a' 'b c'$"):  # a shell's words
+        _compare({**RECORD, "data_path": ["my data/a", "b c"], "corpus": [[10, 100], [20, 200]]},
+                 data_path=["b c", "my data/a"], corpus=[[20, 200], [10, 100]])
     with pytest.raises(CheckpointError, match="the corpus files changed since it was saved"):
         _compare(RECORD, samples={**RECORD["samples"], "sha256": "b" * 64})
     (warning,) = _compare(RECORD, samples={**RECORD["samples"], "sha256": "b" * 64}, train_samples=64)

@@ -24,6 +24,7 @@ A checkpoint saved before the record existed loads with one warning line (its
 from __future__ import annotations
 
 import hashlib
+import shlex
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
@@ -91,7 +92,7 @@ class TrainingData:
 
 def _data_flags(record: dict) -> str:
     if record.get("data_path"):
-        return "--data-path " + " ".join(str(p) for p in record["data_path"])
+        return "--data-path " + " ".join(shlex.quote(str(p)) for p in record["data_path"])  # a path may hold a space
     mb = record.get("default_corpus_mb")
     return f"--default-corpus-mb {mb:g}" if mb is not None else "no --data-path (the whole embedded corpus)"
 
