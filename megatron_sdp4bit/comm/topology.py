@@ -132,7 +132,8 @@ def default_ranks_per_node() -> int:
             parsed = 0
         if parsed <= 0:
             raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not a positive integer; "
-                             "fix the launcher or pass ranks_per_node explicitly")
+                             "fix the launcher, or give the ranks per node (--sdp4bit-ranks-per-node, or "
+                             "ranks_per_node= of the config)")
         return parsed
     return dist.get_world_size()
 
