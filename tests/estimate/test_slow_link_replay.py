@@ -82,3 +82,15 @@ def test_estimating_needs_a_first_preset_without_overlap():
                            "--presets", "sdp4bit-overlap,sdp4bit"], capture_output=True,
                           text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 2 and "put sdp4bit (or another preset) first" in proc.stderr
+
+
+def test_a_run_without_link_probes_replays_its_tables_without_the_estimator(tmp_path):
+    run = lambda step: RunResult([step], 5.0e6, 2.0e6, 1.0e7, 3.0, None)  # noqa: E731
+    cells = {(None, "sdp4bit"): Cell([run(1.0)]), (50.0, "sdp4bit"): Cell([run(2.0)]),
+             (None, "sdp4bit-overlap"): Cell([run(1.0)]), (50.0, "sdp4bit-overlap"): Cell([run(1.5)])}
+    path = tmp_path / "noprobe.json"
+    write_json(str(path), "sudo .venv/bin/python scripts/bench_slow_link.py --probe off",
+               Probed(0.0, {}), cells, None)
+    proc = _replay(path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "did not probe their links" in proc.stdout and "exposed O_R - L" in proc.stdout

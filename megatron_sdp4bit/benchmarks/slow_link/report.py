@@ -143,16 +143,23 @@ def replay(args) -> int:
     args.compute_s = None
     rates = list(dict.fromkeys(rate for rate, _ in cells))
     latency = data.get("latency_us") or {}  # files written before the latency probe: none
-    probed = Probed(data["loopback_goodput_gbps"],
-                    {rate: data["goodput_gbps"][rate_label(rate)] for rate in rates},
-                    data.get("loopback_latency_us") or 0.0,
-                    {rate: latency[rate_label(rate)] for rate in rates if rate_label(rate) in latency})
     print(f"replay of {args.replay} ({data['command']})")
     print()
     print(markdown_table(args, cells))
     print()
-    est = estimate_rows(args, cells, probed)
-    print_estimate(args, cells, est)
+    goodput = data.get("goodput_gbps") or {}
+    est = None
+    if all(rate_label(rate) in goodput for rate in rates):
+        probed = Probed(data["loopback_goodput_gbps"],
+                        {rate: goodput[rate_label(rate)] for rate in rates},
+                        data.get("loopback_latency_us") or 0.0,
+                        {rate: latency[rate_label(rate)] for rate in rates
+                         if rate_label(rate) in latency})
+        est = estimate_rows(args, cells, probed)
+        print_estimate(args, cells, est)
+    else:  # a run with --probe off: no link figures for the estimator
+        print("no estimator comparison: the runs did not probe their links (--probe off)")
+        print()
     overlap = overlap_table(args, cells, est)
     if overlap:
         print(overlap)
