@@ -14,11 +14,15 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import multiprocessing
+import multiprocessing.pool
 import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator, List, Optional, Sequence
@@ -73,19 +77,47 @@ def _encode_in_worker(batch: List[str]) -> List[List[int]]:
     return _worker_tokenizer.tokenize_batch(batch)
 
 
+@contextlib.contextmanager
+def encoder_pool(workers: int, spec: TokenizerSpec) -> Iterator[Optional[multiprocessing.pool.Pool]]:
+    """``workers`` encoder processes (None for one: the caller encodes), ended on the way out.
+
+    They are started with Ctrl-C ignored, so each one ignores it from its first
+    instruction: a Ctrl-C sent to the terminal's whole group while one was still
+    starting printed its ``KeyboardInterrupt`` (or ``EOFError``) traceback. An ignored
+    signal stays ignored through exec and Python then leaves it so; the main process
+    takes Ctrl-C again as soon as they are spawned, before anything is written (one
+    pressed in those milliseconds is not seen: press it again).
+    """
+    if workers <= 1:
+        yield None
+        return
+    start = functools.partial(multiprocessing.get_context("spawn").Pool, workers, _init_worker, (spec,))
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        pool = start()
+    else:
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            pool = start()
+        finally:
+            signal.signal(signal.SIGINT, handler)
+    try:
+        yield pool
+    finally:
+        pool.terminate()
+
+
 def encode_documents(
     documents: Iterable[str],
     tokenizer: Tokenizer,
     append_eod: bool,
     stats: PreprocessStats,
-    workers: int = 1,
-    spec: Optional[TokenizerSpec] = None,
+    pool: Optional[multiprocessing.pool.Pool] = None,
 ) -> Iterator[List[int]]:
     """Token ids of each document, in input order (EOD appended if asked).
 
-    With ``workers > 1`` batches are encoded in that many processes, each
-    rebuilding the tokenizer from ``spec``; the Rust encoder already uses all
-    cores within one process, so this mostly helps very large inputs.
+    With a ``pool`` (``encoder_pool``) batches are encoded in its processes, each
+    rebuilding the tokenizer; the Rust encoder already uses all cores within one
+    process, so this mostly helps very large inputs.
     """
 
     def counted(batches: Iterable[List[str]]) -> Iterator[List[str]]:
@@ -94,25 +126,15 @@ def encode_documents(
             yield batch
 
     batches = counted(_batches(documents))
-    if workers > 1:
-        if spec is None:
-            raise ValueError("encoding with workers > 1 needs the TokenizerSpec to rebuild the tokenizer")
-        pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (spec,))
-        encoded: Iterable[List[List[int]]] = pool.imap(_encode_in_worker, batches)
-    else:
-        pool = None
-        encoded = map(tokenizer.tokenize_batch, batches)
-    try:
-        for ids_batch in encoded:
-            for ids in ids_batch:
-                if append_eod and ids:
-                    ids.append(tokenizer.eod)
-                stats.documents += 1 if ids else 0
-                stats.tokens += len(ids)
-                yield ids
-    finally:
-        if pool is not None:
-            pool.terminate()
+    encoded: Iterable[List[List[int]]] = (pool.imap(_encode_in_worker, batches) if pool is not None
+                                          else map(tokenizer.tokenize_batch, batches))
+    for ids_batch in encoded:
+        for ids in ids_batch:
+            if append_eod and ids:
+                ids.append(tokenizer.eod)
+            stats.documents += 1 if ids else 0
+            stats.tokens += len(ids)
+            yield ids
 
 
 def preprocess(
@@ -140,14 +162,15 @@ def preprocess(
     stats = PreprocessStats(prefix)
     start = time.perf_counter()
     documents = iter_documents(inputs, json_key=json_key, per=text_document_per)
-    ids = encode_documents(documents, tokenizer, append_eod, stats, workers, spec)
     folder = os.path.dirname(os.path.abspath(prefix))
     try:
         os.makedirs(folder, exist_ok=True)
     except OSError as error:
         why = "a file of that name is in the way" if os.path.isfile(folder) else error.strerror or error
         raise ValueError(f"cannot create the folder of --output-prefix {output_prefix}: {folder} ({why})") from None
-    written = write_indexed_dataset(prefix, ids, tokenizer.vocab_size)
+    with encoder_pool(workers, spec) as pool:
+        ids = encode_documents(documents, tokenizer, append_eod, stats, pool)
+        written = write_indexed_dataset(prefix, ids, tokenizer.vocab_size)
     stats.seconds = time.perf_counter() - start
     if written == 0:  # nothing to train on: no pair of files, and an earlier one at PREFIX kept
         raise ValueError(f"no document in {', '.join(inputs)}: the input is empty, or holds only blank "

@@ -264,12 +264,15 @@ def test_ctrl_c_is_one_line_and_leaves_no_files(tmp_path, small_corpus_prefix, w
                                           os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "megatron_sdp4bit.data.preprocess", "--input", str(big),
                              "--output-prefix", str(out), "--tokenizer-model", model, "--workers", str(workers)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "o_text_document.bin.tmp").exists():  # encoding has begun
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.02)
-    proc.send_signal(signal.SIGINT)
+    # as a terminal's Ctrl-C does: to the whole group, workers included, which may still be
+    # starting (one half-started printed an EOFError traceback)
+    os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert err.strip() == f"sdp4bit-preprocess: interrupted (Ctrl-C): nothing was written to {out}"

@@ -274,20 +274,21 @@ def _launch(size, env, *flags):
      "TP 4 x PP 2 x DP 2 on 4 node(s) x 4 GPUs"),
 ])
 def test_launcher_takes_tp_and_pp_from_the_config(tmp_path, size, env, flags, layout):
-    done = _launch(size, {**env, "TMP": str(tmp_path), "NODE_RANK": "1", "MASTER_ADDR": "node0"}, *flags)
+    node_rank = str(int(env.get("NNODES", "1")) - 1)  # the last node
+    done = _launch(size, {**env, "TMP": str(tmp_path), "NODE_RANK": node_rank, "MASTER_ADDR": "node0"}, *flags)
     assert done.returncode == 0, done.stderr
     assert f"GPT-{size}: {layout}" in done.stderr
     command = done.stdout.strip()
     assert command.startswith("LAUNCH -m torch.distributed.run")
-    for part in (f"--nnodes {env.get('NNODES', '1')}", "--node-rank 1", "--master-addr node0",
-                 f"--nproc-per-node {env['GPUS_PER_NODE']}", f"--config {REPO}/configs/gpt_{size}.yaml"):
+    for part in (f"--nnodes {env.get('NNODES', '1')}", f"--node-rank {node_rank}", "--master-addr node0",
+                 f"--nproc-per-node={env['GPUS_PER_NODE']}", f"--config {REPO}/configs/gpt_{size}.yaml"):
         assert part in command, (part, command)
 
 
 @pytest.mark.parametrize("env, flags, message", [
     ({"GPUS_PER_NODE": "2"}, [], "--tensor-model-parallel-size 4 does not divide the 2 GPUs of a node"),
-    ({"GPUS_PER_NODE": "4", "NNODES": "1"}, ["--pipeline-model-parallel-size", "3"],
-     "4 ranks is not divisible by --tensor-model-parallel-size 4 x --pipeline-model-parallel-size 3"),
+    ({"GPUS_PER_NODE": "4", "NNODES": "1"}, ["--pipeline-model-parallel-size", "3", "--num-layers", "33"],
+     "the world size 4 is not divisible by --tensor-model-parallel-size 4 x --pipeline-model-parallel-size 3"),
 ])
 def test_launcher_refuses_a_layout_the_machines_do_not_fit(tmp_path, env, flags, message):
     done = _launch("6.7b", {**env, "TMP": str(tmp_path)}, *flags)
