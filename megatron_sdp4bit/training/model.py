@@ -14,6 +14,9 @@ its ``vp_stage``), each wrapped in its own DDP (bucketing only for the first).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -82,6 +85,26 @@ def transformer_config(args, device: str, fusions: Fusions):
     )
 
 
+class _DropDeprecationNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "IS DEPRECATED" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_gpt_deprecation():
+    """megatron-core 0.19 logs "GPTModel IS DEPRECATED ..." at every build: advice to
+    whoever writes model code, about a class the driver chooses, so on a user's
+    stderr it is noise (and it broke the one-line error reports). Other records of
+    that logger pass."""
+    logger = logging.getLogger(GPTModel.__module__)
+    notice = _DropDeprecationNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
+
+
 def build_gpt(args, vocab_size: int, device: str, fusions: Fusions, config=None,
               pre_process: bool = True, post_process: bool = True, vp_stage=None):
     """One bare GPTModel chunk (no DDP, no bf16 wrapper) on ``device``, and its config.
@@ -94,17 +117,18 @@ def build_gpt(args, vocab_size: int, device: str, fusions: Fusions, config=None,
     config = config or transformer_config(args, device, fusions)
     spec, impl = _layer_spec(args.transformer_impl, device)
     args.transformer_impl_used = impl
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=padded_vocab_size(vocab_size, 128 * args.tensor_model_parallel_size),
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
-        vp_stage=vp_stage,
-    )
+    with _quiet_gpt_deprecation():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=padded_vocab_size(vocab_size, 128 * args.tensor_model_parallel_size),
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type="learned_absolute",
+            vp_stage=vp_stage,
+        )
     if device == "cuda":
         model.cuda(torch.cuda.current_device())
     return model, config
