@@ -15,7 +15,9 @@ and picks the path from them, so nothing above has to know the backend:
   all-to-all plus a local fp32 sum (``exact_alltoall``): exact for SUM and AVG
   on every release, and it sends each peer one shard, as a ring does.
 
-``runs_on_host_staged_gloo`` is that test; the patch layer also uses it to keep
+``runs_on_host_staged_gloo`` is that test, asked of the backend that serves the
+tensors' device (``comm/backends.py``: in a ``"cpu:gloo,cuda:nccl"`` world NCCL serves
+CUDA tensors, although the world's backend name says gloo too); the patch layer also uses it to keep
 megatron's coalesced bucket collectives, which torch's gloo cannot run on CUDA
 tensors, off that path (``megatron/grad_sync.py``, ``megatron/param_sync.py``).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.comm.exact_alltoall import alltoall_reduce_scatter
 from megatron_sdp4bit.comm.handles import finish_or_handle
 
@@ -34,10 +37,10 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def runs_on_host_staged_gloo(group, device) -> bool:
     """Whether collectives over ``group`` on tensors of ``device`` go through gloo's
-    host staging: a gloo group and a CUDA device."""
+    host staging: a CUDA device that gloo serves in ``group``."""
     if torch.device(device).type != "cuda":
         return False
-    return "gloo" in str(dist.get_backend(group)).lower()
+    return backend_of(group, device) == "gloo"
 
 
 def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
@@ -57,7 +60,7 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, op, group, as
 
 def all_reduce_flat(tensor: torch.Tensor, op, group, async_op: bool):
     """All-reduce in place. gloo has no AVG: there it is a SUM, divided once it is done."""
-    if op != dist.ReduceOp.AVG or "gloo" not in str(dist.get_backend(group)).lower():
+    if op != dist.ReduceOp.AVG or backend_of(group, tensor.device) != "gloo":
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
     size = dist.get_world_size(group)

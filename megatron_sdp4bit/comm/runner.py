@@ -39,8 +39,8 @@ import threading
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.comm.topology import private_group
 
 logger = logging.getLogger(__name__)
@@ -236,22 +236,13 @@ def _failed_before(error: BaseException) -> RuntimeError:
     return failure
 
 
-def backend_of(group, device: torch.device) -> str:
-    """The backend that serves ``group``'s collectives on tensors of ``device``."""
-    device = torch.device(device)
-    try:
-        return str(group._get_backend(device).name()).lower()  # a mixed "cpu:gloo,cuda:nccl" world
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        return str(dist.get_backend(group)).lower()
-
-
 def runner_kind(group, device: torch.device) -> str:
     """``"stream"`` (NCCL on CUDA), ``"thread"`` (gloo) or ``"inline"`` (any other backend:
     the collectives then run on the caller, not overlapped)."""
     backend = backend_of(group, device)
-    if "nccl" in backend and torch.device(device).type == "cuda":
+    if backend == "nccl" and torch.device(device).type == "cuda":
         return "stream"
-    if "gloo" in backend:
+    if backend == "gloo":
         return "thread"
     return "inline"
 

@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_sdp4bit.comm.backends import host_collective_device
 from megatron_sdp4bit.comm.layout import NodeLayout, plan_node_layout, two_level_send_order
 
 logger = logging.getLogger(__name__)
@@ -143,16 +144,9 @@ def _resolve_ranks_per_node(ranks_per_node: Optional[int]) -> int:
     return default_ranks_per_node() if ranks_per_node is None else ranks_per_node
 
 
-def _collective_device(group) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _check_agreement(group, what: str, value: int, description: str) -> None:
     """All-gather ``value`` over ``group``; raise the same ValueError everywhere if ranks differ."""
-    local = torch.tensor([value], dtype=torch.int64, device=_collective_device(group))
+    local = torch.tensor([value], dtype=torch.int64, device=host_collective_device(group))
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     values = [int(t.item()) for t in gathered]

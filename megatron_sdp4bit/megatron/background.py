@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 
-from megatron_sdp4bit.comm.runner import InlineRunner, backend_of, make_runner, runner_kind
+from megatron_sdp4bit.comm.backends import backend_of
+from megatron_sdp4bit.comm.runner import InlineRunner, make_runner, runner_kind
 from megatron_sdp4bit.comm.topology import build_private_groups, private_group
 
 logger = logging.getLogger(__name__)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_sdp4bit.comm.backends import host_collective_device
 from megatron_sdp4bit.config import SDP4BitConfig
 
 
@@ -13,7 +14,7 @@ def check_same_config_on_all_ranks(config: SDP4BitConfig) -> None:
     """All ranks must quantize alike; a mismatch raises on every rank (no hang)."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
-    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    device = host_collective_device(None)
     mine = torch.tensor([config.fingerprint(), -config.fingerprint()], dtype=torch.int64, device=device)
     torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX)
     highest, lowest = mine.tolist()  # one-time check at set-up, not per step

@@ -18,6 +18,7 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron_sdp4bit.comm import forget_subgroups
+from megatron_sdp4bit.comm.backends import backend_of, host_collective_device
 from megatron_sdp4bit.jobs import free_port
 from megatron_sdp4bit.megatron import patch
 
@@ -152,7 +153,7 @@ def describe_placement(device: str) -> str:
     """The device line's words for this rank (after ``init_distributed``)."""
     if device == "cpu":
         return "cpu (gloo + CPU backend)"
-    if torch.distributed.get_backend() == "gloo":
+    if backend_of(None, "cuda") == "gloo":
         return (f"cuda:{torch.cuda.current_device()} (gloo: ranks share the GPUs, each collective "
                 "staged through host memory)")
     return "cuda (nccl)"
@@ -269,21 +270,17 @@ def is_loss_rank() -> bool:
     return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
 
-def _collective_device() -> str:
-    return "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
-
-
 def all_reduce_mean(value, weight: float = 1.0) -> float:
     """The weighted mean over all ranks of a float or one-element tensor (reads it on the
     host); ranks with ``weight`` 0 do not count, e.g. pipeline stages without the loss."""
-    t = torch.tensor([float(value) * weight, weight], dtype=torch.float64, device=_collective_device())
+    t = torch.tensor([float(value) * weight, weight], dtype=torch.float64, device=host_collective_device(None))
     torch.distributed.all_reduce(t)
     total, weights = t.tolist()
     return total / weights if weights else float("nan")
 
 
 def all_reduce_sum(value: int, group=None) -> int:
-    t = torch.tensor([int(value)], dtype=torch.int64, device=_collective_device())
+    t = torch.tensor([int(value)], dtype=torch.int64, device=host_collective_device(group))
     torch.distributed.all_reduce(t, group=group)
     return int(t.item())
 

@@ -15,6 +15,7 @@ from typing import Any, List, Optional
 import torch
 from megatron.core import parallel_state
 
+from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.config import SDP4BitConfig, preset
 from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.training import checkpoint
@@ -87,7 +88,7 @@ def start_processes(args) -> tuple:
     device = init_distributed(args.distributed_backend)
     world = torch.distributed.get_world_size()
     layout = parallel_layout(args, world)
-    check_backend_layout(device, torch.distributed.get_backend(), layout)
+    check_backend_layout(device, backend_of(None, device), layout)
     num_microbatches = args.global_batch_size // (args.micro_batch_size * layout.data)
     if args.save:
         checkpoint.check_writable(args.save)

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.launcher_watch import DEATH_SIGNAL, Launcher
 
 SIGNALS = {name: getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")}
@@ -155,7 +156,7 @@ class StopOnSignals(_StopHandlers):
         self.first: Optional[int] = None
         self.launcher_died = False
         # The check is a host-side collective: on NCCL it gets a gloo group of its own.
-        self._group: Optional[object] = (None if torch.distributed.get_backend() == "gloo"
+        self._group: Optional[object] = (None if backend_of(None, "cpu") == "gloo"
                                          else torch.distributed.new_group(backend="gloo"))
 
     def _handle(self, signum, frame) -> None:
