@@ -15,6 +15,17 @@ group, async_op)`` (``SUM`` or ``AVG``). The result equals the exact
 reduction up to the order of the fp32 additions (identical when they are
 exact, e.g. integer-valued inputs). Bytes are not recorded here: the callers
 in ``comm`` record an exact reduce-scatter's bytes themselves.
+
+Chunked: megatron without overlap makes one bucket of the whole model (about 27 GB
+of fp32 gradients for 6.7B parameters), and one temporary the size of the input
+would double that. Each chunk sends the same columns of every rank's shard, so
+the temporaries hold at most about ``CHUNK_ELEMENTS`` received elements (and as
+many to send) whatever the bucket. Chunk widths are multiples of
+``COLUMN_QUANTUM`` columns: torch's column-wise sum then groups its additions as
+it does for the whole shard, so a chunked result equals the unchunked one bit
+for bit (tested). With ``async_op`` every chunk but the last runs at the call,
+so every collective is issued there, as torch's own are; the last one is what
+the handle waits for.
 """
 from __future__ import annotations
 
@@ -26,9 +37,28 @@ import torch.distributed as dist
 from megatron_sdp4bit.comm.handles import PendingCollective, finish_or_handle
 
 
+CHUNK_ELEMENTS = 1 << 22
+"""Received elements per chunk (16 MB of fp32), the bound on each temporary."""
+
+COLUMN_QUANTUM = 4096
+"""Chunk widths are multiples of this many columns (see the module's docstring)."""
+
+
+def chunk_columns(shard: int, size: int, chunk_elements: int = CHUNK_ELEMENTS) -> list:
+    """The ``(start, stop)`` column ranges of a ``size``-rank call with ``shard`` elements per
+    rank: one range when the whole input fits in ``chunk_elements``, else ranges of a
+    multiple of ``COLUMN_QUANTUM`` columns (at least one quantum), the last one shorter."""
+    if size * shard <= chunk_elements:
+        return [(0, shard)]
+    width = max(COLUMN_QUANTUM, chunk_elements // size // COLUMN_QUANTUM * COLUMN_QUANTUM)
+    return [(start, min(start + width, shard)) for start in range(0, shard, width)]
+
+
 def alltoall_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
-                            group=None, async_op: bool = False) -> Optional[PendingCollective]:
-    """``reduce_scatter_tensor`` as an all-to-all plus a local fp32 sum."""
+                            group=None, async_op: bool = False,
+                            chunk_elements: int = CHUNK_ELEMENTS) -> Optional[PendingCollective]:
+    """``reduce_scatter_tensor`` as an all-to-all plus a local fp32 sum, in chunks of at most
+    about ``chunk_elements`` received elements (``chunk_columns``)."""
     if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         raise ValueError(f"op={op!r} is not supported; use ReduceOp.SUM or ReduceOp.AVG")
     group = group if group is not None else dist.group.WORLD
@@ -38,14 +68,38 @@ def alltoall_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.R
                          f"x output ({output.numel()}) = {size * output.numel()}")
     if input.dtype != output.dtype:
         raise ValueError(f"input ({input.dtype}) and output ({output.dtype}) must share a dtype")
-    received = torch.empty_like(input).view(-1)
-    work = dist.all_to_all_single(received, input.contiguous().view(-1), group=group, async_op=True)
+    shard = output.numel()
+    rows = input.contiguous().view(size, shard)  # row r: the shard rank r owns
+    out = output.view(-1)
+    chunks = chunk_columns(shard, size, chunk_elements)
+    width = chunks[0][1] - chunks[0][0]
+    received = torch.empty(size * width, dtype=input.dtype, device=input.device)
+    to_send = None if len(chunks) == 1 else torch.empty_like(received)
+
+    def start(begin: int, end: int):
+        count = size * (end - begin)
+        if to_send is None:
+            send = rows.view(-1)
+        else:
+            send = to_send[:count].view(size, end - begin)
+            send.copy_(rows[:, begin:end])
+            send = send.view(-1)
+        return dist.all_to_all_single(received[:count], send, group=group, async_op=True)
+
+    def reduce_into_output(begin: int, end: int) -> None:
+        total = received[:size * (end - begin)].view(size, -1).sum(dim=0, dtype=torch.float32)
+        if op == dist.ReduceOp.AVG:
+            total /= size
+        out[begin:end].copy_(total)
+
+    for begin, end in chunks[:-1]:
+        start(begin, end).wait()
+        reduce_into_output(begin, end)
+    last = chunks[-1]
+    work = start(*last)
 
     def finish() -> None:
         work.wait()
-        total = received.view(size, -1).sum(dim=0, dtype=torch.float32)
-        if op == dist.ReduceOp.AVG:
-            total /= size
-        output.view(-1).copy_(total)
+        reduce_into_output(*last)
 
     return finish_or_handle(finish, async_op)
