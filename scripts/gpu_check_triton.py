@@ -4,8 +4,8 @@
 Steps (each reported PASS/FAIL; the exit status is 0 only if all pass):
   compile:  every kernel variant compiles for this GPU's architecture with no
             FMA contraction, flush-to-zero or approximate division in the PTX;
-  tests:    tests/quant/test_triton.py and test_triton_chunks.py (wire tensors, out=,
-            the rows op) on CUDA tensors with compiled kernels, tests/quant/test_warmup.py
+  tests:    tests/quant/test_triton.py, test_triton_chunks.py (wire tensors, out=,
+            the rows op), test_triton_offsets.py (chunks of 2^31+ elements) on CUDA tensors with compiled kernels, tests/quant/test_warmup.py
             (after warm_up the JIT cache gains no entry) (SDP4BIT_TRITON_TEST_DEVICE=cuda):
             bit-identical to the CPU reference with nearest rounding, stochastic rounding
             floor-or-ceil / unbiased / reproducible;
@@ -44,7 +44,7 @@ STEPS = ("compile", "tests", "large", "dispatch")
 CPU_TESTS = ("quantize_nearest_is_bit_identical or dequantize_is_bit_identical or test_received_8bit"
              " or k_chunk_consumers_read_like_the_flat_layout or rows_op_nearest")
 TEST_FILES = ("tests/quant/test_triton.py", "tests/quant/test_triton_chunks.py",
-              "tests/quant/test_warmup.py")
+              "tests/quant/test_triton_offsets.py", "tests/quant/test_warmup.py")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -52,7 +52,7 @@ from triton_cases import (  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KERNEL_TEST_FILES = ("test_triton.py", "test_triton_chunks.py")
+KERNEL_TEST_FILES = ("test_triton.py", "test_triton_chunks.py", "test_triton_offsets.py")
 
 
 def _python_env(**changes) -> dict:

@@ -81,7 +81,10 @@ def _dequantize_strips(pid, codes_ptr, scales_ptr, out_ptr, numel, codes_stride,
     if HADAMARD > 0:  # whole transform blocks in each thread; H^-1 = H / block (exact)
         flat = hadamard_flat(tl.reshape(values, [BLOCK]), BLOCK, HADAMARD) * (1.0 / HADAMARD)
         values = tl.reshape(flat, [1, S, 32])
-    valid = (numel - first).to(tl.int32)  # elements of the strip before numel (TAIL)
+    # Elements of the strip before numel (TAIL), clamped to a strip before the int32
+    # cast: unclamped, a chunk of 2^31 or more elements wrapped it negative and its
+    # strips were silently not stored.
+    valid = tl.minimum(numel - first, 32).to(tl.int32)
     ok = first < numel
     if ACCUMULATE:
         values = values + load_float_strips(out_ptr, first, valid, ok, OUT_BF16, OUT_HALF,
