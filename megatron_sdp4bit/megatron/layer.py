@@ -22,7 +22,7 @@ import logging
 import torch
 
 from megatron_sdp4bit import comm, quant
-from megatron_sdp4bit.comm.kernel_specs import all_gather_specs, reduce_scatter_specs
+from megatron_sdp4bit.comm.kernel_specs import alignment_offset, all_gather_specs, reduce_scatter_specs
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import grad_sync, param_sync
 from megatron_sdp4bit.megatron.background import set_up_runner
@@ -216,7 +216,7 @@ def _warm_up_kernels(layer, ddp) -> None:
     state, adapter, config = layer.state, layer.adapter, layer.state.config
     specs, device = [], None
     for bucket_group in adapter.ddp_bucket_groups(ddp):
-        group, size, _rank = adapter.collective_group(bucket_group)
+        group, size, rank = adapter.collective_group(bucket_group)
         if size == 1:
             continue
         # the group the collectives will use (a thread runner's private twin), built now
@@ -227,12 +227,17 @@ def _warm_up_kernels(layer, ddp) -> None:
         for bucket in adapter.group_buckets(bucket_group):
             grads, params = adapter.bucket_grad_data(bucket), adapter.bucket_param_data(bucket)
             device = grads.device
+            shard = grads.numel() // size
+            # where the real calls' views start: the bucket, and this rank's shard of it
             specs += reduce_scatter_specs(
-                grads.numel() // size, grads.dtype, levels, config,
+                shard, grads.dtype, levels, config,
                 average=bool(ddp_config.average_in_collective),
-                ordered=topology.send_order_index(device) is not None)
+                ordered=topology.send_order_index(device) is not None,
+                input_offset=alignment_offset(grads),
+                output_offset=alignment_offset(grads, rank * shard))
             if params is not None:
-                specs += all_gather_specs(params.numel() // size, size, params.dtype, config)
+                specs += all_gather_specs(params.numel() // size, size, params.dtype, config, rank=rank,
+                                          buffer_offset=alignment_offset(params))
     new = [spec for spec in dict.fromkeys(specs) if spec not in state.warmed_up]
     if not new:
         return

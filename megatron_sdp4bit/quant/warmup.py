@@ -6,8 +6,12 @@ op, formats and dtypes, the chunk counts compiled in, the tile (from the size)
 and the divisibility by 16 of its sizes and strides. ``warm_up(specs, device)``
 makes each ``KernelSpec``'s call once on zero-filled tensors of that layout, so
 Triton compiles (and caches for the process) exactly the variants the real
-calls will find. Pointers are assumed 16-byte aligned, as allocations are: a
-real call on a view at an unaligned offset compiles a variant of its own.
+calls will find. Triton also specialises on a pointer's 16-byte alignment (and
+the kernels read bf16 as 32-bit words where it is 4-byte aligned): a float tensor
+the real call takes at a position in a caller's buffer (a shard at its rank's
+offset in a bucket: unaligned when shard x element size is not a multiple of 16,
+e.g. DP 128 with bf16 parameters) is placed at the same offset, ``KernelSpec.offset``;
+everything else is a fresh allocation, aligned, as the collectives' own buffers are.
 
 On a device whose tensors go to the torch reference (CPU, or
 SDP4BIT_QUANT_BACKEND=torch) there is nothing to compile: it returns 0.
@@ -73,6 +77,11 @@ class KernelSpec:
     """hadamard_quantize_rows: columns read per row (None: all of ``padded``)."""
     ordered: bool = False
     """hadamard_quantize_rows: rows taken through an order tensor (a send order)."""
+    offset: int = 0
+    """Elements past a 16-byte boundary at which the real call's float tensor in a
+    caller's buffer starts: the rows (hadamard_quantize_rows), the model shard
+    (quantize_weight_diff), the base's first row (dequantize_add_), the output
+    (dequantize_sum); 0 for the other ops."""
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -82,6 +91,8 @@ class KernelSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KernelSpec.{name}={value!r} must be a positive integer")
+        if not isinstance(self.offset, int) or self.offset < 0:
+            raise ValueError(f"KernelSpec.offset={self.offset!r} must be a non-negative integer")
         if self.numel % self.chunks or self.numel % self.rows:
             raise ValueError(f"KernelSpec.numel={self.numel} must be a multiple of chunks "
                              f"({self.chunks}) and rows ({self.rows})")
@@ -106,18 +117,27 @@ def _producer_out(spec: KernelSpec, device) -> Optional[QuantizedTensor]:
             if spec.wire else None)
 
 
+def _placed(shape, dtype, offset: int, device) -> torch.Tensor:
+    """Zeros of ``shape`` starting ``offset`` elements into a fresh (aligned) allocation."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    return torch.zeros(offset + numel, dtype=dtype, device=device)[offset:].view(*shape)
+
+
 def run_spec(spec: KernelSpec, device) -> None:
     """Make ``spec``'s call once on zero-filled tensors on ``device``."""
     from megatron_sdp4bit import quant
 
     s, zeros = spec, lambda *shape, dtype=spec.dtype: torch.zeros(*shape, dtype=dtype, device=device)
+    placed = lambda *shape: _placed(shape, spec.dtype, spec.offset, device)  # noqa: E731
     generator = torch.Generator(device=device) if s.rounding == "stochastic" else None
     fmt = dict(bits=s.bits, group_size=s.group_size, rounding=s.rounding, generator=generator)
     scale = 0.5 if s.scaled else 1.0
     if s.op == "quantize":
         quant.quantize(zeros(s.numel), **fmt, out=_producer_out(s, device))
     elif s.op == "quantize_weight_diff":
-        quant.quantize_weight_diff(zeros(s.numel, dtype=torch.float32), zeros(s.numel), **fmt,
+        quant.quantize_weight_diff(zeros(s.numel, dtype=torch.float32), placed(s.numel), **fmt,
                                    out=_producer_out(s, device))
     elif s.op == "hadamard_quantize":
         quant.hadamard_quantize(zeros(s.numel), **fmt, hadamard_block=s.hadamard_block,
@@ -125,7 +145,7 @@ def run_spec(spec: KernelSpec, device) -> None:
     elif s.op == "hadamard_quantize_rows":
         padded = s.numel // s.rows
         order = torch.arange(s.rows, device=device) if s.ordered else None
-        quant.hadamard_quantize_rows(zeros(s.rows, s.row_numel or padded), order, s.start,
+        quant.hadamard_quantize_rows(placed(s.rows, s.row_numel or padded), order, s.start,
                                      padded if s.valid is None else s.valid, padded, **fmt,
                                      hadamard_block=s.hadamard_block, scale=scale,
                                      out=_producer_out(s, device))
@@ -135,11 +155,11 @@ def run_spec(spec: KernelSpec, device) -> None:
         if s.op == "dequantize":
             quant.dequantize(q, s.dtype)
         elif s.op == "dequantize_add_":
-            base = (zeros(s.numel) if s.row_numel is None
-                    else zeros(s.chunks, s.row_numel)[:, s.start: s.start + n])
+            base = (placed(s.numel) if s.row_numel is None
+                    else placed(s.chunks, s.row_numel)[:, s.start: s.start + n])
             quant.dequantize_add_(base, q)
         elif s.op == "dequantize_sum":
-            quant.dequantize_sum(q, s.chunks, s.hadamard_block, out=zeros(n))
+            quant.dequantize_sum(q, s.chunks, s.hadamard_block, out=placed(n))
         else:
             bits, group = s.out_bits or s.bits, s.out_group_size or s.group_size
             out = _quantized(n, bits, group, s.out_chunks, True, device) if s.wire else None
