@@ -16,10 +16,11 @@ and picks the path from them, so nothing above has to know the backend:
   on every release, and it sends each peer one shard, as a ring does.
 
 ``runs_on_host_staged_gloo`` is that test, asked of the backend that serves the
-tensors' device (``comm/backends.py``: in a ``"cpu:gloo,cuda:nccl"`` world NCCL serves
-CUDA tensors, although the world's backend name says gloo too); the patch layer also uses it to keep
-megatron's coalesced bucket collectives, which torch's gloo cannot run on CUDA
-tensors, off that path (``megatron/grad_sync.py``, ``megatron/param_sync.py``).
+tensors' device (``comm/backends.py``: in a ``"cpu:gloo,cuda:nccl"`` world NCCL
+serves CUDA tensors, although the world's backend name says gloo too); the patch
+layer also uses it to keep megatron's coalesced bucket collectives, which torch's
+gloo cannot run on CUDA tensors, off that path (``megatron/grad_sync.py``,
+``megatron/param_sync.py``).
 """
 from __future__ import annotations
 
