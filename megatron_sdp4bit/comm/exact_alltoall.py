@@ -21,9 +21,10 @@ of fp32 gradients for 6.7B parameters), and one temporary the size of the input
 would double that. Each chunk sends the same columns of every rank's shard, so
 the temporaries hold at most about ``CHUNK_ELEMENTS`` received elements (and as
 many to send) whatever the bucket. Chunk widths are multiples of
-``COLUMN_QUANTUM`` columns: torch's column-wise sum then groups its additions as
-it does for the whole shard, so a chunked result equals the unchunked one bit
-for bit (tested). With ``async_op`` every chunk but the last runs at the call,
+``COLUMN_QUANTUM`` columns: torch's column-wise sum on CPU then groups its
+additions as it does for the whole shard, so a chunked result equals the
+unchunked one bit for bit (tested on CPU; on CUDA not checked yet, and either way
+within the contract's "up to the order of the fp32 additions"). With ``async_op`` every chunk but the last runs at the call,
 so every collective is issued there, as torch's own are; the last one is what
 the handle waits for.
 """
