@@ -204,8 +204,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="device of the checked tensors (default cuda when there is one); "
                              "cpu checks this check itself: both sides are the reference")
-    parser.add_argument("--ranks-per-node", type=int, default=2,
-                        help="ranks per emulated node (2 of 4: two-level reduce-scatter)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks per node of the two-level cases (default 2 when the ranks "
+                             "are 4 or more and even, else 1; on a cluster, its GPUs per node)")
     parser.add_argument("--shard", type=int, default=1 << 20,
                         help="elements per rank of the large case (an unaligned 4101 also runs)")
     parser.add_argument("--levels", choices=("1", "2", "both"), default="both",
@@ -229,6 +230,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         device = torch.device("cpu")
     try:
         world = dist.get_world_size()
+        if args.ranks_per_node is None:
+            args.ranks_per_node = 2 if world >= 4 and world % 2 == 0 else 1
         if world % args.ranks_per_node:
             raise SystemExit(f"device_collectives: error: --ranks-per-node {args.ranks_per_node} "
                              f"does not divide {world} ranks")

@@ -61,11 +61,11 @@ def choose_backend(requested: str, machine: Machine, device_type: str = "cuda") 
             and machine.local_world_size <= machine.gpu_count)
     if requested == "auto":
         return "nccl" if fits and machine.local_world_size >= 2 else "gloo"
-    if device_type != "cuda":
-        raise WorldError("--backend nccl checks CUDA tensors: drop --device cpu, or use --backend gloo")
     if not machine.cuda_available:
         raise WorldError("--backend nccl needs CUDA, and torch sees none here: run it on the "
                          "GPU nodes, or use --backend gloo")
+    if device_type != "cuda":
+        raise WorldError("--backend nccl checks CUDA tensors: drop --device cpu, or use --backend gloo")
     if machine.local_world_size > machine.gpu_count:
         raise WorldError(f"--backend nccl needs one GPU per rank: this node runs "
                          f"{machine.local_world_size} ranks on {machine.gpu_count} visible GPU(s); "
