@@ -18,9 +18,10 @@ reduce-scatter runs both hops (8-bit inside an emulated node, 4-bit across).
 Per case: the SDP4Bit reduce-scatter (TLq-HS) and the qWD weight all-gather; fp32
 and bf16; synchronous with 1 pipeline chunk, asynchronous with 4 (and the two
 mixed); an unaligned shard and a large one. The asynchronous calls on ``--device``
-go to a worker thread (``comm.runner.ThreadRunner`` on a private twin of the world
-group: on CUDA its own side stream, what the patch layer runs with an overlap flag
-on gloo). What must hold:
+go to the runner the patch layer picks for that backend and device
+(``comm.runner.runner_kind``): on gloo a worker thread (``ThreadRunner`` on a private
+twin of the world group; on CUDA with its own side stream), on NCCL a side stream
+(``StreamRunner``). What must hold:
 
 - nearest rounding: the device result equals the CPU reference bit for bit;
 - an asynchronous call's result equals the synchronous call's on the same inputs
@@ -57,7 +58,7 @@ from megatron_sdp4bit.comm import (
 )
 from megatron_sdp4bit.comm.rng import reset_generators
 from megatron_sdp4bit.comm.error_bounds import reduce_scatter_bound, tolerance, weight_bound
-from megatron_sdp4bit.comm.runner import ThreadRunner
+from megatron_sdp4bit.comm.runner import make_runner, runner_kind
 from megatron_sdp4bit.comm.topology import build_private_groups, get_topology, private_group
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.diagnostics.world import (
@@ -199,6 +200,21 @@ def _describe(case: dict) -> str:
             + ", ".join(parts))
 
 
+def summary_table(cases: List[dict]) -> str:
+    """One row per collective and level count: cases, failures, the worst bound ratio."""
+    rows = {}
+    for case in cases:
+        key = (case["collective"], case["case"].split()[0])
+        rows.setdefault(key, []).append(case)
+    lines = [f"{'collective':14s} {'levels':8s} {'cases':>5s} {'failed':>6s} {'worst bound':>11s}  result"]
+    for (collective, levels), group in rows.items():
+        failed = sum(not c["passed"] for c in group)
+        worst = max(c["bound_ratio"] for c in group)
+        lines.append(f"{collective:14s} {levels:8s} {len(group):5d} {failed:6d} {worst:11.3f}  "
+                     f"{'FAIL' if failed else 'PASS'}")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -242,7 +258,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         build_private_groups([list(range(world))])
         for rpn in rpns:  # a collective: here, before the cases
             get_topology(private_group(dist.group.WORLD), rpn)
-        runner = ThreadRunner(device)
+        # the layer's runner for this backend and device: a side stream on NCCL, a worker
+        # thread on gloo (on a private twin of the group)
+        runner = make_runner(runner_kind(dist.group.WORLD, device), device)
         try:
             cases = run_cases(device, (4101, args.shard), rpns, runner)
         finally:
@@ -266,6 +284,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for case in merged:
             print(_describe(case))
         failed = sum(not c["passed"] for c in merged)
+        print(summary_table(merged))
         print(f"device collectives: {len(merged) - failed} of {len(merged)} cases hold")
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
