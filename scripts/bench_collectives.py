@@ -54,19 +54,24 @@ def main() -> int:
     parser.add_argument("--numel", type=int, default=1 << 20, help="bucket size in elements")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--write-doc", metavar="PATH", help="update this markdown file")
+    parser.add_argument("--backend", choices=("gloo", "nccl", "auto"), default="gloo",
+                        help="the ranks' process group (default gloo: CPU ranks); nccl needs "
+                             "--ranks GPUs here, one per rank (megatron_sdp4bit.diagnostics.world)")
     args = parser.parse_args()
     if args.numel % args.ranks:
         parser.error(f"--numel must be a multiple of --ranks ({args.ranks})")
     command = torchrun_command(args.ranks, [
         "-m", "megatron_sdp4bit.benchmarks.collectives", "--cases", "variants",
-        "--numel", args.numel, "--repeats", args.repeats, "--ranks-per-node", args.ranks_per_node])
+        "--numel", args.numel, "--repeats", args.repeats, "--ranks-per-node", args.ranks_per_node,
+        "--backend", args.backend])
     job = subprocess.run(command, env=job_env(), capture_output=True, text=True)
     rows = read_rows(job.stdout)
     if job.returncode or rows is None:
         print(f"bench_collectives: the ranks failed (exit {job.returncode}):\n"
               f"{(job.stdout + job.stderr)[-3000:]}", file=sys.stderr)
         return 1
-    table = bytes_table(rows, args.ranks, args.ranks_per_node, args.numel, args.repeats)
+    table = bytes_table(rows, args.ranks, args.ranks_per_node, args.numel, args.repeats,
+                        rows[0].get("backend", "gloo"))
     print(table)
     if args.write_doc:
         command = "python scripts/bench_collectives.py " + " ".join(sys.argv[1:])

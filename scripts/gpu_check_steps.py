@@ -7,6 +7,9 @@ Steps (docs/gpu_check.md says what each checks):
   env          GPU, driver, torch/CUDA/Triton/Python, megatron-core, Apex, Transformer Engine
   triton       compile + tests + dispatch of the Triton kernels (scripts/gpu_check_triton.py)
   large        the ~33M-element bit-identity check of the kernels against the reference
+  nccl         with 2 or more GPUs (else SKIP with the reason): one NCCL rank per GPU, the
+               quantized collectives against the CPU reference and the exact sums
+               (megatron_sdp4bit.diagnostics.device_collectives --backend nccl)
   bench        the kernel speed table (scripts/bench_quant.py)
   dp4          4 data-parallel ranks on the one GPU over gloo (2 emulated nodes x 2): the
                quantized collectives on CUDA against the CPU reference (the async ones on a
@@ -52,7 +55,7 @@ from typing import Callable, Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What a GPU has not shown yet first: the quantized path at DP>1 on CUDA and its overlap,
 # then the kernels' speed and the DP=1 overhead.
-STEPS = ("env", "triton", "large", "dp4", "overlap", "bench", "train", "megatron_lm")
+STEPS = ("env", "triton", "large", "nccl", "dp4", "overlap", "bench", "train", "megatron_lm")
 OVERLAP_TARGET = 0.8  # share of the quantization kernels' time beside other kernels'
 OVERLAP_PROFILE = dict(after=4, steps=3)
 # zeropp at DP=1 takes the same path as sdp4bit (one rank: nothing is quantized)
@@ -193,7 +196,8 @@ def collect_environment() -> dict:
     try:
         import torch
         info.update(torch=torch.__version__, cuda=torch.version.cuda,
-                    cuda_available=torch.cuda.is_available())
+                    cuda_available=torch.cuda.is_available(),
+                    gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
         if torch.cuda.is_available():
             major, minor = torch.cuda.get_device_capability()
             info.update(gpu=torch.cuda.get_device_name(), capability=f"sm_{major}{minor}",
@@ -436,15 +440,12 @@ def torchrun(ranks: int) -> List[str]:
     return torchrun_command(ranks)
 
 
-def dp4_collectives(report: Report, ctx: dict, shape: dict) -> None:
-    """4 gloo ranks (2 emulated nodes x 2) on the one GPU: every collective on CUDA tensors
-    against the CPU reference (megatron_sdp4bit.diagnostics.device_collectives)."""
-    out_json = os.path.join(ctx["out"], "device_collectives.json")
-    cmd = torchrun(4) + ["-m", "megatron_sdp4bit.diagnostics.device_collectives",
-                         "--device", "cpu" if ctx["smoke"] else "cuda", "--ranks-per-node", "2",
-                         "--shard", str(shape["shard"]), "--json", out_json]
+def collectives_check(report: Report, ctx: dict, name: str, cmd: List[str], out_json: str,
+                      limit_s: float) -> None:
+    """Run megatron_sdp4bit.diagnostics.device_collectives (``cmd``, writing ``out_json``)
+    and report its cases as step ``name``."""
     start = time.perf_counter()
-    rc, _ = run_logged(cmd, timeout=time_limit(ctx, 90 if ctx["smoke"] else 150), env=python_env())
+    rc, _ = run_logged(cmd, timeout=time_limit(ctx, limit_s), env=python_env())
     cases = []
     if os.path.isfile(out_json):
         with open(out_json, encoding="utf-8") as f:
@@ -456,10 +457,49 @@ def dp4_collectives(report: Report, ctx: dict, shape: dict) -> None:
         detail = f"{len(failed)} of {len(cases)} cases fail, e.g. {failed[0]['collective']} {failed[0]['case']}"
     else:
         detail = (f"{len(cases)} cases: nearest rounding bit-identical to the CPU reference, "
-                  "stochastic within the stated bound, weight replicas identical")
+                  "stochastic within the stated bound, async bit-identical to sync, "
+                  "weight replicas identical")
     ok = rc == 0 and cases and not failed
-    report.add("dp4.collectives", "PASS" if ok else "FAIL", detail, time.perf_counter() - start,
+    report.add(name, "PASS" if ok else "FAIL", detail, time.perf_counter() - start,
                worst_bound_ratio=max((c["bound_ratio"] for c in cases), default=None))
+
+
+def dp4_collectives(report: Report, ctx: dict, shape: dict) -> None:
+    """4 gloo ranks (2 emulated nodes x 2) on the one GPU: every collective on CUDA tensors
+    against the CPU reference (megatron_sdp4bit.diagnostics.device_collectives)."""
+    out_json = os.path.join(ctx["out"], "device_collectives.json")
+    cmd = torchrun(4) + ["-m", "megatron_sdp4bit.diagnostics.device_collectives",
+                         "--device", "cpu" if ctx["smoke"] else "cuda", "--ranks-per-node", "2",
+                         "--backend", "gloo", "--levels", "2",
+                         "--shard", str(shape["shard"]), "--json", out_json]
+    collectives_check(report, ctx, "dp4.collectives", cmd, out_json, 90 if ctx["smoke"] else 150)
+
+
+# --- (e0) the NCCL self-check: one rank per GPU -----------------------------------------
+
+def nccl_skip_reason(ctx: dict) -> Optional[str]:
+    """Why the NCCL self-check cannot run here (None: it can)."""
+    if ctx["smoke"]:
+        return "CPU self-test: NCCL needs 2 or more GPUs (its refusals are tested on CPU)"
+    gpus = ctx["env"].get("gpus", 0)
+    if gpus < 2:
+        return (f"{gpus} GPU visible: NCCL needs 2 or more, one per rank "
+                "(dp4.collectives checks the collectives over gloo)")
+    return None
+
+
+def step_nccl(report: Report, ctx: dict) -> None:
+    """Every visible GPU one NCCL rank: the user's self-check of README's "First run on a
+    cluster" (device_collectives --backend nccl, one- and two-level)."""
+    reason = nccl_skip_reason(ctx)
+    if reason:
+        report.add("nccl.collectives", "SKIP", reason)
+        return
+    out_json = os.path.join(ctx["work"], "nccl_collectives.json")  # $OUT holds 8 files at most
+    cmd = torchrun(ctx["env"]["gpus"]) + ["-m", "megatron_sdp4bit.diagnostics.device_collectives",
+                                          "--backend", "nccl", "--levels", "both",
+                                          "--shard", str(GPU_DP4["shard"]), "--json", out_json]
+    collectives_check(report, ctx, "nccl.collectives", cmd, out_json, 120)
 
 
 def step_dp4(report: Report, ctx: dict) -> None:
@@ -628,7 +668,7 @@ def step_megatron_lm(report: Report, ctx: dict) -> None:
 
 RUNNERS: Dict[str, Callable[[Report, dict], None]] = {
     "env": step_env, "triton": step_triton, "bench": step_bench, "train": step_train,
-    "dp4": step_dp4, "overlap": step_overlap, "megatron_lm": step_megatron_lm,
+    "nccl": step_nccl, "dp4": step_dp4, "overlap": step_overlap, "megatron_lm": step_megatron_lm,
 }
 
 

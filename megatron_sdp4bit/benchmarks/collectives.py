@@ -5,7 +5,12 @@ this machine's CPU ranks, ``scripts/bench_slow_link.py --collectives`` one over 
 emulated nodes)::
 
     python -m megatron_sdp4bit.benchmarks.collectives --cases variants|presets \\
-        --numel N [--repeats R] [--ranks-per-node 2] [--dtype bf16|fp32]
+        --numel N [--repeats R] [--ranks-per-node 2] [--dtype bf16|fp32] \
+        [--backend gloo|nccl|auto]
+
+``--backend`` (``diagnostics/world.py``; default gloo, the CPU ranks of the published
+tables): with nccl the buffers are on each rank's own GPU and each call is timed
+until its kernels end.
 
 Each case is one collective call on one bucket of ``numel`` elements (random fp32
 gradients, a model buffer and this rank's fp32 main shard): a warm-up call (which
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -71,8 +77,9 @@ def _config(case: Case, ranks_per_node: int):
     return SDP4BitConfig(ranks_per_node=ranks_per_node, **(case.config or {}))
 
 
-def _buffers(numel: int, dtype: str) -> dict:
-    """This rank's inputs: its gradients, the (replicated) model buffer, its main shard."""
+def _buffers(numel: int, dtype: str, device=None) -> dict:
+    """This rank's inputs: its gradients, the (replicated) model buffer, its main shard,
+    on ``device`` (default CPU)."""
     import torch
     import torch.distributed as dist
 
@@ -80,10 +87,11 @@ def _buffers(numel: int, dtype: str) -> dict:
     shard = numel // world
     gen = torch.Generator().manual_seed(rank)
     model = torch.randn(world * shard, generator=torch.Generator().manual_seed(0))
-    return {"grads": torch.randn(world * shard, generator=gen), "grad_out": torch.empty(shard),
-            "model": model.to(torch.bfloat16 if dtype == "bf16" else torch.float32),
-            "main": model[rank * shard:(rank + 1) * shard] + 1e-3 * torch.randn(shard,
-                                                                                  generator=gen)}
+    buffers = {"grads": torch.randn(world * shard, generator=gen), "grad_out": torch.empty(shard),
+               "model": model.to(torch.bfloat16 if dtype == "bf16" else torch.float32),
+               "main": model[rank * shard:(rank + 1) * shard] + 1e-3 * torch.randn(shard,
+                                                                                     generator=gen)}
+    return {name: t.to(device) for name, t in buffers.items()} if device is not None else buffers
 
 
 def make_call(case: Case, buffers: dict, ranks_per_node: int) -> Callable[[], None]:
@@ -106,16 +114,22 @@ def make_call(case: Case, buffers: dict, ranks_per_node: int) -> Callable[[], No
     return lambda: quantized_reduce_scatter(out, grads, op=op, config=config)
 
 
-def time_call(call: Callable[[], None], repeats: int) -> float:
-    """Median over ``repeats`` of one call's seconds on its slowest rank."""
+def time_call(call: Callable[[], None], repeats: int, device=None) -> float:
+    """Median over ``repeats`` of one call's seconds on its slowest rank (on a CUDA
+    ``device``, until its kernels end: NCCL and the Triton kernels return early)."""
     import torch
     import torch.distributed as dist
 
+    cuda = device is not None and device.type == "cuda"
     times = []
     for _ in range(repeats):
         dist.barrier()
+        if cuda:
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         call()
+        if cuda:
+            torch.cuda.synchronize(device)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(float(elapsed))
@@ -135,11 +149,12 @@ def _bytes(kind: str) -> dict:
 
 
 def run_cases(cases: Sequence[Case], numel: int, repeats: int, ranks_per_node: int,
-              dtype: str = "bf16") -> List[dict]:
-    """Every case on this process group: ``{label, kind, seconds, bytes}`` in case order."""
+              dtype: str = "bf16", device=None) -> List[dict]:
+    """Every case on this process group: ``{label, kind, seconds, bytes}`` in case order,
+    on tensors of ``device`` (default CPU)."""
     from megatron_sdp4bit.comm import reset_wire_stats
 
-    buffers = _buffers(numel, dtype)
+    buffers = _buffers(numel, dtype, device)
     rows = []
     for case in cases:
         call = make_call(case, buffers, ranks_per_node)
@@ -147,7 +162,7 @@ def run_cases(cases: Sequence[Case], numel: int, repeats: int, ranks_per_node: i
         reset_wire_stats()
         call()
         recorded = _bytes(case.kind)
-        rows.append({"label": case.label, "kind": case.kind, "seconds": time_call(call, repeats),
+        rows.append({"label": case.label, "kind": case.kind, "seconds": time_call(call, repeats, device),
                      "bytes": recorded})
     return rows
 
@@ -163,6 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch.distributed as dist
 
     from megatron_sdp4bit.comm import forget_subgroups
+    from megatron_sdp4bit.diagnostics.world import (
+        BACKENDS, Machine, WorldError, choose_backend, start_world)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", choices=sorted(CASE_SETS), required=True)
@@ -171,12 +188,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                         help="the model buffer the weight all-gather writes")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo",
+                        help="gloo (default: the CPU ranks of the published tables), nccl "
+                             "(one GPU per rank, world 'cpu:gloo,cuda:nccl') or auto (nccl when "
+                             "this node's 2 or more ranks each have a GPU, else gloo)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    machine = Machine.here(os.environ)
+    try:
+        backend = choose_backend(args.backend, machine)
+        device = start_world(backend, machine)
+    except WorldError as error:
+        print(f"benchmarks.collectives: error: {error}", file=sys.stderr)
+        return 2
     try:
         rows = run_cases(CASE_SETS[args.cases], args.numel, args.repeats, args.ranks_per_node,
-                         args.dtype)
+                         args.dtype, device)
+        for row in rows:  # what the table's reader must know: auto chose it
+            row["backend"] = backend
         if dist.get_rank() == 0:
             print(MARK + json.dumps(rows), flush=True)
     finally:
@@ -190,11 +219,12 @@ def _kib(n: float) -> str:
 
 
 def bytes_table(rows: Sequence[dict], world: int, ranks_per_node: int, numel: int,
-                repeats: int) -> str:
+                repeats: int, backend: str = "gloo") -> str:
     """``scripts/bench_collectives.py``'s markdown table: time vs the exact collective of
     the same kind (its first row) and the bytes per rank and level."""
+    where = "gloo ranks on one CPU host" if backend == "gloo" else "NCCL ranks, one GPU each,"
     lines = [
-        f"{world} gloo ranks on one CPU host as {world // ranks_per_node} emulated nodes x "
+        f"{world} {where} as {world // ranks_per_node} emulated nodes x "
         f"{ranks_per_node}, bucket of {numel:,} elements, median of {repeats} "
         f"(max over ranks). Bytes are per rank per call; exact = what the exact collective "
         f"sends for the same call.",

@@ -2,5 +2,7 @@
 
 - ``device_collectives``: the quantized collectives on this machine's devices
   against the CPU reference, under torchrun (``scripts/gpu_check.sh`` runs it with 4
-  gloo ranks on one GPU).
+  gloo ranks on one GPU, and with one NCCL rank per GPU when it sees 2 or more:
+  ``--backend nccl``, README's "First run on a cluster").
+- ``world``: the process group of that check and of the collectives benchmark.
 """

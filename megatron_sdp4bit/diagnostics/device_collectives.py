@@ -1,10 +1,15 @@
 """The quantized collectives on this machine's devices, against the CPU reference.
 
     torchrun --nproc-per-node 4 -m megatron_sdp4bit.diagnostics.device_collectives \
-        --ranks-per-node 2 [--device cuda] [--shard 1048576] [--json FILE]
+        --ranks-per-node 2 [--device cuda] [--backend auto|gloo|nccl] [--levels 1|2|both] \
+        [--shard 1048576] [--json FILE]
 
-The ranks join one gloo group (on a GPU machine they share the visible GPUs, local
-rank r on GPU r mod their count, so one GPU runs 4 ranks) and each runs every case
+``--backend`` (``diagnostics/world.py``): on gloo the ranks share the visible GPUs
+(local rank r on GPU r mod their count, so one GPU runs 4 ranks); on nccl (the
+default where this node's 2 or more ranks each have a GPU) the world is
+``"cpu:gloo,cuda:nccl"`` and each rank has ``cuda:LOCAL_RANK``, so the checked
+collectives run over NCCL as in a training job: a user's self-check of a cluster
+before the first job (README, "First run on a cluster"). Each rank runs every case
 twice on the same inputs: on ``--device`` tensors (the Triton kernels on CUDA, the
 collectives' bytes staged through host memory by gloo) and on CPU tensors (the torch
 reference, the specification). With ``--ranks-per-node 2`` of 4 ranks the gradient
@@ -13,16 +18,25 @@ reduce-scatter runs both hops (8-bit inside an emulated node, 4-bit across).
 Per case: the SDP4Bit reduce-scatter (TLq-HS) and the qWD weight all-gather; fp32
 and bf16; synchronous with 1 pipeline chunk, asynchronous with 4 (and the two
 mixed); an unaligned shard and a large one. The asynchronous calls on ``--device``
-go to a worker thread (``comm.runner.ThreadRunner`` on a private twin of the world
-group: on CUDA its own side stream, what the patch layer runs with an overlap flag
-on gloo). What must hold:
+go to the runner the patch layer picks for that backend and device
+(``comm.runner.runner_kind``): on gloo a worker thread (``ThreadRunner`` on a private
+twin of the world group; on CUDA with its own side stream), on NCCL a side stream
+(``StreamRunner``). What must hold:
 
 - nearest rounding: the device result equals the CPU reference bit for bit;
+- an asynchronous call's result equals the synchronous call's on the same inputs
+  and noise, bit for bit (both roundings: the noise streams restart for each run);
 - stochastic rounding: every element within the error bound the collectives state
   (``comm/error_bounds.py``), and after a weight all-gather every rank holds the same
   bytes.
 
-Exit status 0 when every case holds, 1 otherwise; rank 0 prints one line per case.
+``--levels``: the reduce-scatter with the world as one node (8-bit only), with
+nodes of ``--ranks-per-node`` (two levels; needs fewer ranks per node than ranks),
+or both (the default). The exact answer each case is measured against is the
+float64 sum of every rank's input, gathered with torch's exact all-gather.
+
+Exit status 0 when every case holds, 1 when one fails, 2 when the backend cannot
+run here (one line saying what to change); rank 0 prints one line per case.
 """
 from __future__ import annotations
 
@@ -42,14 +56,22 @@ from megatron_sdp4bit.comm import (
     quantized_all_gather_weights,
     quantized_reduce_scatter,
 )
+from megatron_sdp4bit.comm.rng import reset_generators
 from megatron_sdp4bit.comm.error_bounds import reduce_scatter_bound, tolerance, weight_bound
-from megatron_sdp4bit.comm.runner import ThreadRunner
+from megatron_sdp4bit.comm.runner import make_runner, runner_kind
 from megatron_sdp4bit.comm.topology import build_private_groups, get_topology, private_group
 from megatron_sdp4bit.config import SDP4BitConfig
+from megatron_sdp4bit.diagnostics.world import (
+    BACKEND_HELP, BACKENDS, Machine, WorldError, choose_backend, start_world)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SCHEDULES = ((False, 1), (True, 4), (False, 4), (True, 1))  # (async_op, pipeline chunks)
 ROUNDINGS = ("nearest", "stochastic")
+CHECKS = {  # what must hold besides the error bound, as the table says it
+    "identical_to_reference": "bit-identical to the CPU reference",
+    "async_identical_to_sync": "async bit-identical to sync",
+    "replicas_identical": "replicas identical",
+}
 
 
 def _rank_input(seed: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -85,13 +107,18 @@ def reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, s
     config = SDP4BitConfig(ranks_per_node=rpn, pipeline_chunks=chunks, rounding=rounding)
     op = dist.ReduceOp.AVG if async_op else dist.ReduceOp.SUM
     x = _rank_input(seed, world * shard, dtype)
-    outputs = {}
-    for where in (device, torch.device("cpu")):
+
+    def run(where, is_async):
+        reset_generators()  # the same noise for every run: async and sync are comparable
         out = torch.empty(shard, dtype=dtype, device=where)
         _finish(quantized_reduce_scatter(out, x.to(where), op=op, config=config,
-                                         **_on(where, device, async_op, runner)))
-        outputs[where.type] = out.cpu()
+                                         **_on(where, device, is_async, runner)))
+        return out.cpu()
+
+    outputs = {where.type: run(where, async_op) for where in (device, torch.device("cpu"))}
     result = {}
+    if async_op:
+        result["async_identical_to_sync"] = torch.equal(outputs[device.type], run(device, False))
     if rounding == "nearest":
         result["identical_to_reference"] = torch.equal(outputs[device.type], outputs["cpu"])
     everyone = [torch.empty(world * shard) for _ in range(world)]
@@ -113,13 +140,18 @@ def all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed, runner)
     own = model[rank * shard:(rank + 1) * shard]
     gen = torch.Generator().manual_seed(seed * 1009 + rank)
     main = own.float() + 0.01 * torch.randn(shard, generator=gen)  # one optimizer step's change
-    buffers = {}
-    for where in (device, torch.device("cpu")):
+
+    def run(where, is_async):
+        reset_generators()  # the same noise for every run: async and sync are comparable
         buffer = model.clone().to(where)
         _finish(quantized_all_gather_weights(buffer, main.to(where), config=config,
-                                             **_on(where, device, async_op, runner)))
-        buffers[where.type] = buffer.cpu()
+                                             **_on(where, device, is_async, runner)))
+        return buffer.cpu()
+
+    buffers = {where.type: run(where, async_op) for where in (device, torch.device("cpu"))}
     result = {"replicas_identical": _same_bytes_everywhere(buffers[device.type])}
+    if async_op:
+        result["async_identical_to_sync"] = torch.equal(buffers[device.type], run(device, False))
     if rounding == "nearest":
         result["identical_to_reference"] = torch.equal(buffers[device.type], buffers["cpu"])
     new_own = buffers[device.type][rank * shard:(rank + 1) * shard].double()
@@ -129,16 +161,25 @@ def all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed, runner)
 
 
 def passed(result: dict) -> bool:
-    return (result["bound_ratio"] <= 1.0 and result.get("identical_to_reference", True)
-            and result.get("replicas_identical", True))
+    return result["bound_ratio"] <= 1.0 and all(result.get(key, True) for key in CHECKS)
 
 
-def run_cases(device: torch.device, shards, rpn: int, runner) -> List[dict]:
+def level_counts(choice: str, world: int, ranks_per_node: int) -> List[int]:
+    """The ranks-per-node values that run ``--levels``: the world as one node is one level
+    (8-bit reduce-scatter only), ``ranks_per_node`` < world is two (8-bit inside, 4-bit across)."""
+    one, two = [world], ([ranks_per_node] if ranks_per_node < world else [])
+    if choice == "2" and not two:
+        raise ValueError(f"--levels 2 needs --ranks-per-node below the {world} ranks")
+    return {"1": one, "2": two, "both": one + two}[choice]
+
+
+def run_cases(device: torch.device, shards, rpns: List[int], runner) -> List[dict]:
     cases = []
-    combos = itertools.product(DTYPES.items(), SCHEDULES, ROUNDINGS, shards)
-    for seed, ((dname, dtype), (async_op, chunks), rounding, shard) in enumerate(combos):
-        name = (f"{dname} {'async' if async_op else 'sync'} chunks={chunks} {rounding} "
-                f"shard={shard}")
+    world = dist.get_world_size()
+    combos = itertools.product(rpns, DTYPES.items(), SCHEDULES, ROUNDINGS, shards)
+    for seed, (rpn, (dname, dtype), (async_op, chunks), rounding, shard) in enumerate(combos):
+        name = (f"levels={1 if rpn == world else 2} {dname} {'async' if async_op else 'sync'} "
+                f"chunks={chunks} {rounding} shard={shard}")
         rs = reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, seed,
                                  runner)
         cases.append(dict(rs, collective="reduce_scatter", case=name))
@@ -152,12 +193,26 @@ def run_cases(device: torch.device, shards, rpn: int, runner) -> List[dict]:
 
 def _describe(case: dict) -> str:
     parts = [f"bound ratio {case['bound_ratio']:.3f}"]
-    for key, words in (("identical_to_reference", "bit-identical to the CPU reference"),
-                       ("replicas_identical", "replicas identical")):
+    for key, words in CHECKS.items():
         if key in case:
             parts.append(words if case[key] else "NOT " + words)
     return (f"[{'PASS' if case['passed'] else 'FAIL'}] {case['collective']:14s} {case['case']}: "
             + ", ".join(parts))
+
+
+def summary_table(cases: List[dict]) -> str:
+    """One row per collective and level count: cases, failures, the worst bound ratio."""
+    rows = {}
+    for case in cases:
+        key = (case["collective"], case["case"].split()[0])
+        rows.setdefault(key, []).append(case)
+    lines = [f"{'collective':14s} {'levels':8s} {'cases':>5s} {'failed':>6s} {'worst bound':>11s}  result"]
+    for (collective, levels), group in rows.items():
+        failed = sum(not c["passed"] for c in group)
+        worst = max(c["bound_ratio"] for c in group)
+        lines.append(f"{collective:14s} {levels:8s} {len(group):5d} {failed:6d} {worst:11.3f}  "
+                     f"{'FAIL' if failed else 'PASS'}")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -165,28 +220,49 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="device of the checked tensors (default cuda when there is one); "
                              "cpu checks this check itself: both sides are the reference")
-    parser.add_argument("--ranks-per-node", type=int, default=2,
-                        help="ranks per emulated node (2 of 4: two-level reduce-scatter)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help="ranks per node of the two-level cases (default 2 when the ranks "
+                             "are 4 or more and even, else 1; on a cluster, its GPUs per node)")
     parser.add_argument("--shard", type=int, default=1 << 20,
                         help="elements per rank of the large case (an unaligned 4101 also runs)")
+    parser.add_argument("--levels", choices=("1", "2", "both"), default="both",
+                        help="the reduce-scatter's levels: 1 (the world as one node), 2 "
+                             "(nodes of --ranks-per-node), or both (default)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
     parser.add_argument("--json", default=None, help="write every case's result here (rank 0)")
     args = parser.parse_args(argv)
-    device_type = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    machine = Machine.here(os.environ)
+    device_type = args.device or ("cuda" if machine.cuda_available else "cpu")
+    try:
+        backend = choose_backend(args.backend, machine, device_type)
+        device = start_world(backend, machine)
+    except WorldError as error:
+        print(f"device_collectives: error: {error}", file=sys.stderr)
+        return 2
+    if device is None and device_type == "cuda":  # gloo ranks share the visible GPUs
+        torch.cuda.set_device(machine.local_rank % machine.gpu_count)
         device = torch.device("cuda", torch.cuda.current_device())
-    else:
+    elif device is None:
         device = torch.device("cpu")
-    dist.init_process_group("gloo")
     try:
         world = dist.get_world_size()
+        if args.ranks_per_node is None:
+            args.ranks_per_node = 2 if world >= 4 and world % 2 == 0 else 1
         if world % args.ranks_per_node:
-            raise SystemExit(f"--ranks-per-node {args.ranks_per_node} does not divide {world} ranks")
-        build_private_groups([list(range(world))])
-        get_topology(private_group(dist.group.WORLD), args.ranks_per_node)  # a collective: here
-        runner = ThreadRunner(device)
+            raise SystemExit(f"device_collectives: error: --ranks-per-node {args.ranks_per_node} "
+                             f"does not divide {world} ranks")
         try:
-            cases = run_cases(device, (4101, args.shard), args.ranks_per_node, runner)
+            rpns = level_counts(args.levels, world, args.ranks_per_node)
+        except ValueError as error:
+            raise SystemExit(f"device_collectives: error: {error}") from None
+        build_private_groups([list(range(world))])
+        for rpn in rpns:  # a collective: here, before the cases
+            get_topology(private_group(dist.group.WORLD), rpn)
+        # the layer's runner for this backend and device: a side stream on NCCL, a worker
+        # thread on gloo (on a private twin of the group)
+        runner = make_runner(runner_kind(dist.group.WORLD, device), device)
+        try:
+            cases = run_cases(device, (4101, args.shard), rpns, runner)
         finally:
             runner.close()
         everyone: List[Optional[list]] = [None] * world
@@ -201,15 +277,19 @@ def main(argv: Optional[List[str]] = None) -> int:
         worst = max(per_rank, key=lambda c: (not c["passed"], c["bound_ratio"]))
         merged.append(dict(worst, passed=all(c["passed"] for c in per_rank)))
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f"device collectives: {world} gloo ranks, {world // args.ranks_per_node} emulated "
-              f"nodes x {args.ranks_per_node}, checked on {device} against the CPU reference")
+        levels = " and ".join("1 level" if rpn == world else f"2 levels ({world // rpn} nodes x {rpn})"
+                              for rpn in rpns)
+        print(f"device collectives: {world} {backend} ranks, {levels}, checked on {device} "
+              "against the CPU reference and the exact sums")
         for case in merged:
             print(_describe(case))
         failed = sum(not c["passed"] for c in merged)
+        print(summary_table(merged))
         print(f"device collectives: {len(merged) - failed} of {len(merged)} cases hold")
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
-                json.dump({"device": str(device), "world": world, "cases": merged}, f, indent=1)
+                json.dump({"device": str(device), "backend": backend, "world": world,
+                           "cases": merged}, f, indent=1)
     return 0 if all(c["passed"] for c in merged) else 1
 
 

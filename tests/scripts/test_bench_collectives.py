@@ -28,6 +28,7 @@ def test_every_case_ran_in_order_and_was_timed(rows):
     name, got = rows
     assert [r["label"] for r in got] == [case.label for case in collectives.CASE_SETS[name]]
     assert all(r["seconds"] > 0 for r in got)
+    assert {r["backend"] for r in got} == {"gloo"}  # the default: CPU ranks
 
 
 def test_the_bytes_are_the_collectives_own(rows):

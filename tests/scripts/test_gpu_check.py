@@ -57,9 +57,10 @@ def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
         "env", "triton.compile", "triton.tests", "triton.dispatch", "large", "bench",
         "dp4.collectives", "dp4.train.sdp4bit", "dp4.train.baseline", "dp4.loss",
         "train.sdp4bit", "train.baseline")}
-    expected.update({"train.ratio": "SKIP", "megatron_lm": "SKIP", "overlap": "SKIP"})
+    expected.update({"train.ratio": "SKIP", "megatron_lm": "SKIP", "overlap": "SKIP",
+                     "nccl.collectives": "SKIP"})
     assert got == expected, result.stdout[-6000:]
-    assert "SUMMARY: 12 PASS, 0 FAIL, 3 SKIP -> PASS" in result.stdout
+    assert "SUMMARY: 12 PASS, 0 FAIL, 4 SKIP -> PASS" in result.stdout
     # the overlap step's machinery ran: a profile, a share (the target is a GPU's)
     assert re.search(r"\[SKIP\] overlap \(\d+ s\): \d+\.\d% of the quantization cpu threads time",
                      result.stdout), result.stdout[-6000:]
@@ -151,6 +152,24 @@ def test_without_megatron_core_the_training_step_skips(tmp_path):
     assert {r["name"]: r["status"] for r in report.results} == {
         "train.sdp4bit": "SKIP", "train.baseline": "SKIP", "dp4.collectives": "SKIP",
         "dp4.train.sdp4bit": "SKIP", "dp4.train.baseline": "SKIP"}
+
+
+def test_the_nccl_step_runs_only_with_two_or_more_gpus(tmp_path, monkeypatch):
+    """Below 2 GPUs (and in the CPU self-test) a SKIP that says why; with 2, one NCCL rank
+    per GPU through device_collectives --backend nccl (the command, not run here)."""
+    report = steps.Report()
+    for smoke, gpus in ((True, 8), (False, 0), (False, 1)):
+        steps.step_nccl(report, dict(smoke=smoke, env={"gpus": gpus}, work=str(tmp_path)))
+    assert [r["status"] for r in report.results] == ["SKIP"] * 3
+    assert "CPU self-test" in report.results[0]["detail"]
+    assert report.results[2]["detail"].startswith("1 GPU visible: NCCL needs 2 or more")
+    seen = []
+    monkeypatch.setattr(steps, "collectives_check", lambda *args: seen.append(args))
+    ctx = dict(smoke=False, env={"gpus": 2}, work=str(tmp_path), out=str(tmp_path))
+    steps.step_nccl(report, ctx)
+    (_, _, name, cmd, _, _), = seen
+    assert name == "nccl.collectives" and "--nproc-per-node=2" in cmd
+    assert cmd[cmd.index("--backend") + 1] == "nccl"
 
 
 def test_megatron_lm_step_says_why_it_skips(tmp_path, monkeypatch):
