@@ -42,6 +42,17 @@ def _detect(rank: int, world: int) -> dict:
             continue
         topology = comm.get_topology(dist.group.WORLD)  # None: the detected layout
         out[name] = (rpn, topology.num_nodes, topology.is_two_level)
+    # The layer decides its ranks_per_node so at install (LayerState.resolve_ranks_per_node)
+    from megatron_sdp4bit.config import SDP4BitConfig
+    from megatron_sdp4bit.megatron.state import LayerState
+
+    comm.forget_subgroups()
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    os.environ["SDP4BIT_HOST_ID"] = SCENARIOS["two hosts"][0][rank]
+    for flag in (None, 1):
+        state = LayerState(SDP4BitConfig(ranks_per_node=flag))
+        state.resolve_ranks_per_node()
+        out[f"layer, flag {flag}"] = state.config.ranks_per_node
     comm.forget_subgroups()
     return out
 
@@ -57,4 +68,5 @@ def test_nodes_come_from_the_hosts_and_bad_layouts_are_refused_in_one_line():
     assert got["three and one"].startswith(
         "hosts hold unequal numbers of ranks (ranks 0-2 on 'n0', ranks 3 on 'n1')")
     assert got["launcher disagrees"].startswith("LOCAL_WORLD_SIZE=4 but the hosts hold 2 ranks each")
+    assert (got["layer, flag None"], got["layer, flag 1"]) == (2, 1)
     assert all("\n" not in got[name] for name in ("three and one", "launcher disagrees"))
