@@ -19,6 +19,10 @@ order, for every group, members or not. Hence:
 Both paths first check, with one small all-gather, that all ranks agree on
 ``ranks_per_node`` (and on the rank lists), so a disagreement raises the same
 ValueError on every rank rather than mismatched groups.
+
+``ranks_per_node`` None means the layout the hosts report (``default_ranks_per_node``):
+the first such call gathers every rank's host over the world (``comm/hosts.py``), so
+every rank makes it, as with the first call for the world group.
 """
 from __future__ import annotations
 
@@ -350,7 +354,9 @@ def forget_subgroups() -> None:
 
 
 def peer_split(group=None, ranks_per_node: Optional[int] = None) -> tuple[int, int]:
-    """(peers on this rank's node, peers elsewhere) in ``group``; no collective involved.
+    """(peers on this rank's node, peers elsewhere) in ``group``; no collective involved,
+    except that with ``ranks_per_node`` None the hosts are gathered over the world if no
+    call before did (the layer resolves ``ranks_per_node`` at install, so it never does).
 
     Used to split the bytes of flat collectives (all-gathers, exact
     reduce-scatters) between the intra and inter counters.
