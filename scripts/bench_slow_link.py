@@ -7,7 +7,7 @@ rate-limited with ``tc tbf`` (``megatron_sdp4bit.benchmarks.emulated_nodes``).
 Ranks of one node talk over the namespace's loopback (fast); ranks of different
 nodes over the limited veth (the "inter-node link"). Each node runs
 
-    ip netns exec sdp4bit-nK env GLOO_SOCKET_IFNAME=sdp4bit-vK python -m torch.distributed.run \\
+    ip netns exec sdp4bit-nK env GLOO_SOCKET_IFNAME=sdp4bit-vK SDP4BIT_HOST_ID=sdp4bit-nK python -m torch.distributed.run \\
         --nnodes 2 --node-rank K --master-addr 10.77.0.1 --master-port P --nproc-per-node=2 \\
         -m megatron_sdp4bit.pretrain <small GPT flags> <preset flags>
 

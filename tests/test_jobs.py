@@ -24,9 +24,9 @@ def test_one_node_jobs_rendezvous_standalone():
 def test_a_node_of_an_emulated_pair_runs_in_its_namespace_on_its_veth():
     argv = node_torchrun(1, 29601, 2, ["-m", "megatron_sdp4bit.pretrain"], "py")
     assert argv[:4] == ["ip", "netns", "exec", "sdp4bit-n1"]
-    assert argv[4:8] == ["env", "GLOO_SOCKET_IFNAME=sdp4bit-v1", "OMP_NUM_THREADS=1",
-                         "PYTHONWARNINGS=ignore"]
-    assert argv[8:] == ["py", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
+    assert argv[4:9] == ["env", "GLOO_SOCKET_IFNAME=sdp4bit-v1", "SDP4BIT_HOST_ID=sdp4bit-n1",
+                         "OMP_NUM_THREADS=1", "PYTHONWARNINGS=ignore"]
+    assert argv[9:] == ["py", "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", "1",
                         "--master-addr", "10.77.0.1", "--master-port", "29601",
                         "--nproc-per-node=2", "-m", "megatron_sdp4bit.pretrain"]
 

@@ -170,8 +170,10 @@ def node_torchrun(node: int, port: int, nproc_per_node: int, entry: Sequence[str
                   python: str) -> List[str]:
     """The argv that starts ``node``'s ``nproc_per_node`` ranks of a torchrun job of both
     nodes inside its namespace (rendezvous at node 0's address, ``port``), running
-    ``entry``; gloo on the node's veth, one thread per rank."""
-    env = [f"GLOO_SOCKET_IFNAME={VETHS[node]}", "OMP_NUM_THREADS=1", "PYTHONWARNINGS=ignore"]
+    ``entry``; gloo on the node's veth, one thread per rank. The namespaces share the
+    machine's hostname, so ``SDP4BIT_HOST_ID`` names the emulated node its ranks are on."""
+    env = [f"GLOO_SOCKET_IFNAME={VETHS[node]}", f"SDP4BIT_HOST_ID={NAMESPACES[node]}",
+           "OMP_NUM_THREADS=1", "PYTHONWARNINGS=ignore"]
     rendezvous = NodeRendezvous(NUM_NODES, node, ADDRESSES[0], port)
     return [*EmulatedNodes.exec_prefix(node), "env", *env,
             *torchrun_command(nproc_per_node, entry, rendezvous=rendezvous, python=python)]

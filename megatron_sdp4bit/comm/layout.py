@@ -5,7 +5,7 @@ process (including layouts of world sizes no test machine can spawn).
 
 Vocabulary: a *DP group* is a list of global ranks. A *node* is a set of ranks
 that share a fast link; the node of global rank g is ``g // ranks_per_node``
-(the ``LOCAL_WORLD_SIZE`` torchrun sets). A DP group whose members spread
+(the ranks each host holds, ``comm/host_layout.py``). A DP group whose members spread
 evenly over its nodes (``L`` members on each of ``N`` nodes) gets a two-level
 reduce-scatter: an all-to-all among the ``L`` members of a node, then one among
 the ``N`` members that hold the same local index on every node.

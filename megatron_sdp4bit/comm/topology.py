@@ -19,6 +19,10 @@ order, for every group, members or not. Hence:
 Both paths first check, with one small all-gather, that all ranks agree on
 ``ranks_per_node`` (and on the rank lists), so a disagreement raises the same
 ValueError on every rank rather than mismatched groups.
+
+``ranks_per_node`` None means the layout the hosts report (``default_ranks_per_node``):
+the first such call gathers every rank's host over the world (``comm/hosts.py``), so
+every rank makes it, as with the first call for the world group.
 """
 from __future__ import annotations
 
@@ -33,6 +37,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_sdp4bit.comm.backends import host_collective_device
+from megatron_sdp4bit.comm.host_layout import parse_local_world_size, resolve_ranks_per_node
+from megatron_sdp4bit.comm.hosts import gather_hosts
 from megatron_sdp4bit.comm.layout import NodeLayout, plan_node_layout, two_level_send_order
 
 logger = logging.getLogger(__name__)
@@ -44,6 +50,7 @@ _TOPOLOGIES: dict = {}  # (group, ranks_per_node, strict) -> Topology
 _WARNED: set = set()
 _LAYOUTS: dict = {}  # (DP ranks in group order, ranks_per_node) -> NodeLayout
 _PRIVATE: dict = {}  # sorted members -> a group of them only a runner's worker uses (or None)
+_HOSTS: dict = {}  # "world" -> every global rank's host identity (gathered once)
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,24 +130,30 @@ class Topology:
         return self.dp_size - 1 - self.same_node_peers
 
 
-def default_ranks_per_node() -> int:
-    """``LOCAL_WORLD_SIZE`` (set by torchrun), else the world size (one node)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE")
-    if value:
-        try:
-            parsed = int(value)
-        except ValueError:
-            parsed = 0
-        if parsed <= 0:
-            raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not a positive integer; "
-                             "fix the launcher, or give the ranks per node (--sdp4bit-ranks-per-node, or "
-                             "ranks_per_node= of the config)")
-        return parsed
-    return dist.get_world_size()
+def default_ranks_per_node(ranks_per_node: Optional[int] = None) -> int:
+    """The ranks per node to plan with, from where the ranks really run.
+
+    Each rank's host comes from the hosts themselves (``comm/hosts.py``: one object
+    all-gather over the world, the first time; collective, so every rank calls it, as
+    the layer does at install). ``LOCAL_WORLD_SIZE`` and ``ranks_per_node`` (the
+    ``--sdp4bit-ranks-per-node`` flag) only cross-check it; a divisor of the ranks per
+    host emulates nodes inside a host. The rules, and their one-line refusals, are
+    ``comm/host_layout.py``'s.
+    """
+    local = parse_local_world_size(os.environ.get("LOCAL_WORLD_SIZE"))
+    with _LOCK:
+        if "world" not in _HOSTS:
+            _HOSTS["world"] = gather_hosts()
+        hosts = _HOSTS["world"]
+    value, note = resolve_ranks_per_node(hosts, local, ranks_per_node)
+    if note is not None and dist.get_rank() == 0:
+        logger.info("%s", note)
+    return value
 
 
 def _resolve_ranks_per_node(ranks_per_node: Optional[int]) -> int:
-    """The value to plan with (checked by ``plan_node_layout``, its one rule)."""
+    """The value to plan with: as given (checked by ``plan_node_layout``, its one rule), or
+    when None the layout the hosts report (``default_ranks_per_node``)."""
     return default_ranks_per_node() if ranks_per_node is None else ranks_per_node
 
 
@@ -236,7 +249,7 @@ def get_topology(group=None, ranks_per_node: Optional[int] = None,
                  strict: bool = False) -> Topology:
     """The (cached) topology of ``group`` (default: the world) on this rank.
 
-    ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE``. An uneven spread over
+    ``ranks_per_node`` defaults to the hosts' own layout (``default_ranks_per_node``). An uneven spread over
     nodes falls back to one flat level with a logged warning, or raises
     ValueError when ``strict``. The first call for a group is collective over
     that group (and over the world when it builds subgroups).
@@ -331,10 +344,13 @@ def forget_subgroups() -> None:
         _BUILT_LAYOUTS.clear()
         _LAYOUTS.clear()
         _PRIVATE.clear()
+        _HOSTS.clear()
 
 
 def peer_split(group=None, ranks_per_node: Optional[int] = None) -> tuple[int, int]:
-    """(peers on this rank's node, peers elsewhere) in ``group``; no collective involved.
+    """(peers on this rank's node, peers elsewhere) in ``group``; no collective involved,
+    except that with ``ranks_per_node`` None the hosts are gathered over the world if no
+    call before did (the layer resolves ``ranks_per_node`` at install, so it never does).
 
     Used to split the bytes of flat collectives (all-gathers, exact
     reduce-scatters) between the intra and inter counters.

@@ -92,11 +92,13 @@ class LayerState:
         return self.noise.generator_for(device, self.config.seed, torch.distributed.get_rank(), purpose)
 
     def resolve_ranks_per_node(self) -> None:
-        """Decide ``config.ranks_per_node`` once (None: torchrun's LOCAL_WORLD_SIZE), so
-        that nothing below re-derives it or reads the environment per call. Needs
-        torch.distributed (the fallback is the world size: one node)."""
-        if self.config.ranks_per_node is None and torch.distributed.is_initialized():
-            self.config = self.config.replace(ranks_per_node=default_ranks_per_node())
+        """Decide ``config.ranks_per_node`` once, from the hosts the ranks run on (a given
+        value or LOCAL_WORLD_SIZE must agree with them: ``comm/host_layout.py``), so that
+        nothing below re-derives it or reads the environment per call. Collective over
+        the world; needs torch.distributed."""
+        if torch.distributed.is_initialized():
+            self.config = self.config.replace(
+                ranks_per_node=default_ranks_per_node(self.config.ranks_per_node))
 
     def buffer_bytes(self) -> int:
         """Bytes of every reused collective buffer the layer holds now."""
