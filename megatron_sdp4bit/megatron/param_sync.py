@@ -84,10 +84,12 @@ def step_with_ready_grads(layer, optimizer) -> bool:
             if kept.main_shard is not None and kept.main_shard.numel() == model_shard.numel():
                 model_shard.copy_(kept.main_shard)
     state.in_optimizer_step = True
+    state.stepping_groups = frozenset(map(id, adapter.gather_order(optimizer)))
     try:
         success = layer.original("optimizer", "step_with_ready_grads")(optimizer)
     finally:
         state.in_optimizer_step = False
+        state.stepping_groups = frozenset()
     state.iteration += 1
     if success and _weights_quantized(layer, optimizer) \
             and adapter.ddp_config(optimizer).overlap_param_gather:
@@ -155,8 +157,17 @@ def _own_exact_param_sync(layer, bucket_group, async_op: bool, force_sync: bool)
     adapter.set_param_gather_handle(bucket_group, Handles(handles) if async_op else None, force_sync)
 
 
+def _another_optimizers_group(state, bucket_group, force_sync: bool) -> bool:
+    """A sub-optimizer's step starting a bucket group another member of the chain holds:
+    that one sends it in its own step (with its fresh weights); sent here it would go
+    exact, and twice (megatron-core's ChainedOptimizer, e.g. MoE's dense and expert)."""
+    return state.in_optimizer_step and not force_sync and id(bucket_group) not in state.stepping_groups
+
+
 def start_param_sync(layer, bucket_group, force_sync: bool = False):
     state, adapter = layer.state, layer.adapter
+    if _another_optimizers_group(state, bucket_group, force_sync):
+        return
     prefetched = state.prefetched.pop(bucket_group, None)
     if prefetched is not None:  # submitted after the optimizer step: megatron takes it now
         if force_sync:

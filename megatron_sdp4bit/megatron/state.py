@@ -45,6 +45,10 @@ class LayerState:
     iteration: int = 0
     """Optimizer steps done (for ``grad_start_iter`` and the metrics interval)."""
     in_optimizer_step: bool = False
+    stepping_groups: frozenset = frozenset()
+    """During a (sub-)optimizer's step: the ids of the bucket groups holding its buckets.
+    A chained optimizer's members each sync every bucket group of the model chunk
+    (megatron-core 0.16-0.19, without --overlap-param-gather): only their own are sent."""
     config_checked: bool = False
     """All ranks were checked to share ``config`` (a collective, done once)."""
     replica_checks_passed: int = 0
