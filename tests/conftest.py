@@ -28,3 +28,20 @@ if settings is not None:
     settings.register_profile("default", derandomize=True, deadline=None, database=None)
     settings.register_profile("thorough", max_examples=500, deadline=None, database=None)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+# Tests of code that never imports megatron-core: the quantization kernels and the
+# collectives. `make test MCORE=<version>` (a second megatron-core release, in CI
+# after the default one) leaves them out with `-m "not mcore_independent"`: they would
+# run the same code twice, and the CI's time goes to what does depend on the release.
+MCORE_INDEPENDENT_DIRS = ("quant", "comm")
+MCORE_DEPENDENT_FILES = ("test_comm_hosts.py",)  # resolves the layer's ranks per node
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        relative = os.path.relpath(str(item.fspath), TESTS_DIR).split(os.sep)
+        if relative[0] in MCORE_INDEPENDENT_DIRS and relative[-1] not in MCORE_DEPENDENT_FILES:
+            item.add_marker(pytest.mark.mcore_independent)

@@ -113,12 +113,22 @@ def import_the_driver() -> None:
     from megatron_sdp4bit.training import checkpoint, fusions, metrics, model  # noqa: F401
 
 
+def _as_torchrun_sets_it(rank: int, world_size: int, root: str, fn: Callable, *args):
+    """``fn`` in a rank whose environment is torchrun's on one host: the driver reads
+    RANK..LOCAL_WORLD_SIZE (without them it takes itself for a single process, whose
+    LOCAL_WORLD_SIZE=1 the layer would find contradicted by the hosts)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    return fn(rank, world_size, root, *args)
+
+
 def driver_ranks(fn: Callable, world_size: int, root: str, *args, timeout_s: float,
                  start: str = "fork") -> list:
-    """``fn(rank, world_size, root, *args)`` on ``world_size`` ranks, inside ``corpus_cache``."""
+    """``fn(rank, world_size, root, *args)`` on ``world_size`` ranks of one host, as torchrun
+    starts them, inside ``corpus_cache``."""
     if start == "fork":
         import_the_driver()
-    return spawn_ranks(fn, world_size, root, *args, timeout_s=timeout_s, start=start)
+    return spawn_ranks(_as_torchrun_sets_it, world_size, root, fn, *args, timeout_s=timeout_s, start=start)
 
 
 def driver_world(tmp_path_factory, name: str, fn: Callable, world_size: int, *args,
