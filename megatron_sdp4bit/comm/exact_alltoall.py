@@ -24,9 +24,14 @@ many to send) whatever the bucket. Chunk widths are multiples of
 ``COLUMN_QUANTUM`` columns: torch's column-wise sum on CPU then groups its
 additions as it does for the whole shard, so a chunked result equals the
 unchunked one bit for bit (tested on CPU; on CUDA not checked yet, and either way
-within the contract's "up to the order of the fp32 additions"). With ``async_op`` every chunk but the last runs at the call,
-so every collective is issued there, as torch's own are; the last one is what
-the handle waits for.
+within the contract's "up to the order of the fp32 additions").
+
+Only synchronous calls are chunked. An ``async_op`` call (megatron's
+``--overlap-grad-reduce``) issues its one all-to-all at the call and returns, as
+torch's own collectives do: chunking it would make the caller wait for every chunk
+but the last before it could go on with the backward pass. Its temporary is the
+bucket's size, which megatron bounds under overlap (``--bucket-size``, 40M elements
+by default); the whole-model bucket comes only without overlap, synchronously.
 """
 from __future__ import annotations
 
@@ -58,8 +63,9 @@ def chunk_columns(shard: int, size: int, chunk_elements: int = CHUNK_ELEMENTS) -
 def alltoall_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.ReduceOp.SUM,
                             group=None, async_op: bool = False,
                             chunk_elements: int = CHUNK_ELEMENTS) -> Optional[PendingCollective]:
-    """``reduce_scatter_tensor`` as an all-to-all plus a local fp32 sum, in chunks of at most
-    about ``chunk_elements`` received elements (``chunk_columns``)."""
+    """``reduce_scatter_tensor`` as an all-to-all plus a local fp32 sum; a synchronous call in
+    chunks of at most about ``chunk_elements`` received elements (``chunk_columns``), an
+    ``async_op`` one as one all-to-all issued now (the module's docstring says why)."""
     if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         raise ValueError(f"op={op!r} is not supported; use ReduceOp.SUM or ReduceOp.AVG")
     group = group if group is not None else dist.group.WORLD
@@ -72,7 +78,7 @@ def alltoall_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=dist.R
     shard = output.numel()
     rows = input.contiguous().view(size, shard)  # row r: the shard rank r owns
     out = output.view(-1)
-    chunks = chunk_columns(shard, size, chunk_elements)
+    chunks = [(0, shard)] if async_op else chunk_columns(shard, size, chunk_elements)
     width = chunks[0][1] - chunks[0][0]
     received = torch.empty(size * width, dtype=input.dtype, device=input.device)
     to_send = None if len(chunks) == 1 else torch.empty_like(received)

@@ -84,11 +84,14 @@ def _chunked_cases(rank: int, world: int) -> dict:
             out[f"chunked_int_{op_name}_equal"] = torch.equal(ours, ref)
         buf = ints.clone()  # megatron's call: the output is this rank's shard of the input, async
         view = buf[rank * shard:(rank + 1) * shard]
-        alltoall_reduce_scatter(view, buf, async_op=True, chunk_elements=chunk_elements).wait()
+        handle = alltoall_reduce_scatter(view, buf, async_op=True, chunk_elements=chunk_elements)
+        out["async_issued_at_the_call"] = sizes[-1:] == [world * shard]  # one all-to-all, nothing waited for
+        handle.wait()
         out["chunked_view_async_equal"] = torch.equal(view, ref * world)
     finally:
         dist.all_to_all_single = real_all_to_all
-    out["chunked_calls_bounded"] = sizes == ([chunk_elements] * 3 + [world * 37]) * 3  # 3 calls, 4 chunks each
+    # the 2 synchronous calls: 4 chunks each; the async one: one all-to-all (megatron's bucket)
+    out["chunked_calls_bounded"] = sizes == ([chunk_elements] * 3 + [world * 37]) * 2 + [world * shard]
     x = torch.randn(world * shard, generator=torch.Generator().manual_seed(20 + rank))
     for dtype in (torch.float32, torch.bfloat16):
         chunked, whole = torch.empty(shard, dtype=dtype), torch.empty(shard, dtype=dtype)
