@@ -8,8 +8,13 @@ Trains with the driver (``megatron_sdp4bit.pretrain``) and, on rank 0, profiles
 ``--profile-steps`` steps after iteration ``--profile-after`` with ``torch.profiler``:
 
 - on a GPU, every kernel of the process on every stream (CUPTI): the share of the
-  quantization kernels' time (``quantize_kernel``, ``dequantize_kernel``) during
-  which another kernel (the backward's or the forward's) runs too;
+  time of the quantization kernels (``quantize_kernel``, ``dequantize_kernel``) off
+  the compute stream (the runner's side stream) during which a kernel of the
+  compute stream (the backward's, the forward's, the optimizer's) runs too. Also
+  reported: the quantization time on the compute stream itself (error sampling, or
+  a collective not moved off it: never beside the passes), how busy the compute
+  stream was (the share a kernel landing at random would overlap), and a table of
+  the streams;
 - on CPU (``scripts/gpu_check.sh --cpu-smoke``), every thread's operators: the share
   of the collectives' worker thread's operator time during which the main thread
   runs an operator.
@@ -63,18 +68,64 @@ def _span(event: dict) -> Interval:
     return float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))
 
 
-def kernel_spans(events: Sequence[dict]) -> Tuple[List[Interval], List[Interval]]:
-    """(quantization kernels, every other kernel) of a CUDA trace, in microseconds."""
+def _stream(event: dict):
+    return event.get("args", {}).get("stream")
+
+
+def _is_quantization(event: dict) -> bool:
+    return any(k in event["name"] for k in QUANTIZATION_KERNELS)
+
+
+def compute_stream(kernels: Sequence[dict]):
+    """The stream the backward and forward passes run on: the one with the most kernel
+    time that is neither quantization nor NCCL (the collectives' own)."""
+    time_on: dict = {}
+    for e in kernels:
+        if not _is_quantization(e) and not e["name"].lower().startswith("nccl"):
+            time_on[_stream(e)] = time_on.get(_stream(e), 0.0) + float(e.get("dur", 0.0))
+    return max(time_on, key=time_on.get) if time_on else None
+
+
+def kernel_spans(events: Sequence[dict]) -> Tuple[List[Interval], List[Interval], List[Interval]]:
+    """(quantization kernels off the compute stream, quantization kernels on it, the
+    compute stream's other kernels) of a CUDA trace, in microseconds.
+
+    The first are the collectives' work moved off the compute path (a runner's side
+    stream); the second are not (the layer's error sampling, or a collective that ran on
+    the caller), so they can never run beside the passes and are reported apart."""
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
-    quant = [_span(e) for e in kernels if any(k in e["name"] for k in QUANTIZATION_KERNELS)]
-    quant_streams = {e.get("args", {}).get("stream") for e in kernels
-                     if any(k in e["name"] for k in QUANTIZATION_KERNELS)}
-    # the rest of the step: not the collectives' own (NCCL) kernels, not their stream's
-    other = [_span(e) for e in kernels
-             if not any(k in e["name"] for k in QUANTIZATION_KERNELS)
-             and not e["name"].lower().startswith("nccl")
-             and e.get("args", {}).get("stream") not in quant_streams]
-    return quant, other
+    compute = compute_stream(kernels)
+    off = [_span(e) for e in kernels if _is_quantization(e) and _stream(e) != compute]
+    on = [_span(e) for e in kernels if _is_quantization(e) and _stream(e) == compute]
+    passes = [_span(e) for e in kernels if not _is_quantization(e) and _stream(e) == compute]
+    return off, on, passes
+
+
+def stream_table(events: Sequence[dict]) -> dict:
+    """Per stream: kernels, their seconds, and how many of them and seconds are
+    quantization kernels (what the profile saw, to read a surprising share against)."""
+    table: dict = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            row = table.setdefault(str(_stream(e)), dict(kernels=0, seconds=0.0,
+                                                         quantization_kernels=0,
+                                                         quantization_seconds=0.0))
+            row["kernels"] += 1
+            row["seconds"] += float(e.get("dur", 0.0)) / 1e6
+            if _is_quantization(e):
+                row["quantization_kernels"] += 1
+                row["quantization_seconds"] += float(e.get("dur", 0.0)) / 1e6
+    return table
+
+
+def busy_fraction(spans: Sequence[Interval]) -> Optional[float]:
+    """The share of the time from the first span's start to the last one's end during
+    which some span runs: what a kernel landing at random in that time would overlap."""
+    merged = _merged(spans)
+    if not merged:
+        return None
+    whole = merged[-1][1] - merged[0][0]
+    return sum(end - start for start, end in merged) / whole if whole > 0 else None
 
 
 def thread_spans(events: Sequence[dict], worker_tid: int,
@@ -127,14 +178,18 @@ class _Window:
                 trace = json.load(f)
         events = trace["traceEvents"] if isinstance(trace, dict) else trace
         if torch.cuda.is_available():
-            mode, (quant, other) = "cuda kernels", kernel_spans(events)
-        else:
-            workers = [t.native_id for t in threading.enumerate() if t.name == WORKER_THREAD]
-            mode = "cpu threads"
-            quant, other = thread_spans(events, workers[0] if workers else -1,
-                                        threading.main_thread().native_id)
+            off, on, passes = kernel_spans(events)
+            total, overlapped = covered(off, passes)
+            return {"mode": "cuda kernels", "steps": self.steps, "quantized_s": total / 1e6,
+                    "overlapped_s": overlapped / 1e6, "intervals": len(off),
+                    "share": overlapped / total if total else None,
+                    "on_compute_stream_s": sum(end - start for start, end in _merged(on)) / 1e6,
+                    "compute_busy": busy_fraction(passes), "streams": stream_table(events)}
+        workers = [t.native_id for t in threading.enumerate() if t.name == WORKER_THREAD]
+        quant, other = thread_spans(events, workers[0] if workers else -1,
+                                    threading.main_thread().native_id)
         total, overlapped = covered(quant, other)
-        return {"mode": mode, "steps": self.steps, "quantized_s": total / 1e6,
+        return {"mode": "cpu threads", "steps": self.steps, "quantized_s": total / 1e6,
                 "overlapped_s": overlapped / 1e6, "intervals": len(quant),
                 "share": overlapped / total if total else None}
 
@@ -169,6 +224,11 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"the quantized collectives' {result.get('mode', '')} time ran beside the backward and "
           f"forward passes ({result.get('overlapped_s', 0):.3f} of {result.get('quantized_s', 0):.3f} "
           f"s over {args.profile_steps} steps)")
+    if result.get("mode") == "cuda kernels":
+        busy = result["compute_busy"]
+        print(f"overlap profile: compute stream busy {'-' if busy is None else f'{busy:.1%}'} of "
+              f"its span; {result['on_compute_stream_s']:.4f} s of quantization kernels ran on the "
+              f"compute stream itself; streams {json.dumps(result['streams'])}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -231,3 +231,33 @@ def test_a_step_past_its_time_limit_is_killed_with_its_children():
     rc, output = steps.run_logged([sys.executable, "-c", child], timeout=2)
     assert rc is None and "started" in output  # None: killed at its limit
     assert time.perf_counter() - start < 30
+
+
+def test_a_step_the_budget_cuts_short_is_skipped_not_failed():
+    # The first H200 run: the DP=1 driver started with 39 s of budget left, was killed at
+    # 24 s and reported FAIL "timed out", which read as a failure of the driver.
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ctx = dict(deadline=time.time() + 18)  # 3 s left once the 15 s margin is kept
+    rc, _, cut = steps.run_limited(ctx, sleeper, 120)
+    assert rc is None and cut and steps.killed(cut)[0] == "SKIP"
+    assert "not run to the end (budget)" in steps.killed(cut)[1]
+    ctx = dict(deadline=time.time() + 600)  # its own limit, not the budget's: a failure
+    rc, _, cut = steps.run_limited(ctx, sleeper, 2)
+    assert rc is None and not cut and steps.killed(cut) == ("FAIL", "timed out")
+
+
+def test_the_overlap_verdict_holds_shared_gpus_to_chance_and_own_gpus_to_the_target():
+    # the second H200 run: 4 ranks on one GPU, rank 0's compute stream busy 28.4% of the
+    # time (the other ranks hold the GPU the rest), quantization kernels beside it 38.2%
+    seen = dict(mode="cuda kernels", share=0.382, overlapped_s=0.0007, quantized_s=0.0018,
+                compute_busy=0.284, on_compute_stream_s=0.0)
+    assert steps.overlap_verdict(seen, gpu_shared=True)[0] == "PASS"
+    assert steps.overlap_verdict(seen, gpu_shared=False)[0] == "FAIL"  # one rank per GPU: 0.8
+    held_back = dict(seen, share=0.05)  # a side stream the passes hold back: below chance
+    assert steps.overlap_verdict(held_back, gpu_shared=True)[0] == "FAIL"
+    assert steps.overlap_verdict(dict(seen, share=0.9), gpu_shared=False)[0] == "PASS"
+    ctx = dict(smoke=False, env=dict(gpus=8))
+    ranks, flags = steps.overlap_ranks(ctx)
+    assert ranks == 8 and flags[flags.index("--distributed-backend") + 1] == "nccl"
+    assert flags[flags.index("--sdp4bit-ranks-per-node") + 1] == "4"
+    assert steps.overlap_ranks(dict(smoke=False, env=dict(gpus=1)))[0] == 4
