@@ -199,20 +199,31 @@ def _create_subgroups(layout: NodeLayout) -> None:
 
 
 def build_topologies(all_dp_rank_lists: Sequence[Sequence[int]],
-                     ranks_per_node: Optional[int] = None) -> None:
+                     ranks_per_node: Optional[int] = None, strict: bool = False) -> None:
     """Create the subgroups of every DP group at once. Collective over the world.
 
     Every rank calls it with the same lists in the same order (e.g. Megatron's
     DP groups, one list per group). Afterwards ``get_topology(dp_group)`` works
-    on every rank without further collectives.
+    on every rank without further collectives. With ``strict`` a group spread
+    unevenly over the nodes (which ``get_topology`` would serve with one flat level)
+    raises ValueError on every rank, naming its ranks' hosts.
     """
     with _LOCK:
         rpn = _resolve_ranks_per_node(ranks_per_node)
         lists = [tuple(int(r) for r in ranks) for ranks in all_dp_rank_lists]
         _check_agreement(None, "build_topologies arguments (fingerprints)",
                          _fingerprint(rpn, lists), f"ranks_per_node={rpn}, DP groups {lists}")
-        for ranks in lists:
-            _create_subgroups(plan_node_layout(ranks, rpn))
+        layouts = [plan_node_layout(ranks, rpn) for ranks in lists]
+        uneven = [layout for layout in layouts if layout.fallback_reason is not None]
+        if strict and uneven:  # every rank planned the same layouts: all gather, all raise
+            hosts = gather_hosts()
+            on = {}
+            for rank in sorted(uneven[0].ranks):
+                on.setdefault(hosts[rank], []).append(rank)
+            raise ValueError(f"{uneven[0].fallback_reason} (its ranks' hosts: " + "; ".join(
+                f"{host}: ranks {', '.join(map(str, ranks))}" for host, ranks in on.items()) + ")")
+        for layout in layouts:
+            _create_subgroups(layout)
 
 
 def build_private_groups(all_dp_rank_lists: Sequence[Sequence[int]]) -> None:

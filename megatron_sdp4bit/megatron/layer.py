@@ -81,6 +81,7 @@ class SDP4BitLayer:
             ("bucket_group", "start_param_sync"): param_sync.start_param_sync,
             ("optimizer", "_copy_main_params_to_model_params"): param_sync.copy_main_params_to_model_params,
             ("optimizer", "step_with_ready_grads"): param_sync.step_with_ready_grads,
+            ("chained_optimizer", "step_with_ready_grads"): param_sync.chained_step_with_ready_grads,
             ("ddp", "__init__"): _ddp_init,
         }
         try:
@@ -204,7 +205,9 @@ def _ddp_init(layer, ddp, *args, **kwargs):
     rank_lists = [_all_data_parallel_rank_lists(group) for group in groups]
     if state.config.enabled:
         for lists in rank_lists:
-            comm.build_topologies(lists, state.config.ranks_per_node)
+            # strict: a DP or expert-DP group spread unevenly over the nodes is refused
+            # here, naming its hosts, not served with one flat level
+            comm.build_topologies(lists, state.config.ranks_per_node, strict=True)
     set_up_runner(state, adapter, ddp, groups, rank_lists)
     if state.config.enabled:
         _warm_up_kernels(layer, ddp)

@@ -90,10 +90,26 @@ def step_with_ready_grads(layer, optimizer) -> bool:
     finally:
         state.in_optimizer_step = False
         state.stepping_groups = frozenset()
-    state.iteration += 1
+    if not state.in_chained_step:  # a chain counts its iteration itself, once
+        state.iteration += 1
     if success and _weights_quantized(layer, optimizer) \
             and adapter.ddp_config(optimizer).overlap_param_gather:
         prefetch_gathers(layer, optimizer)
+    return success
+
+
+def chained_step_with_ready_grads(layer, chained) -> bool:
+    """megatron's chained optimizer (MoE: a dense and an expert member; 0.19 chains a
+    dense model's one optimizer too) steps its members one after another: one training
+    iteration, counted once when the last member is done, so every member's step sees
+    the same iteration (its replica check, error sampling, ``grad_start_iter``)."""
+    state = layer.state
+    state.in_chained_step = True
+    try:
+        success = layer.original("chained_optimizer", "step_with_ready_grads")(chained)
+    finally:
+        state.in_chained_step = False
+    state.iteration += 1
     return success
 
 

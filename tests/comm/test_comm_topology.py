@@ -145,6 +145,8 @@ def uneven_nodes(rank: int, world: int) -> dict:
                      **compare_with_bound(x, result, config, dist.ReduceOp.SUM, None,
                                           num_nodes=world)},
         "strict": error_text(lambda: get_topology(None, ranks_per_node=rpn, strict=True)),
+        "strict_build": error_text(
+            lambda: build_topologies([list(range(world))], ranks_per_node=rpn, strict=True)),
         "disagree": error_text(lambda: get_topology(None, ranks_per_node=odd_one_out)),
         "disagree_build": error_text(
             lambda: build_topologies([list(range(world))], ranks_per_node=odd_one_out)),
@@ -159,6 +161,10 @@ def test_uneven_nodes_fall_back_or_raise(world):
         assert "unevenly" in fallback["reason"] and not fallback["two_level"]
         assert fallback["ratio"] <= 1.0, "the flat fallback must still reduce correctly"
         assert per_rank["strict"].startswith("ValueError") and "ranks_per_node" in per_rank["strict"]
+        # the layer's install: refused on every rank, naming where the group's ranks run
+        strict = per_rank["strict_build"]
+        assert strict.startswith("ValueError") and "unevenly" in strict, strict
+        assert "its ranks' hosts: " in strict and "ranks 0, 1" in strict, strict
         for key in ("disagree", "disagree_build"):
             assert per_rank[key].startswith("ValueError: ranks disagree"), per_rank[key]
 

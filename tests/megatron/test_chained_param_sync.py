@@ -26,3 +26,37 @@ def test_a_forced_sync_or_one_outside_a_step_is_never_skipped():
     assert not _another_optimizers_group(_stepping([DENSE]), EXPERT, force_sync=True)
     idle = LayerState(config=SDP4BitConfig())
     assert not _another_optimizers_group(idle, EXPERT, force_sync=False)
+
+
+class _OneRankLayer:
+    """What step_with_ready_grads reads of a layer, for one data-parallel rank (nothing
+    to gather or check), with megatron's originals replaced by recorders."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.state = LayerState(config=SDP4BitConfig())
+        self.adapter = SimpleNamespace(gather_order=lambda optimizer: [],
+                                       optimizer_group=lambda optimizer: (0, 1))
+        self.seen = []  # (member, the iteration its step saw)
+
+    def original(self, owner, name):
+        from megatron_sdp4bit.megatron.param_sync import step_with_ready_grads
+
+        if owner == "chained_optimizer":  # megatron's chain: its members one after another
+            return lambda chained: all([step_with_ready_grads(self, m) for m in chained])
+        return lambda member: self.seen.append((member, self.state.iteration)) or True
+
+
+def test_a_chained_step_is_one_iteration_and_every_member_sees_the_same_one():
+    # MoE chains a dense and an expert optimizer: counting each member's step made
+    # get_iteration(), --sdp4bit-grad-start-iter and the intervals run at twice the pace.
+    from megatron_sdp4bit.megatron.param_sync import (chained_step_with_ready_grads,
+                                                      step_with_ready_grads)
+
+    layer = _OneRankLayer()
+    for _ in range(3):
+        assert chained_step_with_ready_grads(layer, [DENSE, EXPERT])
+    assert layer.state.iteration == 3 and not layer.state.in_chained_step
+    assert layer.seen == [(m, i) for i in range(3) for m in (DENSE, EXPERT)]
+    assert step_with_ready_grads(layer, DENSE) and layer.state.iteration == 4  # unchained

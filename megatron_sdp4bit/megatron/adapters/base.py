@@ -31,6 +31,7 @@ SWAPPED_METHODS = (
     ("bucket_group", "start_param_sync"),
     ("optimizer", "_copy_main_params_to_model_params"),
     ("optimizer", "step_with_ready_grads"),
+    ("chained_optimizer", "step_with_ready_grads"),
     ("ddp", "__init__"),
 )
 
@@ -52,8 +53,8 @@ class MegatronAdapter:
     # ------------------------------------------------------------------ classes
 
     def patch_targets(self) -> dict:
-        """``{"bucket_group": cls, "optimizer": cls, "ddp": cls}``: the classes whose
-        methods are swapped (see ``SWAPPED_METHODS``)."""
+        """``{"bucket_group": cls, "optimizer": cls, "chained_optimizer": cls, "ddp": cls}``:
+        the classes whose methods are swapped (see ``SWAPPED_METHODS``)."""
         raise NotImplementedError
 
     def installed_layer(self):

@@ -25,9 +25,10 @@ class Adapter(MegatronAdapter):
         from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
         from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        from megatron.core.optimizer.optimizer import ChainedOptimizer
 
         return {"bucket_group": _ParamAndGradBucketGroup, "optimizer": DistributedOptimizer,
-                "ddp": DistributedDataParallel}
+                "chained_optimizer": ChainedOptimizer, "ddp": DistributedDataParallel}
 
     # ------------------------------------------------------------- DDP config
 
