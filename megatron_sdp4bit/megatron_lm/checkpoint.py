@@ -186,8 +186,9 @@ MARK = "__sdp4bit_checkpointing__"
 def install_checkpointing(sites: RouteSites, patches: Patches) -> None:
     """Make Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` carry the layer's
     state, until ``patches`` is restored; a second call (both routes combined) changes
-    nothing. Whether a layer is installed is asked at each call: a run without ``--sdp4bit`` saves and
-    loads as megatron does (saying so when what it loads holds the layer's state). Checkpoint formats: ``sites.checkpoint_formats`` (the others
+    nothing. Whether a layer is installed is asked at each call: a run without
+    ``--sdp4bit`` saves and loads as megatron does (saying so when what it loads holds
+    the layer's state). Checkpoint formats: ``sites.checkpoint_formats`` (the others
     are refused before training, ``refusals.py``, and so are local non-persistent
     checkpoints)."""
     if getattr(sites.save_checkpoint, MARK, False):
