@@ -22,7 +22,10 @@ The counters live in a ``WireRecorder``. Each collective takes ``recorder=``:
 the installed layer passes its own (``megatron/state.py``), so what a run reads
 (``patch.wire_stats()``) is that layer's alone; direct callers that pass none
 count into ``DEFAULT_RECORDER``, which ``get_wire_stats`` / ``reset_wire_stats``
-read and zero.
+read and zero. The layer's counters are never reset: they only grow, and each of
+their readers takes its windows as differences (``WireStats.since``); only a
+recorder's owner may reset it (``DEFAULT_RECORDER``: the direct callers, e.g. a
+benchmark between its measurements).
 """
 from __future__ import annotations
 
@@ -71,6 +74,18 @@ class WireStats:
         """exact bytes / sent bytes (how many times less went on the wire)."""
         sent = self.sent_bytes(collective, level)
         return self.exact_bytes(collective, level) / sent if sent else float("inf")
+
+    def since(self, earlier: "WireStats") -> "WireStats":
+        """What was counted after ``earlier``, an earlier snapshot of the same counters
+        (they only grow, so a reader's window is the difference of two snapshots)."""
+        counters = {key: value - earlier.counters.get(key, 0) for key, value in self.counters.items()}
+        calls = {key: value - earlier.calls.get(key, 0) for key, value in self.calls.items()}
+        if (any(value < 0 for value in (*counters.values(), *calls.values()))
+                or set(earlier.counters) - set(self.counters) or set(earlier.calls) - set(self.calls)):
+            raise ValueError("WireStats.since(earlier): earlier is not an earlier snapshot of these counters "
+                             "(they only grow): take both from the same layer's patch.wire_stats()")
+        return WireStats({key: value for key, value in counters.items() if value},
+                         {key: value for key, value in calls.items() if value})
 
     def as_dict(self) -> dict:
         """Nested plain dict: {collective: {level: {field: int}}, 'calls': {...}}."""

@@ -12,8 +12,8 @@ call, with this layer, to the module of its concern:
   reaches in the same order, where the config agreement check and the
   intra/inter-node groups of every data-parallel group are made.
 
-The layer object is reachable from the swapped methods (``__sdp4bit_layer__``),
-which is how ``patch.py`` finds it: there is no module-global state.
+The swapped methods hold their layer (a closure); which layer is installed is
+``installed.INSTALLED``'s record, kept by ``patch.py``.
 """
 from __future__ import annotations
 
@@ -70,7 +70,6 @@ class SDP4BitLayer:
 
         method.__name__ = function.__name__
         method.__qualname__ = f"SDP4BitLayer.{function.__name__}"
-        method.__sdp4bit_layer__ = layer
         return method
 
     def install(self) -> None:

@@ -9,12 +9,15 @@ megatron's own code, so training is bit-identical to stock megatron-core.
 How: ``layer.py`` (the installed object and its swaps), ``grad_sync.py``,
 ``param_sync.py`` (the two collectives), ``state.py`` and ``quant_metrics.py``
 (state and metrics), ``adapters/`` (everything that depends on the megatron-core
-release). The installed layer is found through megatron's own classes, which
-carry its methods: this module holds no state.
+release). Which layer is installed is ``installed.INSTALLED``'s record, written by
+``install`` / ``uninstall`` only; the other functions here read it and hand out what
+callers need (figures, the config, the checkpoint state, the optimizer's group), not
+the layer. Without a layer they say so: the readers answer "nothing" (None, 0, empty),
+the functions that need one raise, naming ``install``.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -22,17 +25,13 @@ from megatron_sdp4bit.comm.accounting import WireStats
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import adapters
 from megatron_sdp4bit.megatron.checks import check_same_config_on_all_ranks
+from megatron_sdp4bit.megatron.installed import INSTALLED
 from megatron_sdp4bit.megatron.layer import SDP4BitLayer
 
-__all__ = ["install", "uninstall", "is_installed", "current_config", "set_iteration",
-           "get_iteration", "set_metrics_interval", "quantization_errors", "replica_checks_passed",
-           "kernel_warm_up", "memory", "state_dict", "load_state_dict", "installed_layer",
-           "drain"]
-
-
-def installed_layer() -> Optional[SDP4BitLayer]:
-    """The installed layer, or None."""
-    return adapters.adapter_for(adapters.megatron_version(), force=True).installed_layer()
+__all__ = ["install", "uninstall", "is_installed", "current_config", "adapter_minor", "set_iteration",
+           "get_iteration", "set_metrics_interval", "quantization_errors", "wire_stats",
+           "replica_checks_passed", "kernel_warm_up", "memory", "state_dict", "load_state_dict",
+           "optimizer_group", "after_optimizer_load", "drain"]
 
 
 def install(config: SDP4BitConfig, force_version: bool = False) -> SDP4BitLayer:
@@ -41,28 +40,31 @@ def install(config: SDP4BitConfig, force_version: bool = False) -> SDP4BitLayer:
     Call it before the model is wrapped in DistributedDataParallel. Every rank
     must call it: the check that all ranks pass the same config is collective (run
     here when torch.distributed is initialized, else at the first DDP construction).
+    Returns the installed layer, for tests and tools that look inside it; everything
+    else uses this module's functions.
     """
     if not isinstance(config, SDP4BitConfig):
         raise TypeError(f"install() takes an SDP4BitConfig, got {type(config).__name__}")
-    adapter = adapters.current_adapter(force=force_version)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    layer = adapter.installed_layer()
+    layer = INSTALLED.layer
     if layer is not None:
         layer.state.config = config
     else:
-        layer = SDP4BitLayer(config, adapter)
+        layer = SDP4BitLayer(config, adapters.current_adapter(force=force_version))
     layer.state.resolve_ranks_per_node()  # once, here (or at DDP construction)
     if distributed:
         check_same_config_on_all_ranks(layer.state.config)
     layer.state.config_checked = distributed
     if not layer.is_installed:
-        layer.install()
+        layer.install()  # undoes itself when it fails: nothing is recorded then
+    INSTALLED.layer = layer
     return layer
 
 
 def uninstall() -> None:
-    """Restore megatron-core's own methods (safe when not installed)."""
-    layer = installed_layer()
+    """Restore megatron-core's own methods (safe when not installed); afterwards
+    ``is_installed()`` is False and the facade answers as without a layer."""
+    layer, INSTALLED.layer = INSTALLED.layer, None
     if layer is not None:
         layer.uninstall()
 
@@ -71,67 +73,68 @@ def drain() -> None:
     """Wait until every collective the layer has started is done (its runner's queue:
     with --overlap-param-gather the weight gathers submitted at the optimizer step).
     Call it before reading the weights between a step and the next forward pass."""
-    layer = installed_layer()
+    layer = INSTALLED.layer
     if layer is not None:
         layer.state.runner.drain()
 
 
 def is_installed() -> bool:
-    return installed_layer() is not None
+    return INSTALLED.layer is not None
 
 
 def current_config() -> Optional[SDP4BitConfig]:
-    layer = installed_layer()
+    layer = INSTALLED.layer
     return None if layer is None else layer.state.config
+
+
+def adapter_minor() -> Optional[str]:
+    """The megatron-core release (``"0.19"``) whose adapter the installed layer uses."""
+    layer = INSTALLED.layer
+    return None if layer is None else layer.adapter.minor
 
 
 def set_iteration(iteration: int) -> None:
     """Tell the layer how many optimizer steps are done (after loading a checkpoint)."""
-    layer = installed_layer()
+    layer = INSTALLED.layer
     if layer is not None:
         layer.state.iteration = int(iteration)
 
 
 def get_iteration() -> int:
-    layer = installed_layer()
+    layer = INSTALLED.layer
     return 0 if layer is None else layer.state.iteration
 
 
 def set_metrics_interval(interval: int) -> None:
     """Sample the quantization errors on the last step of every ``interval`` steps
     (0, the default, samples never). Samples stay on the device until read."""
-    layer = installed_layer()
-    if layer is None:
-        raise RuntimeError("set_metrics_interval() needs the layer installed (patch.install)")
-    layer.state.metrics.set_interval(interval)
+    INSTALLED.require("set_metrics_interval()").state.metrics.set_interval(interval)
 
 
 def quantization_errors() -> Dict[str, float]:
     """Latest sampled relative errors: ``weight`` (reconstructed vs exact main shard,
     after the all-gather) and ``grad_intra`` / ``grad_inter`` (each hop's quantizer
     on a slice of the local gradients). Empty until a sampled step ran."""
-    layer = installed_layer()
+    layer = INSTALLED.layer
     return {} if layer is None else layer.state.metrics.read()
 
 
 def wire_stats() -> WireStats:
     """Bytes the installed layer's bucket collectives sent (and the exact ones would
-    have) since install or the last ``reset_wire_stats``; empty without a layer."""
-    layer = installed_layer()
+    have) since it was installed; empty without a layer.
+
+    The counters only grow: nobody resets them, so any number of readers can measure
+    their own windows, each as the difference of two snapshots
+    (``later.since(earlier)``), without changing what the others read.
+    """
+    layer = INSTALLED.layer
     return WireStats() if layer is None else layer.state.wire.snapshot()
-
-
-def reset_wire_stats() -> None:
-    """Zero the installed layer's byte counters (e.g. at the start of a log window)."""
-    layer = installed_layer()
-    if layer is not None:
-        layer.state.wire.reset()
 
 
 def replica_checks_passed() -> int:
     """How many run-time replica checks (``check_interval``) found every
     data-parallel replica alike so far in this process (a mismatch raises)."""
-    layer = installed_layer()
+    layer = INSTALLED.layer
     return 0 if layer is None else layer.state.replica_checks_passed
 
 
@@ -139,7 +142,7 @@ def kernel_warm_up() -> tuple:
     """(kinds of kernel call compiled, seconds) when DDP was built: the Triton variants
     the collectives will launch, compiled then rather than in the first step; (n, 0.0)
     where the torch reference serves the device (nothing to compile)."""
-    layer = installed_layer()
+    layer = INSTALLED.layer
     return (0, 0.0) if layer is None else (len(layer.state.warmed_up), layer.state.warm_up_seconds)
 
 
@@ -148,19 +151,31 @@ def memory(optimizer, params: int):
     rank, for ``params`` model parameters here (collective over the DP group)."""
     from megatron_sdp4bit.megatron.memory import optimizer_memory
 
-    layer = installed_layer()
-    if layer is None:
-        raise RuntimeError("memory() needs the layer installed (patch.install)")
-    return optimizer_memory(layer, optimizer, params)
+    return optimizer_memory(INSTALLED.require("memory()"), optimizer, params)
 
 
 def state_dict(optimizer) -> dict:
     """The layer's part of a checkpoint (see ``SDP4BitLayer.state_dict``)."""
-    layer = installed_layer()
+    layer = INSTALLED.layer
     return {} if layer is None else layer.state_dict(optimizer)
 
 
 def load_state_dict(state: dict, optimizer) -> None:
-    layer = installed_layer()
+    layer = INSTALLED.layer
     if layer is not None:
         layer.load_state_dict(state, optimizer)
+
+
+def optimizer_group(optimizer) -> Tuple[int, int]:
+    """(this rank's index, size) of the data-parallel group that shards ``optimizer``'s
+    state (megatron's distributed optimizer; where chained, its first one's)."""
+    adapter = INSTALLED.require("optimizer_group()").adapter
+    return adapter.optimizer_group(adapter.sub_optimizers(optimizer)[0])
+
+
+def after_optimizer_load(optimizer) -> None:
+    """What megatron-core's release needs done after its optimizer state was loaded
+    (its adapter's ``after_optimizer_load``, for each sub-optimizer)."""
+    adapter = INSTALLED.require("after_optimizer_load()").adapter
+    for sub_optimizer in adapter.sub_optimizers(optimizer):
+        adapter.after_optimizer_load(sub_optimizer)

@@ -48,8 +48,7 @@ def _refuse(line: str) -> SystemExit:
 def _layout(sites: RouteSites, optimizer) -> dict:
     """What a saved state's shape depends on: world and data-parallel sizes, model parallelism."""
     args = sites.get_args()
-    layer = patch.installed_layer()
-    dp_rank, dp_size = layer.adapter.optimizer_group(layer.adapter.sub_optimizers(optimizer)[0])
+    dp_rank, dp_size = patch.optimizer_group(optimizer)
     return {"world_size": torch.distributed.get_world_size(), "rank": torch.distributed.get_rank(),
             "data_parallel_size": dp_size, "data_parallel_rank": dp_rank,
             "model_parallel": [int(getattr(args, name, 1) or 1) for name in
@@ -75,7 +74,7 @@ def _wrap_save(sites: RouteSites, original):
         result = original(*args, **kwargs)
         call = signature.bind_partial(*args, **kwargs).arguments
         optimizer = call.get("optimizer")
-        if patch.installed_layer() is None or optimizer is None:
+        if not patch.is_installed() or optimizer is None:
             return result
         path = rank_file(_save_folder(sites, call["iteration"], call), torch.distributed.get_rank())
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -135,16 +134,14 @@ def _wrap_load(sites: RouteSites, original):
         if optimizer is None or not read or iteration == 0:
             return result
         name, with_layer = read[-1]
-        layer = patch.installed_layer()
-        if layer is None:
+        if not patch.is_installed():
             _say_unused(_loaded_folder(name), with_layer)
             return result
-        _restore(sites, layer, optimizer, _loaded_folder(name), with_layer, iteration)
+        _restore(sites, optimizer, _loaded_folder(name), with_layer, iteration)
         # megatron-core's distributed optimizer gives all parameters of torch's AdamW (no
         # Apex / Transformer Engine) one shared ``step`` tensor on load, which AdamW
         # increments once per parameter (adapter docstring).
-        for sub_optimizer in layer.adapter.sub_optimizers(optimizer):
-            layer.adapter.after_optimizer_load(sub_optimizer)
+        patch.after_optimizer_load(optimizer)
         return result
 
     load_checkpoint.__wrapped__ = original
@@ -161,7 +158,7 @@ def _say_unused(folder: str, with_layer: Optional[bool]) -> None:
               flush=True)
 
 
-def _restore(sites: RouteSites, layer, optimizer, folder: str, with_layer: Optional[bool],
+def _restore(sites: RouteSites, optimizer, folder: str, with_layer: Optional[bool],
              iteration: int) -> None:
     """This rank's state from ``folder``, once every rank has decided alike (``resume_state``)."""
     try:
@@ -189,8 +186,9 @@ MARK = "__sdp4bit_checkpointing__"
 def install_checkpointing(sites: RouteSites, patches: Patches) -> None:
     """Make Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` carry the layer's
     state, until ``patches`` is restored; a second call (both routes combined) changes
-    nothing. The layer is looked up at each call: a run without ``--sdp4bit`` saves and
-    loads as megatron does (saying so when what it loads holds the layer's state). Checkpoint formats: ``sites.checkpoint_formats`` (the others
+    nothing. Whether a layer is installed is asked at each call: a run without
+    ``--sdp4bit`` saves and loads as megatron does (saying so when what it loads holds
+    the layer's state). Checkpoint formats: ``sites.checkpoint_formats`` (the others
     are refused before training, ``refusals.py``, and so are local non-persistent
     checkpoints)."""
     if getattr(sites.save_checkpoint, MARK, False):

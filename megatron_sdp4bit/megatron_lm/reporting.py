@@ -18,8 +18,9 @@ two of Megatron-LM's training functions (``RouteSites``):
 
 All figures are per rank (the last rank's, the one that prints), taken from what the
 layer already counts: nothing is added to a training step but the error samples, one
-step in ``--log-interval``. The layer's wire counters are read as differences, never
-reset, so other readers of ``patch.wire_stats()`` see the whole run.
+step in ``--log-interval``. The layer's wire counters only grow (nobody resets them): a
+window is the difference of two snapshots, as for every reader of ``patch.wire_stats()``
+(the driver's ``training/meters.py`` too).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Dict
 
 import torch
 
+from megatron_sdp4bit.comm.accounting import WireStats
 from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
 from megatron_sdp4bit.patching import Patches
@@ -43,23 +45,21 @@ class LayerFigures:
 
     def __init__(self) -> None:
         self.start_iteration = None
-        self._seen = {"sent": 0, "exact": 0}
+        self._seen = WireStats()
         self.totals = {"sent": 0, "exact": 0}
         self.errors: Dict[str, float] = {}
         """The latest sampled errors (kept for the summary)."""
 
     def start(self) -> None:
         """Count from now (the model is built; its construction sent nothing through the layer)."""
-        stats = patch.wire_stats()
-        self._seen = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes()}
+        self._seen = patch.wire_stats()
         self.totals = {"sent": 0, "exact": 0}
         self.start_iteration = patch.get_iteration()
 
     def window(self) -> dict:
-        stats = patch.wire_stats()
-        now = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes()}
-        window = {key: now[key] - self._seen[key] for key in now}
-        self._seen = now
+        now = patch.wire_stats()
+        stats, self._seen = now.since(self._seen), now
+        window = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes()}
         for key, value in window.items():
             self.totals[key] += value
         errors = patch.quantization_errors()
@@ -125,14 +125,13 @@ def _is_last_rank() -> bool:
 def _start(sites: RouteSites, figures: LayerFigures) -> None:
     """Once, when training starts: the error sampling interval, the counters' origin,
     rank 0's install line."""
-    layer = patch.installed_layer()
-    if layer is None or figures.start_iteration is not None:
+    if not patch.is_installed() or figures.start_iteration is not None:
         return
     patch.set_metrics_interval(int(sites.get_args().log_interval))
     figures.start()
     if torch.distributed.get_rank() == 0:
-        print(f"SDP4Bit installed (megatron-core {layer.adapter.minor} adapter, "
-              f"{torch.distributed.get_world_size()} ranks): {layer.state.config.to_dict()}", flush=True)
+        print(f"SDP4Bit installed (megatron-core {patch.adapter_minor()} adapter, "
+              f"{torch.distributed.get_world_size()} ranks): {patch.current_config().to_dict()}", flush=True)
         if getattr(sites.get_args(), "data_parallel_size", None) == 1:
             # Before: the run said it was installed and quantized nothing, without a word.
             print("sdp4bit: data-parallel size 1: nothing to quantize (SDP4Bit quantizes the data-parallel "
@@ -145,7 +144,7 @@ def _wrap_training_log(sites: RouteSites, figures: LayerFigures, original):
     printer = getattr(sites.training, sites.log_printer)
 
     def training_log(*args, **kwargs):
-        if patch.installed_layer() is None or not _is_last_rank():
+        if not patch.is_installed() or not _is_last_rank():
             return original(*args, **kwargs)
         added = {}
 
@@ -167,10 +166,9 @@ def _wrap_training_log(sites: RouteSites, figures: LayerFigures, original):
 
 def _wrap_train(sites: RouteSites, figures: LayerFigures, original):
     def summary() -> None:
-        layer = patch.installed_layer()
-        if layer is not None and figures.start_iteration is not None and _is_last_rank():
+        if patch.is_installed() and figures.start_iteration is not None and _is_last_rank():
             figures.window()  # the steps after the last log line
-            print("\n".join(summary_lines(figures, layer.state.config, patch.get_iteration())), flush=True)
+            print("\n".join(summary_lines(figures, patch.current_config(), patch.get_iteration())), flush=True)
 
     def train(*args, **kwargs):
         _start(sites, figures)
@@ -189,7 +187,7 @@ def _wrap_train(sites: RouteSites, figures: LayerFigures, original):
 def install_reporting(sites: RouteSites, patches: Patches) -> None:
     """Put the layer's figures into Megatron-LM's output (see the module docstring),
     until ``patches`` is restored; a second call (both routes combined) changes nothing.
-    The layer is looked up at each call: a run without ``--sdp4bit`` logs as megatron does."""
+    Whether a layer is installed is asked at each call: a run without ``--sdp4bit`` logs as megatron does."""
     if getattr(getattr(sites.training, sites.training_log), MARK, False):
         return
     figures = LayerFigures()

@@ -16,17 +16,19 @@ class WireMeter:
 
     The patch layer is installed on every run (with quantization off it defers to
     megatron's own collectives and only counts their bytes), so the exact
-    baseline run and the SDP4Bit run are measured the same way.
+    baseline run and the SDP4Bit run are measured the same way. The layer's counters
+    only grow; a window is the difference of two snapshots, so other readers
+    (a test's, a script's) see the same bytes.
     """
 
     def __init__(self):
         self.totals = {"sent": 0, "exact": 0, "sent_intra": 0, "sent_inter": 0}
-        patch.reset_wire_stats()
+        self._seen = patch.wire_stats()
 
     def read(self) -> dict:
-        """The bytes since the last read (added to ``totals``)."""
-        stats = patch.wire_stats()
-        patch.reset_wire_stats()
+        """The bytes since the last read, or since the meter was made (added to ``totals``)."""
+        now = patch.wire_stats()
+        stats, self._seen = now.since(self._seen), now
         window = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes(),
                   "sent_intra": stats.sent_bytes(level="intra"),
                   "sent_inter": stats.sent_bytes(level="inter")}

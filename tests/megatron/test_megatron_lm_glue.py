@@ -8,6 +8,7 @@ import pytest
 
 from megatron_sdp4bit import megatron_lm
 from megatron_sdp4bit.megatron import patch
+from megatron_sdp4bit.megatron.installed import INSTALLED
 from megatron_sdp4bit.megatron_lm import refusals, routes
 
 
@@ -86,10 +87,10 @@ def test_routes_combined_add_the_flags_once_and_install_once(monkeypatch):
                                       "--sdp4bit-grad-mode", "ulq"])
     launcher_wrapped = megatron_lm.wrap_parse_args(fake_megatron_parse_args)
     args = launcher_wrapped(megatron_lm.extend_args_provider(None))  # the patch's provider
-    layer = patch.installed_layer()
+    layer = INSTALLED.layer
     assert layer is not None and patch.current_config().grad_mode == "ulq"
     assert megatron_lm.install_from_args(args) == patch.current_config()  # the patch's own line
-    assert patch.installed_layer() is layer
+    assert INSTALLED.layer is layer
     twice = fake_megatron_parse_args(megatron_lm.extend_args_provider(megatron_lm.extend_args_provider(None)))
     assert twice.sdp4bit and twice.sdp4bit_grad_mode == "ulq"
 

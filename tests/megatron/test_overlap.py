@@ -77,10 +77,9 @@ def _train(spec, config, inline: bool) -> dict:
     spy(gradients, "all_to_all_equal")  # the reduce-scatter's hops
     spy(weights, "all_gather_flat")  # the weight gathers
     try:
-        patch.install(config)
+        layer = patch.install(config)
         trainer = TinyGPTTrainer(spec)
         records = trainer.train_steps(STEPS)
-        layer = patch.installed_layer()
         kind = layer.state.runner.kind
         params = sum(p.numel() for p in trainer.model.parameters())
         reported = patch.memory(trainer.optimizer, params).buffer_bytes

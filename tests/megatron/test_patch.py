@@ -30,14 +30,12 @@ def _train(spec: TinyGPTSpec, config, steps: int):
 
     patch.uninstall()
     comm.reset_generators()
-    if config is not None:
-        patch.install(config)
+    layer = patch.install(config) if config is not None else None
     trainer = TinyGPTTrainer(spec)
     records = trainer.train_steps(steps)
     memory = None
     if config is not None:
         # What the layer really holds after training vs what it reports at start-up.
-        layer = patch.installed_layer()
         held = sum(t.numel() * t.element_size() for bucket in layer.state.buckets.values()
                    for t in (bucket.main_shard, bucket.reconstructed) if t is not None)
         params = sum(p.numel() for p in trainer.model.parameters())
@@ -171,6 +169,7 @@ def test_install_twice_and_uninstall_restore_megatron():
     assert patch.current_config().seed == 5
     bucket_group_cls = classes[0]
     assert bucket_group_cls.start_grad_sync is not before[0]["start_grad_sync"]
+    first.state.wire.add("reduce_scatter", "intra", codes=10, exact=40)
     patch.uninstall()
     patch.uninstall()  # safe when not installed
     after = [dict(vars(cls)) for cls in classes]
@@ -179,6 +178,17 @@ def test_install_twice_and_uninstall_restore_megatron():
                     "step_with_ready_grads", "__init__"):
             if key in b:
                 assert a[key] is b[key]
+    # after uninstall the facade says plainly that nothing is installed
+    assert not patch.is_installed() and patch.current_config() is None and patch.adapter_minor() is None
+    assert patch.wire_stats().sent_bytes() == 0 and patch.get_iteration() == 0
+    for needs_a_layer in (lambda: patch.set_metrics_interval(1), lambda: patch.optimizer_group(None)):
+        with pytest.raises(RuntimeError, match=r"needs the SDP4Bit layer installed: call .*patch.install"):
+            needs_a_layer()
+    # a reinstall is a fresh layer: its own counters, from zero
+    second = patch.install(SDP)
+    assert second is not first and patch.is_installed() and patch.wire_stats().sent_bytes() == 0
+    assert patch.adapter_minor() == compat.current_adapter().minor
+    patch.uninstall()
 
 
 def test_install_rejects_non_config():

@@ -57,15 +57,6 @@ class MegatronAdapter:
         the classes whose methods are swapped (see ``SWAPPED_METHODS``)."""
         raise NotImplementedError
 
-    def installed_layer(self):
-        """The layer whose methods are on megatron's classes now, or None.
-
-        The swapped methods carry their layer (``__sdp4bit_layer__``), so the classes
-        themselves are the one record of what is installed: no module global.
-        """
-        method = vars(self.patch_targets()["bucket_group"]).get("start_grad_sync")
-        return getattr(method, "__sdp4bit_layer__", None)
-
     # ------------------------------------------------------------- DDP config
 
     def unsupported_ddp_features(self, ddp_config) -> List[str]:
