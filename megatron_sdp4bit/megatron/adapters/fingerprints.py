@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import copy
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -170,18 +171,31 @@ def fingerprints(seams: Iterable[Seam], read: Callable[[str], Optional[str]]) ->
 
 
 def installed_reader() -> Callable[[str], Optional[str]]:
-    """Reads the installed megatron's files (site-packages or an editable checkout)
-    without importing any of it."""
-    spec = importlib.util.find_spec("megatron")
-    roots = [os.path.dirname(location) for location in (spec.submodule_search_locations or [])] if spec else []
+    """Reads the installed megatron-core's files without importing any of it: those its
+    distribution installed (so a Megatron-LM checkout on ``sys.path`` does not mix in),
+    else, for a source checkout, the files of the ``megatron`` package Python finds."""
+    try:
+        distribution = importlib.metadata.distribution("megatron-core")
+        installed = {str(path) for path in distribution.files or ()}
+    except importlib.metadata.PackageNotFoundError:
+        distribution, installed = None, set()
+    if "megatron/core/__init__.py" in installed:
+        def locate(relative: str) -> Optional[str]:
+            return str(distribution.locate_file(relative)) if relative in installed else None
+    else:
+        spec = importlib.util.find_spec("megatron")
+        roots = [os.path.dirname(location) for location in (spec.submodule_search_locations or [])] if spec else []
+
+        def locate(relative: str) -> Optional[str]:
+            return next((os.path.join(root, relative) for root in roots
+                         if os.path.isfile(os.path.join(root, relative))), None)
 
     def read(relative: str) -> Optional[str]:
-        for root in roots:
-            path = os.path.join(root, relative)
-            if os.path.isfile(path):
-                with open(path, encoding="utf-8") as file:
-                    return file.read()
-        return None
+        path = locate(relative)
+        if path is None or not os.path.isfile(path):
+            return None
+        with open(path, encoding="utf-8") as file:
+            return file.read()
 
     return read
 
