@@ -10,6 +10,7 @@ saying how to add it. The table is recorded from the wheels by
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 
@@ -95,6 +96,15 @@ def _site_names(adapter) -> set:
                   of(training.optimizer_state_setter), of(training.optimizer_state_dict)}
         names |= {of(site) for site in training.one_device + training.rng_save_restore}
         names |= {of(function) for function in training.checkpoint_rng}
+    if importlib.util.find_spec("megatron.training") is not None:  # the Megatron-LM routes
+        routes = adapter.megatron_lm_sites()
+        names |= {of(routes.compile_helpers), of(routes.save_checkpoint), of(routes.load_checkpoint),
+                  of(routes.validate_args), of(getattr(routes.checkpointing, routes.base_loader)),
+                  of(getattr(routes.training, routes.train)), of(getattr(routes.training, routes.training_log)),
+                  of(getattr(routes.training, routes.log_printer))}
+        import megatron.training.arguments as arguments  # megatron_lm/launcher.py wraps its parse_args
+
+        names.add(of(arguments.parse_args))
     return names
 
 
