@@ -22,6 +22,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import torch
 
 from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, TrainingSites
+from megatron_sdp4bit.megatron.adapters.fingerprints import Seam
 from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
 
 # Methods the layer swaps: (owner key, attribute name). The owner keys name the
@@ -49,6 +50,12 @@ class MegatronAdapter:
 
     tested_versions: Tuple[str, ...] = ()
     """Full versions the test suite runs against (others of the minor are accepted)."""
+
+    seams: Tuple[Seam, ...] = ()
+    """Every megatron function of the release the package wraps, replaces or copies, and
+    which of its files does (``fingerprints.Seam``). The test of
+    ``tests/megatron/megatron_fingerprints.json`` fails, naming the function, where an
+    installed release's code of one differs from the fingerprint recorded for it."""
 
     # ------------------------------------------------------------------ classes
 

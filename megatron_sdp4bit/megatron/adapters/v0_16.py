@@ -7,12 +7,87 @@ import torch
 
 from megatron_sdp4bit.megatron.adapters.base import MegatronAdapter
 from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, RngSites
+from megatron_sdp4bit.megatron.adapters.fingerprints import Seam
 from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
+
+_BUFFER = "megatron.core.distributed.param_and_grad_buffer"
+_DDP = "megatron.core.distributed.distributed_data_parallel"
+_DIST_OPT = "megatron.core.optimizer.distrib_optimizer"
+_OPT = "megatron.core.optimizer"
+_RANDOM = "megatron.core.tensor_parallel.random"
+_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+_TRAINING = "megatron.training"
+
+SEAMS = (
+    # The layer: the five swapped methods, and what megatron does around them that the
+    # adapter repeats or keeps in step with.
+    Seam(f"{_BUFFER}:_ParamAndGradBucketGroup.start_grad_sync", "replaces", "megatron/grad_sync.py"),
+    Seam(f"{_BUFFER}:_ParamAndGradBucketGroup.start_param_sync", "replaces", "megatron/param_sync.py"),
+    Seam(f"{_DIST_OPT}:DistributedOptimizer._copy_main_params_to_model_params", "replaces",
+         "megatron/param_sync.py"),
+    Seam(f"{_DIST_OPT}:DistributedOptimizer.step_with_ready_grads", "wraps", "megatron/param_sync.py"),
+    Seam(f"{_DDP}:DistributedDataParallel.__init__", "wraps", "megatron/layer.py"),
+    Seam(f"{_BUFFER}:_ParamAndGradBucketGroup.__init__", "mirrors", "megatron/adapters/v0_16.py"),
+    Seam(f"{_BUFFER}:_ParamAndGradBucketGroup.finish_grad_sync", "mirrors", "megatron/adapters/v0_16.py"),
+    Seam(f"{_BUFFER}:_ParamAndGradBucketGroup.finish_param_sync", "mirrors", "megatron/adapters/v0_16.py"),
+    Seam(f"{_BUFFER}:_ParamAndGradBuffer.__init__", "copies", "megatron/adapters/v0_16.py"),
+    Seam(f"{_BUFFER}:shard_buffer", "copies", "megatron/adapters/v0_16.py"),
+    # Checkpoints (training/checkpoint/ through the adapter).
+    Seam(f"{_DIST_OPT}:DistributedOptimizer.get_parameter_state_dp_reshardable", "wraps",
+         "megatron/adapters/v0_16.py"),
+    Seam(f"{_DIST_OPT}:DistributedOptimizer.load_parameter_state_from_dp_reshardable", "mirrors",
+         "megatron/adapters/v0_16.py"),
+    Seam(f"{_DIST_OPT}:DistributedOptimizer.sharded_param_state_dp_reshardable", "copies",
+         "megatron/adapters/v0_16.py"),
+    Seam(f"{_DIST_OPT}:DistributedOptimizer.load_state_dict", "mirrors", "megatron/adapters/v0_16.py"),
+    # The CPU backend (cpu_backend/core.py; its docstring says why each).
+    Seam(f"{_RANDOM}:_get_cuda_rng_state", "replaces", "cpu_backend/rng.py"),
+    Seam(f"{_RANDOM}:_set_cuda_rng_state", "replaces", "cpu_backend/rng.py"),
+    Seam(f"{_RANDOM}:CudaRNGStatesTracker.add", "replaces", "cpu_backend/rng.py"),
+    Seam(f"{_RANDOM}:CudaRNGStatesTracker.fork", "replaces", "cpu_backend/rng.py"),
+    Seam(f"{_RANDOM}:model_parallel_cuda_manual_seed", "wraps", "cpu_backend/rng.py"),
+    Seam(f"{_DIST_OPT}:DistributedOptimizer.__init__", "wraps", "cpu_backend/core.py"),
+    Seam(f"{_OPT}.optimizer:Float16OptimizerWithFloat16Params.__init__", "wraps", "cpu_backend/core.py"),
+    Seam(f"{_OPT}.optimizer:FP32Optimizer.__init__", "wraps", "cpu_backend/core.py"),
+    Seam(f"{_OPT}.grad_scaler:MegatronGradScaler.__init__", "wraps", "cpu_backend/core.py"),
+    Seam(f"{_OPT}.grad_scaler:DynamicGradScaler.__init__", "wraps", "cpu_backend/core.py"),
+    Seam(f"{_OPT}.clip_grads:clip_grad_by_total_norm_fp32", "wraps", "cpu_backend/core.py"),
+    Seam(f"{_OPT}.clip_grads:get_grad_norm_fp32", "wraps", "cpu_backend/core.py"),
+    Seam(f"{_OPT}.clip_grads:count_zeros_fp32", "wraps", "cpu_backend/core.py"),
+    Seam(f"{_SCHEDULES}:forward_backward_no_pipelining", "wraps", "cpu_backend/core.py"),
+    Seam(f"{_SCHEDULES}:forward_backward_pipelining_with_interleaving", "wraps", "cpu_backend/core.py"),
+    Seam(f"{_SCHEDULES}:forward_backward_pipelining_without_interleaving", "wraps", "cpu_backend/core.py"),
+    Seam("megatron.core.transformer.utils:get_default_causal_mask", "wraps", "cpu_backend/core.py"),
+    Seam("megatron.core.transformer.utils:get_sliding_window_causal_mask", "wraps", "cpu_backend/core.py"),
+    Seam("megatron.core.models.common.language_module.language_module:"
+         "LanguageModule.setup_embeddings_and_output_layer", "wraps", "cpu_backend/core.py"),
+    # The dataset helpers' NumPy twins (data/dataset_helpers.py) copy the C++.
+    Seam("megatron/core/datasets/helpers.cpp:build_sample_idx", "copies", "data/dataset_helpers.py"),
+    Seam("megatron/core/datasets/helpers.cpp:build_blending_indices", "copies", "data/dataset_helpers.py"),
+    Seam("megatron/core/datasets/helpers.cpp:build_exhaustive_blending_indices", "copies",
+         "data/dataset_helpers.py"),
+    # The Megatron-LM routes (megatron_lm/). megatron.training is in the wheel from 0.17 on;
+    # for 0.16 it comes from a Megatron-LM checkout, and the wheel's fingerprints are absent.
+    Seam("megatron.core.datasets.utils:compile_helpers", "replaces", "megatron_lm/dataset_helpers.py"),
+    Seam(f"{_TRAINING}.arguments:parse_args", "wraps", "megatron_lm/launcher.py"),
+    Seam(f"{_TRAINING}.arguments:validate_args", "wraps",
+         "megatron_lm/routes.py, cpu_backend/megatron_training.py"),
+    Seam(f"{_TRAINING}.checkpointing:save_checkpoint", "wraps", "megatron_lm/checkpoint.py"),
+    Seam(f"{_TRAINING}.checkpointing:load_checkpoint", "wraps",
+         "megatron_lm/checkpoint.py, cpu_backend/megatron_training.py"),
+    Seam(f"{_TRAINING}.checkpointing:_load_base_checkpoint", "wraps", "megatron_lm/checkpoint.py"),
+    Seam(f"{_TRAINING}.training:train", "wraps", "megatron_lm/reporting.py"),
+    Seam(f"{_TRAINING}.training:training_log", "wraps", "megatron_lm/reporting.py"),
+    Seam(f"{_TRAINING}.utils:print_rank_last", "wraps", "megatron_lm/reporting.py"),
+)
+"""Every megatron function of 0.16 the package wraps, replaces or copies (fingerprinted
+per release in ``tests/megatron/megatron_fingerprints.json``)."""
 
 
 class Adapter(MegatronAdapter):
     minor = "0.16"
     tested_versions = ("0.16.1",)
+    seams = SEAMS
 
     dataset_helpers_module = "megatron.core.datasets.helpers_cpp"
     dataset_helpers_importer = "megatron.core.datasets.helpers"

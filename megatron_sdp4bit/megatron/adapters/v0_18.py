@@ -19,12 +19,19 @@
 """
 from __future__ import annotations
 
+from megatron_sdp4bit.megatron.adapters.fingerprints import Seam
 from megatron_sdp4bit.megatron.adapters.v0_17 import Adapter as Adapter017
 
 
 class Adapter(Adapter017):
     minor = "0.18"
     tested_versions = ("0.18.2",)
+    # megatron/training/utils.py became a package (utils/common_utils.py).
+    seams = tuple(seam for seam in Adapter017.seams if seam.name != "megatron.training.utils:print_rank_last") + (
+        Seam("megatron.training.utils.common_utils:print_rank_last", "wraps", "megatron_lm/reporting.py"),
+        Seam("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup._post_param_sync",
+             "mirrors", "megatron/adapters/v0_18.py"),
+    )
 
     def before_grad_reduce(self, bucket_group) -> None:
         self._drain_previous_grad_reduce(bucket_group)

@@ -20,12 +20,34 @@ import dataclasses
 import torch
 
 from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, TrainingSites
+from megatron_sdp4bit.megatron.adapters.fingerprints import Seam
 from megatron_sdp4bit.megatron.adapters.v0_18 import Adapter as Adapter018
 
 
 class Adapter(Adapter018):
     minor = "0.19"
     tested_versions = ("0.19.2",)
+    seams = Adapter018.seams + (
+        Seam("megatron.core.optimizer.optimizer:MegatronOptimizer.has_grad_norm_group", "wraps",
+             "cpu_backend/core.py"),
+        # The CPU mode of megatron.training (cpu_backend/megatron_training.py, its numbers).
+        *(Seam(name, how, "cpu_backend/megatron_training.py") for name, how in (
+            ("megatron.training.initialize:initialize_megatron", "wraps"),
+            ("megatron.training.initialize:_initialize_distributed", "wraps"),
+            ("megatron.training.initialize:_set_random_seed", "wraps"),
+            ("megatron.training.initialize:_warmup_jit_function", "replaces"),
+            ("megatron.training.checkpointing:get_rng_state", "wraps"),
+            ("megatron.core.rerun_state_machine:RerunStateMachine._save_state", "wraps"),
+            ("megatron.core.rerun_state_machine:RerunStateMachine._restore_state", "wraps"),
+            ("megatron.training.utils.common_utils:get_device_arch_version", "replaces"),
+            ("megatron.training.training:pretrain", "wraps"),
+            ("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states",
+             "wraps"),
+            ("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.state_dict", "wraps"),
+        )),
+        Seam("megatron.core.dist_checkpointing.strategies.async_utils:PersistentAsyncCaller.async_loop",
+             "wraps", "cpu_backend/checkpoint_worker.py"),
+    )
 
     def before_grad_reduce(self, bucket_group) -> None:
         self._drain_previous_grad_reduce(bucket_group)
