@@ -19,13 +19,15 @@ _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _TRAINING = "megatron.training"
 
 SEAMS = (
-    # The layer: the five swapped methods, and what megatron does around them that the
+    # The layer: the six swapped methods, and what megatron does around them that the
     # adapter repeats or keeps in step with.
     Seam(f"{_BUFFER}:_ParamAndGradBucketGroup.start_grad_sync", "replaces", "megatron/grad_sync.py"),
     Seam(f"{_BUFFER}:_ParamAndGradBucketGroup.start_param_sync", "replaces", "megatron/param_sync.py"),
     Seam(f"{_DIST_OPT}:DistributedOptimizer._copy_main_params_to_model_params", "replaces",
          "megatron/param_sync.py"),
     Seam(f"{_DIST_OPT}:DistributedOptimizer.step_with_ready_grads", "wraps", "megatron/param_sync.py"),
+    Seam("megatron.core.optimizer.optimizer:ChainedOptimizer.step_with_ready_grads", "wraps",
+         "megatron/param_sync.py"),
     Seam(f"{_DDP}:DistributedDataParallel.__init__", "wraps", "megatron/layer.py"),
     Seam(f"{_BUFFER}:_ParamAndGradBucketGroup.__init__", "mirrors", "megatron/adapters/v0_16.py"),
     Seam(f"{_BUFFER}:_ParamAndGradBucketGroup.finish_grad_sync", "mirrors", "megatron/adapters/v0_16.py"),

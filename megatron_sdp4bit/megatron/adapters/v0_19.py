@@ -30,6 +30,10 @@ class Adapter(Adapter018):
     seams = Adapter018.seams + (
         Seam("megatron.core.optimizer.optimizer:MegatronOptimizer.has_grad_norm_group", "wraps",
              "cpu_backend/core.py"),
+        # the chain's member loop moved here from step_with_ready_grads, which the layer
+        # wraps to count one iteration for all members
+        Seam("megatron.core.optimizer.optimizer:ChainedOptimizer._step", "mirrors",
+             "megatron/param_sync.py"),
         # The CPU mode of megatron.training (cpu_backend/megatron_training.py, its numbers).
         *(Seam(name, how, "cpu_backend/megatron_training.py") for name, how in (
             ("megatron.training.initialize:initialize_megatron", "wraps"),
