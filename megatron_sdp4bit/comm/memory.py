@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, Sequence
 
+from megatron_sdp4bit.comm.buffer_names import GRADS_SUM, grads_hop, weights_gather, weights_send
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, weight_slices
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant.types import QuantizedTensor, num_groups
@@ -108,13 +109,12 @@ def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
     demands = []
     for index, chunk in enumerate(plan):
         if chunk.valid < chunk.padded:  # the shard's unaligned end, summed in fp32 first
-            demands.append({"grads sum": MAIN_BYTES * chunk.padded})
+            demands.append({GRADS_SUM: MAIN_BYTES * chunk.padded})
         numel = dp * chunk.padded
         for hop, (level, peers) in enumerate(levels):
             bits, group = config.grad_hop_format(level)
             nbytes = peers * segment_nbytes(numel // peers, bits, group)
-            demands.append({f"grads hop {hop} {kind} {index % 2}": nbytes
-                            for kind in ("send", "receive")})
+            demands.append({grads_hop(hop, kind, index): nbytes for kind in ("send", "receive")})
             numel //= peers
     return _merge_max(demands)
 
@@ -129,7 +129,7 @@ def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig) -> D
     for index, (_, n) in enumerate(weight_slices(shard, dp, config.weight_group_size, False,
                                                  MAX_CHUNK_ELEMENTS)):
         own = segment_nbytes(n, config.weight_bits, config.weight_group_size)
-        demands.append({f"weights send {index % 2}": own, f"weights gather {index % 2}": dp * own})
+        demands.append({weights_send(index): own, weights_gather(index): dp * own})
     return _merge_max(demands)
 
 

@@ -21,6 +21,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from megatron_sdp4bit import quant
+from megatron_sdp4bit.comm.buffer_names import GRADS_SUM, grads_hop
 from megatron_sdp4bit.comm.layout import (
     MAX_CHUNK_ELEMENTS,
     MIN_CHUNK_SHARD_ELEMENTS,
@@ -115,12 +116,12 @@ def _buffers(workspace: Workspace, chunks, dp: int, levels, formats, device) -> 
     sizes: dict = {}
     for index, chunk in enumerate(chunks):
         if chunk.valid < chunk.padded:
-            sizes["grads sum"] = max(sizes.get("grads sum", 0), 4 * chunk.padded)
+            sizes[GRADS_SUM] = max(sizes.get(GRADS_SUM, 0), 4 * chunk.padded)
         numel = dp * chunk.padded
         for hop, level in enumerate(levels):
             nbytes = level.size * segment_nbytes(numel // level.size, *formats[hop])
             for kind in ("send", "receive"):
-                name = f"grads hop {hop} {kind} {index % 2}"
+                name = grads_hop(hop, kind, index)
                 sizes[name] = max(sizes.get(name, 0), nbytes)
             numel //= level.size
     return {name: workspace.buffer(name, nbytes, device) for name, nbytes in sizes.items()}
@@ -131,8 +132,8 @@ def _hop(buffers: dict, index: int, hop: int, level: Level, numel: int, fmt) -> 
     peers = level.size
     per_peer = numel // peers
     nbytes = peers * segment_nbytes(per_peer, bits, group)
-    outgoing = buffers[f"grads hop {hop} send {index % 2}"][:nbytes]
-    incoming = buffers[f"grads hop {hop} receive {index % 2}"][:nbytes]
+    outgoing = buffers[grads_hop(hop, "send", index)][:nbytes]
+    incoming = buffers[grads_hop(hop, "receive", index)][:nbytes]
     layout = segment_layout(per_peer, bits, group)
     scales = 4 * layout.groups
     return Hop(hop, level.name, peers, outgoing, incoming,
@@ -153,7 +154,7 @@ def _write(last: Hop, dest: torch.Tensor, chunk: Chunk, block, buffers: dict) ->
     if chunk.valid == chunk.padded:
         return quant.prepare("dequantize_sum", last.received, num_chunks=peers,
                              inverse_hadamard_block=block, out=dest)
-    total = buffers["grads sum"][: 4 * chunk.padded].view(torch.float32)
+    total = buffers[GRADS_SUM][: 4 * chunk.padded].view(torch.float32)
     summed = quant.prepare("dequantize_sum", last.received, num_chunks=peers,
                            inverse_hadamard_block=block, out=total)
 

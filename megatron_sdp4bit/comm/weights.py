@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_sdp4bit.comm.buffer_names import weights_gather, weights_send
 from megatron_sdp4bit.comm.accounting import WireRecorder, recorder_or_default
 from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import finish_or_handle
@@ -96,11 +97,11 @@ def quantized_all_gather_weights(
     add = config.weight_mode == "diff"
     space = workspace if workspace is not None else Workspace()
 
-    def gather(start: int, stop: int, slot: int) -> _Gather:
+    def gather(start: int, stop: int, slot: int) -> _Gather:  # slot: the slice's index
         """Quantize this rank's ``[start, stop)`` into its segment, start gathering every rank's."""
         n = stop - start
         layout = segment_layout(n, config.weight_bits, config.weight_group_size)
-        outgoing = space.buffer(f"weights send {slot}", layout.nbytes, flat.device)
+        outgoing = space.buffer(weights_send(slot), layout.nbytes, flat.device)
         mine = wire_view(outgoing, 1, n, config.weight_bits, config.weight_group_size)
         fmt = dict(bits=config.weight_bits, group_size=config.weight_group_size,
                    rounding=config.rounding, generator=gen, out=mine)
@@ -109,7 +110,7 @@ def quantized_all_gather_weights(
             quantize_weight_diff(main, own[start:stop], **fmt)
         else:
             quantize(main, **fmt)
-        incoming = space.buffer(f"weights gather {slot}", dp_size * layout.nbytes, flat.device)
+        incoming = space.buffer(weights_gather(slot), dp_size * layout.nbytes, flat.device)
         work = all_gather_flat(incoming, outgoing, group, True)
         scales = 4 * layout.groups
         wire.peer_sends(_COLLECTIVE, same, other, codes=layout.codes_nbytes, scales=scales,
@@ -148,7 +149,7 @@ def _gather_in_slices(gather: Callable[[int, int, int], "_Gather"], slices, add:
     reuses slice i's buffers, applied (so waited for) before slice i + 2 is quantized."""
     previous = None
     for index, (start, n) in enumerate(slices):
-        current = gather(start, start + n, index % 2)
+        current = gather(start, start + n, index)
         if previous is not None:
             previous.apply(add)
         previous = current
