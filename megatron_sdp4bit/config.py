@@ -19,6 +19,13 @@ from megatron_sdp4bit.quant.types import MAX_HADAMARD_BLOCK, SUPPORTED_BITS, cod
 WEIGHT_MODES = ("diff", "direct", "off")
 GRAD_MODES = ("tlq-hs", "tlq", "ulq", "off")
 ROUNDINGS = ("stochastic", "nearest")
+# Readable names for the paper's acronyms, accepted wherever a mode is given (flags, YAML,
+# Python); the config keeps the acronym, so saved configs and fingerprints do not change.
+MODE_ALIASES = {
+    "weight_mode": {"weight-differences": "diff", "weights": "direct", "exact": "off"},
+    "grad_mode": {"two-level-hadamard": "tlq-hs", "two-level": "tlq",
+                  "two-level-uniform": "ulq", "exact": "off"},
+}
 EXACT_REDUCE_SCATTERS = ("native", "alltoall")
 
 
@@ -41,8 +48,8 @@ class ConfigError(ValueError):
 _BITS_IN_WORDS = f"{', '.join(map(str, SUPPORTED_BITS[:-1]))} or {SUPPORTED_BITS[-1]}"
 
 ALLOWED = {
-    "weight_mode": f"one of {', '.join(WEIGHT_MODES)}",
-    "grad_mode": f"one of {', '.join(GRAD_MODES)}",
+    "weight_mode": "one of " + ", ".join(f"{mode} ({alias})" for alias, mode in MODE_ALIASES["weight_mode"].items()),
+    "grad_mode": "one of " + ", ".join(f"{mode} ({alias})" for alias, mode in MODE_ALIASES["grad_mode"].items()),
     "rounding": f"one of {', '.join(ROUNDINGS)}",
     "weight_bits": _BITS_IN_WORDS,
     "grad_bits_intra": _BITS_IN_WORDS,
@@ -134,6 +141,10 @@ class SDP4BitConfig:
     def __post_init__(self) -> None:
         """Every rule about a field lives here, and only here: a bad value fails where
         the config is made, with the field's name and what it may be."""
+        for name, aliases in MODE_ALIASES.items():  # a readable name stands for its acronym
+            value = getattr(self, name)
+            if isinstance(value, str) and value in aliases:
+                object.__setattr__(self, name, aliases[value])
         self._check_choice("weight_mode", WEIGHT_MODES)
         self._check_choice("grad_mode", GRAD_MODES)
         self._check_choice("rounding", ROUNDINGS)
@@ -173,7 +184,9 @@ class SDP4BitConfig:
 
     def _check_choice(self, name: str, choices: tuple) -> None:
         if getattr(self, name) not in choices:
-            raise ConfigError(name, f"{name}={getattr(self, name)!r}; choose one of {choices}")
+            aliases = MODE_ALIASES.get(name)
+            also = f" (or {', '.join(aliases)})" if aliases else ""
+            raise ConfigError(name, f"{name}={getattr(self, name)!r}; choose one of {choices}{also}")
 
     def _check_int(self, name: str, minimum: int, hint: str = "") -> None:
         value = getattr(self, name)
@@ -225,6 +238,18 @@ class SDP4BitConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """The configuration in words, for log lines (``to_dict`` has every field)."""
+        weights = {"diff": f"{self.weight_bits}-bit weight differences (qWD)",
+                   "direct": f"{self.weight_bits}-bit weights (qW)",
+                   "off": "exact"}[self.weight_mode]
+        hops = f"{self.grad_bits_intra}-bit intra-node, {self.grad_bits_inter}-bit inter-node"
+        grads = {"tlq-hs": f"{hops} after a {self.hadamard_block}-point Hadamard rotation (TLq-HS)",
+                 "tlq": f"{hops} (TLq)",
+                 "ulq": f"{self.grad_bits_inter}-bit on both hops (ULq)",
+                 "off": "exact"}[self.grad_mode]
+        return f"weight all-gather {weights}; gradient reduce-scatter {grads}; {self.rounding} rounding"
 
     def fingerprint(self) -> int:
         """A stable 63-bit hash of every field, to check all ranks agree."""

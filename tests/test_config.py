@@ -15,7 +15,8 @@ def parse(argv):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(weight_mode="exact"), r"weight_mode='exact'; choose one of \('diff', 'direct', 'off'\)"),
+        (dict(weight_mode="qwd"), r"weight_mode='qwd'; choose one of \('diff', 'direct', 'off'\) "
+                                  r"\(or weight-differences, weights, exact\)"),
         (dict(grad_mode="qsgd"), r"grad_mode='qsgd'; choose one of"),
         (dict(rounding="up"), r"rounding='up'; choose one of \('stochastic', 'nearest'\)"),
         (dict(weight_bits=3), r"weight_bits=3 is not supported; use one of \(2, 4, 8\)"),
@@ -142,3 +143,16 @@ def test_the_gradient_hops_formats_are_decided_by_the_config():
     assert sdp.grad_alignment(["intra"]) == 128
     with pytest.raises(ValueError, match="'intra' or 'inter'"):
         sdp.grad_hop_format("node")
+
+
+def test_readable_mode_names_stand_for_the_papers_acronyms():
+    # the config keeps the acronym: equal configs, saved configs and fingerprints unchanged
+    readable = SDP4BitConfig(weight_mode="weight-differences", grad_mode="two-level-hadamard")
+    assert readable == SDP4BitConfig() and readable.fingerprint() == SDP4BitConfig().fingerprint()
+    assert SDP4BitConfig(weight_mode="weights", grad_mode="two-level-uniform") == \
+        SDP4BitConfig(weight_mode="direct", grad_mode="ulq")
+    assert SDP4BitConfig(weight_mode="exact", grad_mode="exact").to_dict()["grad_mode"] == "off"
+    assert SDP4BitConfig().describe() == (
+        "weight all-gather 4-bit weight differences (qWD); gradient reduce-scatter 8-bit "
+        "intra-node, 4-bit inter-node after a 32-point Hadamard rotation (TLq-HS); "
+        "stochastic rounding")

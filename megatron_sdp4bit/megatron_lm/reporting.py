@@ -131,7 +131,8 @@ def _start(sites: RouteSites, figures: LayerFigures) -> None:
     figures.start()
     if torch.distributed.get_rank() == 0:
         print(f"SDP4Bit installed (megatron-core {patch.adapter_minor()} adapter, "
-              f"{torch.distributed.get_world_size()} ranks): {patch.current_config().to_dict()}", flush=True)
+              f"{torch.distributed.get_world_size()} ranks): {patch.current_config().describe()}; "
+              f"{patch.current_config().to_dict()}", flush=True)
         if getattr(sites.get_args(), "data_parallel_size", None) == 1:
             # Before: the run said it was installed and quantized nothing, without a word.
             print("sdp4bit: data-parallel size 1: nothing to quantize (SDP4Bit quantizes the data-parallel "

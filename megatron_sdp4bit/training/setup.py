@@ -113,7 +113,8 @@ def install_layer(args, layout: ParallelLayout) -> tuple:
     patch.uninstall()
     patch.install(config)
     patch.set_metrics_interval(args.log_interval)  # sampled on logged steps only
-    log0(f"sdp4bit: {config.to_dict() if quantized else 'off (exact collectives)'}")
+    log0(f"sdp4bit: {config.describe()}; {config.to_dict()}" if quantized
+         else "sdp4bit: off (exact collectives)")
     if config.check_interval and layout.data > 1 and not args.use_distributed_optimizer:
         log0("replica check (--sdp4bit-check-interval): off, it runs in the distributed optimizer's "
              "step; add --use-distributed-optimizer to have it")
