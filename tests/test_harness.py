@@ -2,7 +2,7 @@
 world, a taken port is retried, a failing case fails only the tests that read it.
 
 (A failing rank's traceback and the deadline instead of a hang are checked in
-tests/megatron/test_cpu_backend.py.)
+tests/cpu_backend/test_cpu_backend.py.)
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ tensors over a gloo process group. Nothing of megatron is reimplemented: only th
 places that name CUDA are redirected. Which ones, per release, is the adapter's
 ``cpu_backend_sites()`` (a ``CoreSites``, ``megatron/adapters/cpu_sites.py``); every one
 is listed below with the reason, paths relative to ``megatron/core``. "Hit" means
-the tests in ``tests/megatron/test_cpu_backend.py`` go through it (traced).
+the tests in ``tests/cpu_backend/test_cpu_backend.py`` go through it (traced).
 
 1. CUDA RNG tracker (``tensor_parallel/random.py``): module and class attributes
    swapped for CPU twins. The tracker's "CUDA generator" becomes the CPU default

@@ -15,7 +15,7 @@ script). Only for releases whose adapter lists the sites
 
 Every redirect, where and why (paths relative to ``megatron/``); each is the
 narrowest that reached the site, and only the pretrain-wide device mode (7) spans
-more than one function. All are hit by ``tests/megatron/test_megatron_training_loop.py``
+more than one function. All are hit by ``tests/megatron_lm/test_megatron_training_loop.py``
 except where noted.
 
 1. ``training/initialize.py`` ``initialize_megatron`` (rebound in every loaded
