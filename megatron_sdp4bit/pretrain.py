@@ -29,7 +29,7 @@ from megatron_sdp4bit.training.console import outlive_the_console
 from megatron_sdp4bit.training.distributed import shutdown
 from megatron_sdp4bit.training.lost_peer import LostPeer, lost_peer
 from megatron_sdp4bit.training.out_of_memory import OutOfMemory
-from megatron_sdp4bit.training.report import print_summary, report_crash, report_stop
+from megatron_sdp4bit.training.run_summary import print_summary, report_crash, report_stop
 from megatron_sdp4bit.training.run import NonFiniteTraining, TrainingRun
 from megatron_sdp4bit.training.setup import NothingToTrain, set_up
 from megatron_sdp4bit.training.signals import (

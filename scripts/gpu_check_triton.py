@@ -269,8 +269,8 @@ def main(args: argparse.Namespace) -> int:
 
     def large():
         if device == "cpu":  # the interpreter pays per program: few, large ones
-            from megatron_sdp4bit.quant.triton_kernels import launch
-            with launch.tuning(tile_elements=1 << 16):
+            from megatron_sdp4bit.quant.triton_kernels import launch_plan
+            with launch_plan.tuning(tile_elements=1 << 16):
                 return step_large(device, chunk)
         return step_large(device, chunk)
 

@@ -14,7 +14,7 @@ Contracts and a usage example: docs/collectives.md.
 from megatron_sdp4bit.comm.accounting import WireStats, get_wire_stats, reset_wire_stats
 from megatron_sdp4bit.comm.gradients import quantized_reduce_scatter
 from megatron_sdp4bit.comm.handles import PendingCollective
-from megatron_sdp4bit.comm.rng import NoiseStreams, generator_states, reset_generators, set_generator_states
+from megatron_sdp4bit.comm.rounding_streams import NoiseStreams, generator_states, reset_generators, set_generator_states
 from megatron_sdp4bit.comm.topology import (
     Topology,
     build_topologies,

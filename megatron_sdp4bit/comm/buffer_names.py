@@ -1,5 +1,5 @@
 """The names of the workspace's buffers (``comm/workspace.py``): one source for the
-collectives that take them and for ``comm/memory.py``, which predicts what they take.
+collectives that take them and for ``comm/memory_plan.py``, which predicts what they take.
 
 Consecutive chunks (or weight slices) alternate between two slots, so a chunk fills
 its send buffer while the previous chunk's is still on the wire; a third chunk reuses

@@ -45,7 +45,7 @@ from megatron_sdp4bit.comm.checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
 from megatron_sdp4bit.comm.reduce_scatter_plan import ReduceScatterPlan
-from megatron_sdp4bit.comm.rng import pick_generator
+from megatron_sdp4bit.comm.rounding_streams import pick_generator
 from megatron_sdp4bit.comm.runner import Completion, run_or_submit
 from megatron_sdp4bit.comm.topology import Topology, get_topology, peer_split
 from megatron_sdp4bit.comm.workspace import Workspace

@@ -151,7 +151,7 @@ MAX_CHUNK_ELEMENTS = 1 << 23
 """At most this many elements (over all DP shards) per pipeline chunk. Without
 --overlap-grad-reduce megatron puts every parameter in one bucket; chunks of at
 most 8M elements keep the reduce-scatter's buffers near 45 MiB (two slots of a
-chunk's 8-bit codes sent and received, comm/memory.py): the layer stays under 1
+chunk's 8-bit codes sent and received, comm/memory_plan.py): the layer stays under 1
 byte per parameter at DP 8 even for a 125M model (16M elements would take it to
 1.3). Each chunk costs the host two seed draws, three launches and two collective
 calls (scripts/count_chunk_work.py), so the cap also sets the chunks per step:

@@ -14,7 +14,7 @@ it adds is checking first, because megatron-core fails late and obscurely:
   split asked for 0 samples is not built (``None``) and not checked, its weight
   still placing the others' bounds; ``--split`` text itself: ``splits.py``;
 - data too small for the samples asked -> ``ValueError`` (``coverage.py``);
-- no compiled ``helpers_cpp`` -> the exact NumPy twins (``dataset_helpers``).
+- no compiled ``helpers_cpp`` -> the exact NumPy twins (``numpy_dataset_helpers``).
 
 Several ranks: call it on every rank. megatron-core builds the index caches on
 global rank 0 while the others wait in ``torch.distributed.barrier()`` (gloo
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megatron_sdp4bit.data import dataset_helpers
+from megatron_sdp4bit.data import numpy_dataset_helpers
 from megatron_sdp4bit.data.cache import default_cache_dir
 from megatron_sdp4bit.data.coverage import check_coverage
 from megatron_sdp4bit.data.indexed_files import check_indexed_prefix, missing_files
@@ -95,13 +95,13 @@ def dataset_helpers_in_place(force_numpy: Optional[bool] = None) -> Iterator[str
         return
     twins = types.ModuleType(_CPP_MODULE, "NumPy twins of helpers_cpp (megatron_sdp4bit)")
     for name in _HELPER_NAMES:
-        setattr(twins, name, getattr(dataset_helpers, name))
+        setattr(twins, name, getattr(numpy_dataset_helpers, name))
     with Patches("dataset helpers") as patches:
         patches.set_item(sys.modules, _CPP_MODULE, twins)
         helpers = sys.modules.get(_HELPERS_IMPORTER)
         if helpers is not None:  # imported earlier: rebind the names it copied
             for name in _HELPER_NAMES:
-                patches.set(helpers, name, getattr(dataset_helpers, name))
+                patches.set(helpers, name, getattr(numpy_dataset_helpers, name))
         else:  # imported from the twins inside; forgotten after, so a later import starts afresh
             package, _, leaf = _HELPERS_IMPORTER.rpartition(".")
             patches.keep_item(sys.modules, _HELPERS_IMPORTER)

@@ -56,7 +56,7 @@ from megatron_sdp4bit.comm import (
     quantized_all_gather_weights,
     quantized_reduce_scatter,
 )
-from megatron_sdp4bit.comm.rng import reset_generators
+from megatron_sdp4bit.comm.rounding_streams import reset_generators
 from megatron_sdp4bit.comm.error_bounds import reduce_scatter_bound, tolerance, weight_bound
 from megatron_sdp4bit.comm.runner import make_runner, runner_kind
 from megatron_sdp4bit.comm.topology import build_private_groups, get_topology, private_group

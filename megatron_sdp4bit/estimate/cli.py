@@ -305,7 +305,7 @@ def _estimate_and_print(args, variants, kernels, latency) -> int:
         result = estimate(cluster, workload, kernels, variants)
     except (ModelError, EstimateError) as exc:
         return _fail(exc.flag, str(exc))
-    from megatron_sdp4bit.estimate.report import format_report, to_json
+    from megatron_sdp4bit.estimate.output import format_report, to_json
 
     print(json.dumps(to_json(result), indent=1) if args.json else format_report(result))
     return 0

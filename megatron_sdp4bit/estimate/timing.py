@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from megatron_sdp4bit.comm.memory import LayerMemory, layer_memory
+from megatron_sdp4bit.comm.memory_plan import LayerMemory, layer_memory
 from megatron_sdp4bit.config import SDP4BitConfig, preset
 from megatron_sdp4bit.estimate import calls, volume
 from megatron_sdp4bit.estimate.implementation import THIS_PROJECT, Implementation
@@ -436,7 +436,7 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
 
 
 def _stage_memory(stage, layout, stage_buckets, config, cluster, workload) -> LayerMemory:
-    """What the layer adds on a GPU of this stage's DP group (comm/memory.py)."""
+    """What the layer adds on a GPU of this stage's DP group (comm/memory_plan.py)."""
     params = stage_params(workload.shape, cluster.tp, cluster.pp, stage).numel
     return layer_memory(stage_buckets, layout.dp_size, config, params=params,
                         node_members=len(layout.nodes[0]) if layout.is_two_level else 0,

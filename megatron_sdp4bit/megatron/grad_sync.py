@@ -24,9 +24,9 @@ from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm.primitives import all_reduce_flat
 from megatron_sdp4bit.comm.runner import run_or_submit
 from megatron_sdp4bit.megatron import quant_metrics
-from megatron_sdp4bit.megatron.accounting import record_exact
+from megatron_sdp4bit.megatron.exact_collective_bytes import record_exact
 from megatron_sdp4bit.megatron.checks import check_alltoall_ddp_config, check_ddp_config
-from megatron_sdp4bit.megatron.handles import Handles
+from megatron_sdp4bit.megatron.group_handle import Handles
 
 
 def _megatron(layer, bucket_group, force_all_reduce):

@@ -1,10 +1,10 @@
-"""What the installed layer adds in memory for an optimizer's buckets (comm/memory.py's
+"""What the installed layer adds in memory for an optimizer's buckets (comm/memory_plan.py's
 arithmetic over megatron's actual buckets, data-parallel group and node layout)."""
 from __future__ import annotations
 
 import torch
 
-from megatron_sdp4bit.comm.memory import LayerMemory, layer_memory
+from megatron_sdp4bit.comm.memory_plan import LayerMemory, layer_memory
 from megatron_sdp4bit.comm.topology import get_topology
 
 

@@ -37,9 +37,9 @@ from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm.primitives import all_gather_flat
 from megatron_sdp4bit.comm.runner import run_or_submit
 from megatron_sdp4bit.megatron import consistency, quant_metrics
-from megatron_sdp4bit.megatron.accounting import record_exact
+from megatron_sdp4bit.megatron.exact_collective_bytes import record_exact
 from megatron_sdp4bit.megatron.checks import check_ddp_config, check_optimizer_config
-from megatron_sdp4bit.megatron.handles import Handles
+from megatron_sdp4bit.megatron.group_handle import Handles
 
 
 def _weights_quantized(layer, optimizer) -> bool:

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from megatron_sdp4bit.comm.accounting import WireRecorder
-from megatron_sdp4bit.comm.rng import NoiseStreams
+from megatron_sdp4bit.comm.rounding_streams import NoiseStreams
 from megatron_sdp4bit.comm.runner import InlineRunner
 from megatron_sdp4bit.comm.topology import default_ranks_per_node
 from megatron_sdp4bit.comm.workspace import Workspace

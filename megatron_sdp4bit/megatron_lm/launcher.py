@@ -41,7 +41,7 @@ def _teach_megatron_lm_parser() -> Patches:
                "Pass the path of a script inside a Megatron-LM checkout of a supported release "
                f"(megatron-core {', '.join(supported_minors())}), and install that checkout's "
                "requirements.")
-    from megatron_sdp4bit.megatron_lm.glue import wrap_parse_args
+    from megatron_sdp4bit.megatron_lm.script_api import wrap_parse_args
 
     # initialize.py bound parse_args by name at import, so both names are wrapped
     # (up to 0.17; from 0.18 on initialize.py no longer imports it).

@@ -59,7 +59,7 @@ from megatron_sdp4bit.quant.reference_stream import (
     read_fp32,
     sum_chunks_into,
 )
-from megatron_sdp4bit.quant.arguments import api_op
+from megatron_sdp4bit.quant.argument_contract import api_op
 from megatron_sdp4bit.quant.types import QuantizedTensor
 
 __all__ = [

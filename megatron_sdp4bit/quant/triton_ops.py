@@ -28,7 +28,7 @@ import torch
 import triton  # noqa: F401  (ImportError here tells the dispatcher to use the reference)
 
 from megatron_sdp4bit.quant.reference_stream import empty_quantized
-from megatron_sdp4bit.quant.triton_kernels import launch, launch_record
+from megatron_sdp4bit.quant.triton_kernels import launch_plan, launch_record
 from megatron_sdp4bit.quant.triton_kernels.dequantize_kernel import dequantize_kernel
 from megatron_sdp4bit.quant.triton_kernels.quantize_kernel import (
     SOURCE_CHUNKS,
@@ -38,7 +38,7 @@ from megatron_sdp4bit.quant.triton_kernels.quantize_kernel import (
 )
 from megatron_sdp4bit.quant.triton_kernels.tile_math import INTERPRETED
 from megatron_sdp4bit.quant import reference
-from megatron_sdp4bit.quant.arguments import api_op
+from megatron_sdp4bit.quant.argument_contract import api_op
 from megatron_sdp4bit.quant.types import QuantizedTensor, codes_per_byte
 
 __all__ = [
@@ -46,11 +46,11 @@ __all__ = [
     "hadamard_quantize", "hadamard_quantize_rows", "dequantize_sum_requantize", "dequantize_sum",
 ]
 
-# Every launch: no FMA contraction, no flush-to-zero (see launch.exact_fp_options).
-_EXACT = launch.exact_fp_options()
+# Every launch: no FMA contraction, no flush-to-zero (see launch_plan.exact_fp_options).
+_EXACT = launch_plan.exact_fp_options()
 
 
-# --- what only this backend needs (the API's contract is quant/arguments.py) ---------------
+# --- what only this backend needs (the API's contract is quant/argument_contract.py) ---------------
 
 def _check_cuda(t: torch.Tensor) -> None:
     if t.device.type != "cuda" and not INTERPRETED and not launch_record.active():
@@ -106,7 +106,7 @@ def _plan_quantize(out: QuantizedTensor, rounding: str,
     if out.numel == 0:
         return _NO_LAUNCH
     groups = out.num_groups // out.num_chunks
-    block, groups_per_program, grid = launch.quantize_tiling(groups, out.group_size,
+    block, groups_per_program, grid = launch_plan.quantize_tiling(groups, out.group_size,
                                                              out.num_chunks)
     codes_stride, scales_stride = _chunk_strides(out, out.num_chunks)
     src_codes, src_scales, src_strides = out.codes, out.scales, (0, 0)
@@ -118,8 +118,8 @@ def _plan_quantize(out: QuantizedTensor, rounding: str,
         src_strides = _chunk_strides(source, num_chunks)
         src_bits, src_group = source.bits, source.group_size
     else:
-        x_view, x_bf16 = launch.kernel_view(x)
-        y_view, y_bf16 = launch.kernel_view(y) if y is not None else (x_view, False)
+        x_view, x_bf16 = launch_plan.kernel_view(x)
+        y_view, y_bf16 = launch_plan.kernel_view(y) if y is not None else (x_view, False)
     if rows is not None:
         row_order, start, valid, padded = rows
         order = row_order if row_order is not None else order
@@ -129,7 +129,7 @@ def _plan_quantize(out: QuantizedTensor, rounding: str,
     # Every strip of x (and y) starts at an even element: bf16 can be read in words.
     even_starts = (row_stride % 2 == 0 and start % 2 == 0 if rows is not None
                    else out.num_chunks == 1 or n % 2 == 0)
-    strips = launch.quantize_strips(
+    strips = launch_plan.quantize_strips(
         out.bits, out.group_size, hadamard_block or 0, sizes,
         None if source is None else (src_bits, src_group, _words_aligned(source, num_chunks)),
         _words_aligned(out, out.num_chunks))
@@ -152,7 +152,7 @@ def _plan_quantize(out: QuantizedTensor, rounding: str,
             STRIPS=strips, X_HALF=x_view.element_size() == 2, Y_HALF=y_view.element_size() == 2,
             X_WORDS=x_bf16 and even_starts and x_view.data_ptr() % 4 == 0,
             Y_WORDS=y_bf16 and even_starts and y_view.data_ptr() % 4 == 0,
-            num_warps=launch.num_warps_for(block * groups_per_program), **_EXACT))
+            num_warps=launch_plan.num_warps_for(block * groups_per_program), **_EXACT))
 
 
 def _plan_dequantize(q: QuantizedTensor, out: torch.Tensor, out_stride: int,
@@ -165,10 +165,10 @@ def _plan_dequantize(q: QuantizedTensor, out: torch.Tensor, out_stride: int,
     numel = q.numel // max(num_chunks, written)
     if numel == 0:
         return _NO_LAUNCH
-    out_view, out_bf16 = launch.kernel_view(out)
+    out_view, out_bf16 = launch_plan.kernel_view(out)
     codes_stride, scales_stride = _chunk_strides(q, max(num_chunks, written))
-    block, grid = launch.dequantize_tiling(numel, hadamard_block or 0, written)
-    strips = block % 32 == 0 and launch.dequantize_strips(
+    block, grid = launch_plan.dequantize_tiling(numel, hadamard_block or 0, written)
+    strips = block % 32 == 0 and launch_plan.dequantize_strips(
         q.bits, q.group_size, hadamard_block or 0, out_view.element_size(),
         _words_aligned(q, max(num_chunks, written)))
     # bf16 read as 32-bit words: every strip (a multiple of 32 into each output chunk)
@@ -180,7 +180,7 @@ def _plan_dequantize(q: QuantizedTensor, out: torch.Tensor, out_stride: int,
         dict(NUM_CHUNKS=num_chunks, BITS=q.bits, GROUP=q.group_size, BLOCK=block,
              HADAMARD=hadamard_block or 0, OUT_BF16=out_bf16, ACCUMULATE=accumulate,
              STRIPS=strips, OUT_HALF=out_view.element_size() == 2, OUT_WORDS=out_words,
-             TAIL=numel % 32 != 0, num_warps=launch.num_warps_for(block), **_EXACT))
+             TAIL=numel % 32 != 0, num_warps=launch_plan.num_warps_for(block), **_EXACT))
 
 
 class _KernelCall:
@@ -198,8 +198,8 @@ class _KernelCall:
         args = self.args
         if self.stochastic:
             args = list(args)
-            args[self.SEED] = launch.seed_tensor(generator, self.on.device)
-        with launch.device_guard(self.on):
+            args[self.SEED] = launch_plan.seed_tensor(generator, self.on.device)
+        with launch_plan.device_guard(self.on):
             self.kernel[self.grid](*args, **self.kwargs)
 
 
@@ -210,7 +210,7 @@ def _no_launch(generator: Optional[torch.Generator] = None) -> None:
 _NO_LAUNCH = _no_launch  # an empty tensor: nothing to launch
 
 
-# --- the API: reference.py's signatures and contract (quant/arguments.py), fused ---------
+# --- the API: reference.py's signatures and contract (quant/argument_contract.py), fused ---------
 # Every body is ``planned``: it works out the launch and returns (result, launch); the
 # decorator launches it, or ``op.prepare`` keeps it for calls that repeat.
 
@@ -218,7 +218,7 @@ _NO_LAUNCH = _no_launch  # an empty tensor: nothing to launch
 def quantize(x, bits, group_size, rounding, generator, out):
     """Group-wise symmetric quantization of ``x`` (flattened), into ``out`` if given."""
     _check_cuda(x)
-    flat = launch.flat_input(x)
+    flat = launch_plan.flat_input(x)
     result = _output(out, flat.numel(), bits, group_size, x.dtype, x.device)
     return result, _plan_quantize(result, rounding, x=flat)
 
@@ -228,7 +228,7 @@ def dequantize(q, dtype):
     """Values of ``q`` as a flat tensor of ``q.numel`` elements in ``dtype`` (default q.dtype)."""
     _check_cuda(q.codes)
     out_dtype = dtype or q.dtype
-    if out_dtype not in launch.NATIVE_FLOATS and out_dtype != torch.bfloat16:
+    if out_dtype not in launch_plan.NATIVE_FLOATS and out_dtype != torch.bfloat16:
         values = torch.empty(q.numel, dtype=torch.float32, device=q.device)
         into_fp32 = _plan_dequantize(q, values, q.chunk_numel if q.num_chunks > 1 else 0)
         result = torch.empty(q.numel, dtype=out_dtype, device=q.device)
@@ -246,7 +246,7 @@ def dequantize(q, dtype):
 def quantize_weight_diff(main_shard, model_shard, bits, group_size, rounding, generator, out):
     """Quantize ``main_shard (fp32) - model_shard (bf16/fp32)``: the qWD payload."""
     _check_cuda(main_shard)
-    main, model = launch.flat_input(main_shard), launch.flat_input(model_shard)
+    main, model = launch_plan.flat_input(main_shard), launch_plan.flat_input(model_shard)
     result = _output(out, main.numel(), bits, group_size, torch.float32, main.device)
     return result, _plan_quantize(result, rounding, x=main, y=model)
 
@@ -271,7 +271,7 @@ def dequantize_add_(base, q):
             "dequantize_add_ updates base in place and needs it contiguous (or [k, n] with "
             "contiguous rows); pass base.contiguous() and copy the result back"
         )
-    if base.dtype != torch.bfloat16 and base.dtype not in launch.NATIVE_FLOATS:
+    if base.dtype != torch.bfloat16 and base.dtype not in launch_plan.NATIVE_FLOATS:
         raise ValueError(f"base must be a float tensor, got {base.dtype}")
     return base, _plan_dequantize(q, target, stride if q.num_chunks > 1 else 0, accumulate=True)
 
@@ -284,7 +284,7 @@ def hadamard_quantize(x, bits, group_size, hadamard_block, rounding, generator, 
     ``x.numel()`` (each chunk of a k-chunk ``out``) must be a multiple of the block.
     """
     _check_cuda(x)
-    flat = launch.flat_input(x)
+    flat = launch_plan.flat_input(x)
     result = _output(out, flat.numel(), bits, group_size, x.dtype, x.device)
     return result, _plan_quantize(result, rounding, x=flat, multiplier=scale,
                                   hadamard_block=hadamard_block)
@@ -331,7 +331,7 @@ def dequantize_sum(q, num_chunks, inverse_hadamard_block, out):
     # The kernel writes straight into a contiguous float ``out``; any other ``out``
     # gets an fp32 result that copy_ casts and strides (one extra pass).
     direct = out is not None and out.is_contiguous() and (
-        out.dtype == torch.bfloat16 or out.dtype in launch.NATIVE_FLOATS)
+        out.dtype == torch.bfloat16 or out.dtype in launch_plan.NATIVE_FLOATS)
     target = out.view(-1) if direct else torch.empty(chunk, dtype=torch.float32, device=q.device)
     sum_into_target = _plan_dequantize(q, target, 0, num_chunks, inverse_hadamard_block)
     if out is None or direct:

@@ -6,7 +6,7 @@ import torch
 
 from megatron_sdp4bit.comm import get_wire_stats, reset_wire_stats
 from megatron_sdp4bit.comm.accounting import DEFAULT_RECORDER, WireRecorder
-from megatron_sdp4bit.comm.rng import generator_for, reset_generators, stream_seed
+from megatron_sdp4bit.comm.rounding_streams import generator_for, reset_generators, stream_seed
 
 
 def test_counters_sum_per_level_and_kind_and_reset():

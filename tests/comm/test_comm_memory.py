@@ -1,4 +1,4 @@
-"""comm/memory.py: what the layer adds in memory, as arithmetic over bucket sizes.
+"""comm/memory_plan.py: what the layer adds in memory, as arithmetic over bucket sizes.
 
 That the held bytes and the reused buffers equal what the installed layer really
 keeps is checked on real ranks in tests/megatron/test_patch.py; here, the rules the
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, weight_slices
-from megatron_sdp4bit.comm.memory import (
+from megatron_sdp4bit.comm.memory_plan import (
     grad_buffer_demand,
     held_bytes,
     layer_memory,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_sdp4bit.comm import rng
-from megatron_sdp4bit.comm.rng import NoiseStreams, device_here
+from megatron_sdp4bit.comm import rounding_streams
+from megatron_sdp4bit.comm.rounding_streams import NoiseStreams, device_here
 
 
 def test_a_cuda_stream_lands_on_the_current_gpu_whatever_its_saved_index(monkeypatch):
@@ -43,4 +43,4 @@ def test_restored_streams_continue_where_they_were_saved():
     restored.set_states(saved)
     again = restored.generator_for(torch.device("cpu"), 7, 2, "grads")
     assert torch.equal(torch.rand(8, generator=again), expected)
-    assert rng.stream_seed(7, 2, "grads") != rng.stream_seed(7, 3, "grads")
+    assert rounding_streams.stream_seed(7, 2, "grads") != rounding_streams.stream_seed(7, 3, "grads")

@@ -5,7 +5,7 @@ import numpy
 import pytest
 import torch
 
-from megatron_sdp4bit.data import dataset_helpers as numpy_helpers
+from megatron_sdp4bit.data import numpy_dataset_helpers as numpy_helpers
 from megatron_sdp4bit.data import load_default_corpus_tokenizer
 from megatron_sdp4bit.data.gpt_datasets import (_CPP_MODULE, _HELPER_NAMES, HELPERS_ENV, build_gpt_datasets,
                                                 dataset_helpers_in_place)

@@ -13,7 +13,7 @@ stage of its collectives to a worker thread (``megatron/background.py``,
   in the same job) are issued on the worker thread, never on the thread that runs
   megatron's backward and forward passes;
 - the layer chose a thread runner, made once, and the layer's buffers stay one set
-  per direction (``comm/memory.py``'s bound holds).
+  per direction (``comm/memory_plan.py``'s bound holds).
 """
 from __future__ import annotations
 

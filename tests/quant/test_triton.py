@@ -61,7 +61,7 @@ def _python_env(**changes) -> dict:
 
 
 if KERNELS_HERE:
-    from triton_cases import T, launch
+    from triton_cases import T, launch_plan
 
     import triton
     import triton.language as tl
@@ -105,7 +105,7 @@ def test_other_input_dtypes_and_strided_inputs_match(dtype):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_group_larger_than_a_program_is_sliced_and_still_identical(bits, hadamard_block, numel):
     x = awkward_input(numel, 1024, bits, seed=3)
-    with launch.tuning(max_group_block=256):
+    with launch_plan.tuning(max_group_block=256):
         actual = T.hadamard_quantize(x, bits, 1024, hadamard_block, "nearest", scale=0.25)
     expected = R.hadamard_quantize(x.cpu(), bits, 1024, hadamard_block, "nearest", scale=0.25)
     assert_same_quantized(actual, expected)
@@ -165,7 +165,7 @@ def test_dequantize_sum_requantize_tilings_are_bit_identical(in_bits, in_group, 
     # The received chunks are read as contiguous runs (code_runs.py) where the tile
     # is one; each of these tilings reaches a different branch of that choice.
     q = received_buffer(2, chunk, in_bits, in_group, seed=group)
-    with launch.tuning(**tiling):
+    with launch_plan.tuning(**tiling):
         actual = T.dequantize_sum_requantize(q, 2, bits, group, "nearest")
     expected = R.dequantize_sum_requantize(on_cpu(q), 2, bits, group, "nearest")
     assert_same_quantized(actual, expected)
@@ -325,7 +325,7 @@ def test_stochastic_codes_do_not_depend_on_the_tiling():
         x = awkward_input(numel, group, bits, seed=group, specials=False)
         results = []
         for tile, max_group in [(1 << 16, 1 << 16), (256, 256), (1024, 512)]:
-            with launch.tuning(tile_elements=tile, max_group_block=max_group):
+            with launch_plan.tuning(tile_elements=tile, max_group_block=max_group):
                 gen = torch.Generator(DEVICE).manual_seed(3)
                 results.append(T.quantize(x, bits, group, "stochastic", gen).codes.cpu())
         assert all(torch.equal(results[0], r) for r in results[1:]), (bits, group)

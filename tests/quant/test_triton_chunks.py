@@ -37,7 +37,7 @@ if not KERNELS_HERE:
     pytest.skip("kernel tests: run by test_triton.py in Triton's interpreter (or on CUDA)",
                 allow_module_level=True)
 
-from triton_cases import T, launch  # noqa: E402
+from triton_cases import T, launch_plan  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")
 
@@ -279,7 +279,7 @@ def test_stochastic_codes_are_the_defined_function_of_seed_and_element_index(bit
     x = x.to(DEVICE)
     gen = torch.Generator(DEVICE).manual_seed(17)
     seed = int(torch.randint(2**31 - 1, (1,), generator=gen.clone_state(), device=gen.device))
-    with launch.tuning(strips=strips):
+    with launch_plan.tuning(strips=strips):
         q = T.quantize(x, bits, group, "stochastic", gen)
     scales = q.scales.cpu()
     assert bool((scales > 0).all()) and (not tie or float(scales[1]) == 1536.0)
@@ -315,7 +315,7 @@ def test_the_strip_path_and_the_generic_path_give_the_same_bits(case, rounding):
                                       awkward_input(3 * 64 + 40, 64, 4, torch.bfloat16, seed=6),
                                       4, 64, rounding, gen)
 
-    with launch.tuning(strips=False):
+    with launch_plan.tuning(strips=False):
         generic = run()
     assert_same_bytes(run(), generic)
 
@@ -345,6 +345,6 @@ def test_the_dequantize_strip_path_and_the_generic_path_give_the_same_bits(case,
         out = torch.zeros(512, dtype=torch.bfloat16, device=DEVICE)
         return T.dequantize_sum(summed, k, 32, out=out)
 
-    with launch.tuning(strips=False):
+    with launch_plan.tuning(strips=False):
         generic = run()
     assert_same_values(run(), generic)

@@ -28,7 +28,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 if KERNELS_HERE:
     from megatron_sdp4bit.quant import triton_ops as T
-    from megatron_sdp4bit.quant.triton_kernels import launch
+    from megatron_sdp4bit.quant.triton_kernels import launch_plan
 
     if T.INTERPRETED != (DEVICE == "cpu"):
         raise RuntimeError(
@@ -41,7 +41,7 @@ if KERNELS_HERE:
 def few_large_programs():
     """The interpreter pays per program: run each small input in one or two."""
     if DEVICE == "cpu" and KERNELS_HERE:
-        with launch.tuning(tile_elements=1 << 16):
+        with launch_plan.tuning(tile_elements=1 << 16):
             yield
     else:
         yield

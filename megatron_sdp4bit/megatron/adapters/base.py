@@ -279,7 +279,7 @@ class MegatronAdapter:
     """Module name of megatron's compiled dataset helpers."""
 
     dataset_helper_names: Tuple[str, ...] = ()
-    """Functions of that module that ``data/dataset_helpers.py`` has NumPy twins of."""
+    """Functions of that module that ``data/numpy_dataset_helpers.py`` has NumPy twins of."""
 
     dataset_helpers_importer: str = ""
     """The Python module that copies those functions from the compiled one at import."""

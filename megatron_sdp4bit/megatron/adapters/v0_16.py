@@ -63,11 +63,11 @@ SEAMS = (
     Seam("megatron.core.transformer.utils:get_sliding_window_causal_mask", "wraps", "cpu_backend/core.py"),
     Seam("megatron.core.models.common.language_module.language_module:"
          "LanguageModule.setup_embeddings_and_output_layer", "wraps", "cpu_backend/core.py"),
-    # The dataset helpers' NumPy twins (data/dataset_helpers.py) copy the C++.
-    Seam("megatron/core/datasets/helpers.cpp:build_sample_idx", "copies", "data/dataset_helpers.py"),
-    Seam("megatron/core/datasets/helpers.cpp:build_blending_indices", "copies", "data/dataset_helpers.py"),
+    # The dataset helpers' NumPy twins (data/numpy_dataset_helpers.py) copy the C++.
+    Seam("megatron/core/datasets/helpers.cpp:build_sample_idx", "copies", "data/numpy_dataset_helpers.py"),
+    Seam("megatron/core/datasets/helpers.cpp:build_blending_indices", "copies", "data/numpy_dataset_helpers.py"),
     Seam("megatron/core/datasets/helpers.cpp:build_exhaustive_blending_indices", "copies",
-         "data/dataset_helpers.py"),
+         "data/numpy_dataset_helpers.py"),
     # The Megatron-LM routes (megatron_lm/). megatron.training is in the wheel from 0.17 on;
     # for 0.16 it comes from a Megatron-LM checkout, and the wheel's fingerprints are absent.
     Seam("megatron.core.datasets.utils:compile_helpers", "replaces", "megatron_lm/dataset_helpers.py"),

@@ -43,11 +43,11 @@ One module per concern:
 """
 from megatron_sdp4bit.training.checkpoint.common import LATEST, MANIFEST, CheckpointError
 from megatron_sdp4bit.training.checkpoint.folders import ResumePlan, check_save_folder, plan_resume, same_folder
-from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, current_layout
+from megatron_sdp4bit.training.checkpoint.run_layout import compare_layouts, current_layout
 from megatron_sdp4bit.training.checkpoint.load import latest_iteration, load_checkpoint
 from megatron_sdp4bit.training.checkpoint.manifest import (
     check_files, choose_checkpoint, file_digest, read_manifest, verify, write_manifest)
-from megatron_sdp4bit.training.checkpoint.rng import rng_state, set_rng_state
+from megatron_sdp4bit.training.checkpoint.rng_state import rng_state, set_rng_state
 from megatron_sdp4bit.training.checkpoint.save import check_writable, save_checkpoint
 from megatron_sdp4bit.training.checkpoint.training_data import TrainingData, compare_data
 

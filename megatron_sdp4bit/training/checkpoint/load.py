@@ -17,11 +17,11 @@ from megatron_sdp4bit.training.checkpoint.common import (
     LATEST, RANK_FILE, CheckpointError, adapter, all_gather, first_line, model_holder, rank_and_world,
     rank_file)
 from megatron_sdp4bit.training.checkpoint.convert import load_converted
-from megatron_sdp4bit.training.checkpoint.layout import compare_layouts, converts, current_layout
+from megatron_sdp4bit.training.checkpoint.run_layout import compare_layouts, converts, current_layout
 from megatron_sdp4bit.training.checkpoint.model_record import load_model
 from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
 from megatron_sdp4bit.training.checkpoint.reshard import load_resharded, read_rank_file
-from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
+from megatron_sdp4bit.training.checkpoint.rng_state import set_rng_state
 from megatron_sdp4bit.training.console import log0
 
 

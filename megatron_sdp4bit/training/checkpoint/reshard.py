@@ -18,7 +18,7 @@ from typing import Optional
 from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter, first_line, rank_and_world, rank_file
 from megatron_sdp4bit.training.checkpoint.model_record import load_model
 from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
-from megatron_sdp4bit.training.checkpoint.rng import set_rng_state
+from megatron_sdp4bit.training.checkpoint.rng_state import set_rng_state
 
 
 def read_rank_file(path: str, mmap: bool = False) -> dict:

@@ -21,9 +21,9 @@ import torch
 from megatron_sdp4bit.training.checkpoint.common import (
     LATEST, CheckpointError, adapter, all_gather, barrier, iter_dir, model_holder, pipeline_stage,
     rank_and_world, rank_file)
-from megatron_sdp4bit.training.checkpoint.layout import current_layout, own_buckets
+from megatron_sdp4bit.training.checkpoint.run_layout import current_layout, own_buckets
 from megatron_sdp4bit.training.checkpoint.manifest import file_digest, write_manifest
-from megatron_sdp4bit.training.checkpoint.rng import rng_state
+from megatron_sdp4bit.training.checkpoint.rng_state import rng_state
 
 
 def _probe_writable(save_dir: str) -> Optional[str]:

@@ -70,7 +70,7 @@ def format_report(e: Estimate) -> str:
     lines += _step_table(e)
     lines += [
         "",
-        "Memory the layer adds per GPU (the stage with the most per parameter; comm/memory.py): "
+        "Memory the layer adds per GPU (the stage with the most per parameter; comm/memory_plan.py): "
         "held = fp32 main shards kept across steps, buffers = the collectives' send and "
         "receive buffers, reused from step to step, scratch = what a collective allocates "
         "while it runs (an upper bound).",
