@@ -1,0 +1,67 @@
+"""What only a GPU can show, as pytest tests: ``pytest -m gpu`` on a machine with CUDA.
+
+The same checks as ``scripts/gpu_check.sh``'s steps, through the same package code
+(each skipped without a CUDA device, so the CPU suite only collects them):
+
+- every kernel variant compiles for this GPU's architecture with no instruction that
+  would break bit equality (``quant/triton_kernels/compile_check.py``);
+- CUDA tensors go to the Triton backend, and the gradient and weight paths at scale are
+  bit-identical to the CPU reference (``diagnostics/kernel_identity.py``);
+- the quantized collectives on 4 gloo ranks sharing the GPU as 2 emulated nodes x 2,
+  against the CPU reference and the exact sums (``diagnostics/device_collectives.py``).
+
+The kernels' own tests run on CUDA with ``SDP4BIT_TRITON_TEST_DEVICE=cuda pytest
+tests/quant/test_triton*.py tests/quant/test_warmup.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _arch() -> int:
+    major, minor = torch.cuda.get_device_capability()
+    return 10 * major + minor
+
+
+def test_every_kernel_variant_compiles_exactly_for_this_gpu():
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_sdp4bit.quant.triton_kernels.compile_check",
+         "--arch", str(_arch())], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, TRITON_INTERPRET="0"))  # JIT functions, not the interpreter
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_cuda_tensors_go_to_the_triton_kernels():
+    from megatron_sdp4bit import quant
+
+    assert quant.backend_for(torch.empty(1, device="cuda")).__name__.endswith("triton_ops")
+
+
+def test_both_paths_at_scale_are_bit_identical_to_the_reference():
+    from megatron_sdp4bit.diagnostics.kernel_identity import large_path_differences
+
+    assert large_path_differences("cuda", (1 << 23) + 128 * 3) == []
+
+
+def test_the_collectives_on_four_ranks_sharing_the_gpu_hold(tmp_path):
+    out = tmp_path / "cases.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "-m", "megatron_sdp4bit.diagnostics.device_collectives", "--device", "cuda",
+           "--ranks-per-node", "2", "--backend", "gloo", "--levels", "2",
+           "--shard", str(1 << 18), "--json", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    failed = [case for case in json.loads(out.read_text())["cases"] if not case["passed"]]
+    assert not failed, failed[:3]
