@@ -14,7 +14,7 @@ Contracts and a usage example: docs/collectives.md.
 from megatron_sdp4bit.comm.accounting import WireStats, get_wire_stats, reset_wire_stats
 from megatron_sdp4bit.comm.gradients import quantized_reduce_scatter
 from megatron_sdp4bit.comm.handles import PendingCollective
-from megatron_sdp4bit.comm.rounding_streams import NoiseStreams, generator_states, reset_generators, set_generator_states
+from megatron_sdp4bit.comm.rounding_streams import RoundingStreams, generator_states, reset_generators, set_generator_states
 from megatron_sdp4bit.comm.topology import (
     Topology,
     build_topologies,
@@ -27,6 +27,6 @@ from megatron_sdp4bit.comm.weights import quantized_all_gather_weights
 __all__ = [
     "quantized_all_gather_weights", "quantized_reduce_scatter", "PendingCollective",
     "Topology", "get_topology", "build_topologies", "reset_topology_cache", "forget_subgroups",
-    "WireStats", "get_wire_stats", "reset_wire_stats", "NoiseStreams", "reset_generators",
+    "WireStats", "get_wire_stats", "reset_wire_stats", "RoundingStreams", "reset_generators",
     "generator_states", "set_generator_states",
 ]

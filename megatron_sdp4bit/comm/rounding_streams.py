@@ -6,7 +6,7 @@ the same seed must draw the same noise. A stream is created on first use from
 ``hash(seed, global rank, purpose)`` and then advances call after call, so the
 n-th collective of a run always sees the same numbers.
 
-The streams are a ``NoiseStreams`` object: the patch layer owns one in its state
+The streams are a ``RoundingStreams`` object: the patch layer owns one in its state
 (saved and restored with its checkpoints) and hands its generators to the
 collectives; a caller of the collectives that passes no generator draws from
 this module's default set, which ``reset_generators`` and friends manage.
@@ -26,7 +26,7 @@ def stream_seed(seed: int, global_rank: int, purpose: str) -> int:
     return int.from_bytes(hashlib.sha256(blob).digest()[:8], "little") >> 1
 
 
-class NoiseStreams:
+class RoundingStreams:
     """The generators of one owner, one per (device, seed, global rank, purpose)."""
 
     def __init__(self) -> None:
@@ -86,12 +86,12 @@ def device_here(saved_device: str) -> Optional[torch.device]:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-_DEFAULT_STREAMS = NoiseStreams()  # for callers of the collectives that pass no generator
+_DEFAULT_STREAMS = RoundingStreams()  # for callers of the collectives that pass no generator
 
 
 def generator_for(device: torch.device, seed: int, global_rank: int,
                   purpose: str) -> torch.Generator:
-    """The default set's generator of this stream (see ``NoiseStreams.generator_for``)."""
+    """The default set's generator of this stream (see ``RoundingStreams.generator_for``)."""
     return _DEFAULT_STREAMS.generator_for(device, seed, global_rank, purpose)
 
 

@@ -29,7 +29,7 @@ from megatron_sdp4bit.megatron.checks import check_alltoall_ddp_config, check_dd
 from megatron_sdp4bit.megatron.group_handle import Handles
 
 
-def _megatron(layer, bucket_group, force_all_reduce):
+def _megatrons_own_grad_sync(layer, bucket_group, force_all_reduce):
     adapter = layer.adapter
     ddp_config = adapter.ddp_config(bucket_group)
     if (ddp_config.use_distributed_optimizer and not force_all_reduce
@@ -53,10 +53,10 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
         # megatron all-reduces (its bucket group has no reduce-scatter group to ask for)
         if quantize:
             check_ddp_config(adapter, adapter.ddp_config(bucket_group))  # refuses, naming the flag
-        return _megatron(layer, bucket_group, force_all_reduce)
+        return _megatrons_own_grad_sync(layer, bucket_group, force_all_reduce)
     group, size, rank = adapter.collective_group(bucket_group)
     if not (quantize and size > 1) and not _exact_is_the_layers(state, size):
-        return _megatron(layer, bucket_group, force_all_reduce)
+        return _megatrons_own_grad_sync(layer, bucket_group, force_all_reduce)
     if quantize:
         check_ddp_config(adapter, adapter.ddp_config(bucket_group))
     elif not state.own_exact_collectives:

@@ -119,7 +119,7 @@ class SDP4BitLayer:
                 if kept is not None and kept.main_shard is not None \
                         and self.adapter.bucket_param_data(bucket).dtype == torch.float32:
                     main_shards[key] = kept.main_shard.clone()
-        return {"iteration": self.state.iteration, "rng": self.state.noise.states(),
+        return {"iteration": self.state.iteration, "rng": self.state.rounding_streams.states(),
                 "main_shards": main_shards}
 
     def load_state_dict(self, saved: dict, optimizer) -> None:
@@ -127,7 +127,7 @@ class SDP4BitLayer:
             return
         self.state.runner.drain()
         self.state.iteration = saved["iteration"]
-        self.state.noise.set_states(saved["rng"])
+        self.state.rounding_streams.set_states(saved["rng"])
         for opt in self.adapter.sub_optimizers(optimizer):
             for key, bucket in self.adapter.buffer_buckets(opt):
                 main = saved["main_shards"].get(key)

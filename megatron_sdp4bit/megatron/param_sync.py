@@ -121,7 +121,7 @@ def prefetch_gathers(layer, optimizer) -> None:
         buckets = adapter.group_buckets(bucket_group)
         if bucket_group in state.prefetched or adapter.param_gather_in_flight(bucket_group):
             continue
-        if all(b in state.buckets and state.buckets[b].fresh for b in buckets):
+        if all(b in state.buckets and state.buckets[b].unsent_main_weights for b in buckets):
             state.prefetched[bucket_group] = _quantized_gather(layer, bucket_group, async_op=True)
 
 
@@ -145,7 +145,7 @@ def copy_main_params_to_model_params(layer, optimizer):
             # fp32 params: the optimizer stepped the exact main weights in the buffer
             # itself; they are kept above. Put the shared reconstruction back.
             model_shard.copy_(kept.reconstructed)
-        kept.fresh = True
+        kept.unsent_main_weights = True
         kept.sample_error = sample
     for bucket, start, numel, main_param in adapter.main_param_ranges(optimizer):
         main_shard = state.bucket(bucket).main_shard
@@ -193,8 +193,8 @@ def start_param_sync(layer, bucket_group, force_sync: bool = False):
             adapter.set_param_gather_handle(bucket_group, prefetched, force_sync)
         return
     buckets = adapter.group_buckets(bucket_group)
-    fresh = all(b in state.buckets and state.buckets[b].fresh for b in buckets)
-    quantize = state.config.quantize_weights and fresh
+    unsent = all(b in state.buckets and state.buckets[b].unsent_main_weights for b in buckets)
+    quantize = state.config.quantize_weights and unsent
     if not (quantize or state.own_exact_collectives):
         if not (force_sync and adapter.param_gather_in_flight(bucket_group)):
             record_exact(layer, bucket_group, "all_gather", adapter.param_buffers(bucket_group))
@@ -228,7 +228,7 @@ def _quantized_gather(layer, bucket_group, async_op: bool) -> Handles:
             config=state.config, async_op=async_op,
             generator=state.generator(bucket_state.main_shard.device, "weights"),
             workspace=state.weight_workspace, recorder=state.wire, runner=state.runner))
-        bucket_state.fresh = False
+        bucket_state.unsent_main_weights = False
     first_bucket, first = buckets[0], kept[0]
 
     def record_weight_error():

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from megatron_sdp4bit.comm.accounting import WireRecorder
-from megatron_sdp4bit.comm.rounding_streams import NoiseStreams
+from megatron_sdp4bit.comm.rounding_streams import RoundingStreams
 from megatron_sdp4bit.comm.runner import InlineRunner
 from megatron_sdp4bit.comm.topology import default_ranks_per_node
 from megatron_sdp4bit.comm.workspace import Workspace
@@ -32,7 +32,7 @@ class BucketState:
     """fp32 params only: the shared reconstructed weights, set aside while the
     optimizer steps the exact ones in megatron's buffer."""
 
-    fresh: bool = False
+    unsent_main_weights: bool = False
     """The optimizer wrote new main weights that no all-gather has sent yet."""
 
     sample_error: bool = False
@@ -64,7 +64,7 @@ class LayerState:
     because megatron's coalesced ones cannot run here (gloo on CUDA tensors). Decided
     once, when the first DDP model chunk is built."""
     metrics: QuantErrorMetrics = field(default_factory=QuantErrorMetrics)
-    noise: NoiseStreams = field(default_factory=NoiseStreams)
+    rounding_streams: RoundingStreams = field(default_factory=RoundingStreams)
     """This rank's stochastic-rounding streams (saved with the layer's checkpoint state)."""
     wire: WireRecorder = field(default_factory=WireRecorder)
     """The bytes of every bucket collective this layer ran or saw megatron run."""
@@ -97,7 +97,7 @@ class LayerState:
         None with nearest rounding."""
         if self.config.rounding != "stochastic":
             return None
-        return self.noise.generator_for(device, self.config.seed, torch.distributed.get_rank(), purpose)
+        return self.rounding_streams.generator_for(device, self.config.seed, torch.distributed.get_rank(), purpose)
 
     def resolve_ranks_per_node(self) -> None:
         """Decide ``config.ranks_per_node`` once, from the hosts the ranks run on (a given

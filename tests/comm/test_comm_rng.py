@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from megatron_sdp4bit.comm import rounding_streams
-from megatron_sdp4bit.comm.rounding_streams import NoiseStreams, device_here
+from megatron_sdp4bit.comm.rounding_streams import RoundingStreams, device_here
 
 
 def test_a_cuda_stream_lands_on_the_current_gpu_whatever_its_saved_index(monkeypatch):
@@ -26,7 +26,7 @@ def test_a_cuda_stream_lands_on_the_current_gpu_whatever_its_saved_index(monkeyp
 def test_a_cuda_stream_without_cuda_is_dropped(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert device_here("cuda:1") is None
-    streams = NoiseStreams()
+    streams = RoundingStreams()
     cpu_state = torch.Generator().manual_seed(5).get_state()
     streams.set_states({("cuda:1", 7, 0, "grads"): torch.zeros(16, dtype=torch.uint8),
                         ("cpu", 7, 0, "weights"): cpu_state})
@@ -34,12 +34,12 @@ def test_a_cuda_stream_without_cuda_is_dropped(monkeypatch):
 
 
 def test_restored_streams_continue_where_they_were_saved():
-    streams = NoiseStreams()
+    streams = RoundingStreams()
     gen = streams.generator_for(torch.device("cpu"), 7, 2, "grads")
     torch.rand(5, generator=gen)  # advance past the seed
     saved = streams.states()
     expected = torch.rand(8, generator=gen)
-    restored = NoiseStreams()
+    restored = RoundingStreams()
     restored.set_states(saved)
     again = restored.generator_for(torch.device("cpu"), 7, 2, "grads")
     assert torch.equal(torch.rand(8, generator=again), expected)
