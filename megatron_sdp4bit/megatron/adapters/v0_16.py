@@ -404,8 +404,8 @@ class Adapter(MegatronAdapter):
 
         return CoreSites(
             rng=RngSites(module=random, get_state="_get_cuda_rng_state", set_state="_set_cuda_rng_state",
-                         tracker=random.CudaRNGStatesTracker,
-                         tracker_default_name=random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                         tracker=random.CudaRNGStatesTracker, fork_logger=random.__name__,
+                         fork_warning="CPU RNG state changed within GPU RNG context",
                          seed_function=random.model_parallel_cuda_manual_seed),
             type_named_inits=(distrib_optimizer.DistributedOptimizer,
                               optimizer.Float16OptimizerWithFloat16Params),
