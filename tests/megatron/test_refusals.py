@@ -5,7 +5,8 @@ CUDA graphs (the model config DDP is built with), the optimizer's
 before any weight is gathered), and, for gloo on GPUs or the exact reduce-scatter as
 an all-to-all, a DDP the layer's own exact collectives cannot serve. The checks read plain config objects, so they are tested
 on stand-ins with the same fields; the DDP-construction hook that calls them runs
-in every multi-rank test.
+in every multi-rank test. One 2-rank test counts the refusals the steps run (none per
+step) and shows a second ``install()`` that quantizes a model built without it refused.
 """
 from __future__ import annotations
 
