@@ -12,18 +12,20 @@ places that name CUDA are redirected. Which ones, per release, is the adapter's
 is listed below with the reason, paths relative to ``megatron/core``. "Hit" means
 the tests in ``tests/cpu_backend/test_cpu_backend.py`` go through it (traced).
 
-1. CUDA RNG tracker (``tensor_parallel/random.py``): module and class attributes
-   swapped for CPU twins. The tracker's "CUDA generator" becomes the CPU default
-   generator, which is what CPU dropout and CPU init draw from.
+1. CUDA RNG tracker (``tensor_parallel/random.py``): megatron's own tracker runs; the
+   "CUDA generator" it reads and writes becomes the CPU default generator, which is
+   what CPU dropout and CPU init draw from.
 
-   * ``CudaRNGStatesTracker.add`` (calls ``torch.cuda.get_rng_state`` and
-     ``torch.cuda.manual_seed``) -> a named CPU generator state. Hit by
+   * ``CudaRNGStatesTracker.add`` calls ``torch.cuda.get_rng_state`` and
+     ``torch.cuda.manual_seed`` itself: while it runs, those are the CPU generator's
+     (``rng.CPU_GENERATOR_AS_CUDA``), so it stores a named CPU generator state. Hit by
      ``model_parallel_cuda_manual_seed``.
-   * ``CudaRNGStatesTracker.fork`` -> the same bookkeeping on the CPU
-     generator, minus the original's "CPU RNG state changed within GPU RNG context"
-     warning, which on CPU would fire on every dropout since both generators
-     are one. Hit by weight init (``tensor_parallel/layers.py``) and attention
-     dropout (``transformer/dot_product_attention.py``).
+   * ``CudaRNGStatesTracker.fork`` is megatron's, unchanged (it goes through the two
+     functions below); its "CPU RNG state changed within GPU RNG context" warning,
+     which on CPU fires on every fork that draws since both generators are one, is
+     dropped by a filter on its module's logger. Hit by weight init
+     (``tensor_parallel/layers.py``) and attention dropout
+     (``transformer/dot_product_attention.py``).
    * ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` ->
      ``torch.get_rng_state`` / ``torch.set_rng_state``. Hit by activation
      recomputation (``_get_all_rng_states`` / ``_set_all_rng_states`` in
@@ -123,12 +125,13 @@ CPU offload.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 import torch
 
 from megatron_sdp4bit.cpu_backend import rng
-from megatron_sdp4bit.cpu_backend.cuda_twins import TORCH_CUDA_TWINS, CudaNamesOnCpu
+from megatron_sdp4bit.cpu_backend.cuda_twins import TORCH_CUDA_TWINS, CudaNamesOnCpu, torch_cuda_as
 from megatron_sdp4bit.cpu_backend.switch import Redirects
 from megatron_sdp4bit.megatron.adapters import current_adapter, supported_minors
 from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, RngSites
@@ -153,8 +156,10 @@ class CoreBackend(Redirects):
     def _apply_rng(self, sites: RngSites) -> None:
         self.patches.set(sites.module, sites.get_state, rng.cpu_get_rng_state)
         self.patches.set(sites.module, sites.set_state, rng.cpu_set_rng_state)
-        self.patches.set(sites.tracker, "add", rng.cpu_tracker_add)
-        self.patches.set(sites.tracker, "fork", rng.cpu_tracker_fork(sites.tracker_default_name))
+        self.patches.set(sites.tracker, "add", self.while_enabled(
+            vars(sites.tracker)["add"], lambda: torch_cuda_as(rng.CPU_GENERATOR_AS_CUDA)))
+        logger = logging.getLogger(sites.fork_logger)
+        self.patches.set(logger, "filters", [*logger.filters, rng.DropMessage(sites.fork_warning)])
         self.patches.set_everywhere(sites.seed_function,
                                     rng.seeding_the_cpu_generator_too(sites.seed_function, self),
                                     "megatron.core")

@@ -3,10 +3,12 @@ mode under which code that names CUDA gets CPU tensors (``core.py`` says where e
 is used and why)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_sdp4bit.patching import Patches
 
 
 class CpuStream(torch.cpu.Stream):
@@ -45,6 +47,15 @@ TORCH_CUDA_TWINS = {
     "default_stream": _cpu_default_stream,
 }
 """``torch.cuda.<name>`` -> its CPU twin, process-wide while the backend is on."""
+
+
+def torch_cuda_as(twins: Dict[str, Any]) -> Patches:
+    """``torch.cuda.<name>`` set to ``twins[name]``; the ``Patches`` returned, used as a
+    ``with`` block around one call, puts the previous values back after it."""
+    during_call = Patches("CPU backend")
+    for name, twin in twins.items():
+        during_call.set(torch.cuda, name, twin)
+    return during_call
 
 
 def _is_cuda_device(device: Any) -> bool:

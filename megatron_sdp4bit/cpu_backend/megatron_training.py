@@ -119,11 +119,10 @@ import torch
 
 from megatron_sdp4bit.cpu_backend.checkpoint_worker import redirect_worker
 from megatron_sdp4bit.cpu_backend.core import BACKEND, CoreBackend
-from megatron_sdp4bit.cpu_backend.cuda_twins import CudaNamesOnCpu
+from megatron_sdp4bit.cpu_backend.cuda_twins import CudaNamesOnCpu, torch_cuda_as
 from megatron_sdp4bit.cpu_backend.megatron_args import settle_args_for_cpu
 from megatron_sdp4bit.cpu_backend.switch import Redirects
 from megatron_sdp4bit.megatron.adapters.cpu_sites import TrainingSites
-from megatron_sdp4bit.patching import Patches
 
 __all__ = ["ENV_VAR", "TRAINING", "CpuTraining", "enable_cpu_training", "disable_cpu_training",
            "is_cpu_training_enabled", "cpu_training", "cpu_training_requested"]
@@ -162,15 +161,6 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
 
 _CPU_RNG_AS_CUDA = {"get_rng_state": _cpu_get_rng_state, "set_rng_state": _cpu_set_rng_state}
 """4. checkpoints and 5. the rerun state machine: the "CUDA generator" is the CPU one."""
-
-
-def _torch_cuda_as(twins: Dict[str, Any]) -> Patches:
-    """``torch.cuda.<name>`` set to ``twins[name]``; the ``Patches`` returned, used as a
-    ``with`` block around one call, puts the previous values back after it."""
-    during_call = Patches("CPU training")
-    for name, twin in twins.items():
-        during_call.set(torch.cuda, name, twin)
-    return during_call
 
 
 def _skip_jit_warmup(tp_size=None) -> None:
@@ -293,7 +283,7 @@ class CpuTraining(Redirects):
             redirect_worker(sites.checkpoint_worker, self.patches)
 
     def _with_torch_cuda(self, original: Callable, twins: Dict[str, Any]) -> Callable:
-        return self.while_enabled(original, lambda: _torch_cuda_as(twins))
+        return self.while_enabled(original, lambda: torch_cuda_as(twins))
 
     def _validate_args_on_cpu(self, original: Callable) -> Callable:
         """11. ``CPU_SETTINGS`` before Megatron-LM validates the arguments; one line from rank 0."""

@@ -1,13 +1,14 @@
-"""CPU twins of megatron's CUDA RNG tracker (``tensor_parallel/random.py``).
+"""megatron's CUDA RNG tracker (``tensor_parallel/random.py``) on the CPU generator.
 
 On CPU the tracker's "CUDA generator" is the CPU default generator, which is what
-CPU dropout and CPU init draw from; the twins keep megatron's bookkeeping (named
-states, forks that restore the outer state) on it.
+CPU dropout and CPU init draw from. megatron's own tracker keeps its bookkeeping
+(named states, forks that restore the outer state): what it reads and writes of the
+"CUDA generator" is redirected to the CPU one, nothing of it is reimplemented.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+import logging
+from typing import Any, Callable
 
 import torch
 
@@ -29,51 +30,23 @@ def cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: boo
     torch.set_rng_state(new_state)
 
 
-def cpu_tracker_add(self, name: str, seed: int) -> None:
-    """CPU twin of ``CudaRNGStatesTracker.add``: a named CPU generator state from ``seed``."""
-    if getattr(self, "use_cudagraphable_rng", False):
-        raise ValueError(_NO_GRAPH_SAFE)
-    self._is_initialized = True
-    if seed in self.seeds_:
-        raise Exception(f"seed {seed} already exists")
-    self.seeds_.add(seed)
-    if name in self.states_:
-        raise Exception(f"cuda rng state {name} already exists")
-    outer_state = torch.get_rng_state()
-    torch.manual_seed(seed)
-    self.states_[name] = torch.get_rng_state()
-    torch.set_rng_state(outer_state)
+CPU_GENERATOR_AS_CUDA = {"get_rng_state": cpu_get_rng_state, "manual_seed": torch.manual_seed}
+"""``torch.cuda``'s generator functions that ``CudaRNGStatesTracker.add`` calls directly
+(not through the module's ``_get_cuda_rng_state``), as the CPU generator's while it runs:
+megatron's own ``add`` then seeds a named CPU generator state."""
 
 
-def cpu_tracker_fork(default_name: str) -> Callable:
-    """CPU twin of ``CudaRNGStatesTracker.fork``, minus the original's "CPU RNG state
-    changed within GPU RNG context" warning, which on CPU would fire on every dropout
-    since both generators are one."""
+class DropMessage(logging.Filter):
+    """Drops one message from a logger: megatron's fork warns "CPU RNG state changed
+    within GPU RNG context" when the CPU generator moved inside a fork, which on CPU,
+    where the two generators are one, is every fork that draws (every dropout)."""
 
-    @contextlib.contextmanager
-    def fork(self, name: str = default_name) -> Iterator[None]:
-        """Draw from state ``name``, then restore the outer state."""
-        if name not in self.states_:
-            raise Exception(f"cuda rng state {name} is not added")
-        outer_state = torch.get_rng_state()
-        outer_name = self._current_state_name
-        if outer_name != "default-rng":
-            self.states_[outer_name] = outer_state
-        torch.set_rng_state(self.states_[name])
-        self._current_state_name = name
-        try:
-            yield
-        finally:
-            if self._current_state_name != name:
-                raise Exception(f"current state name {self._current_state_name} is not the "
-                                f"same as the desired state name {name}.")
-            self.states_[name] = torch.get_rng_state()
-            if outer_name != "default-rng":
-                outer_state = self.states_[outer_name]
-            torch.set_rng_state(outer_state)
-            self._current_state_name = outer_name
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
 
-    return fork
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
 
 
 def seeding_the_cpu_generator_too(original: Callable, redirects) -> Callable:

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
+from megatron_sdp4bit.training.vocab import padded_vocab_size
+
 # GPT-2's BPE vocabulary (vocab.json) has 50257 entries; Megatron-LM pads it.
 GPT2_BPE_VOCAB_SIZE = 50257
 
@@ -49,9 +51,7 @@ class ModelShape:
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron-LM pads the vocabulary to a multiple of 128 x TP."""
-        from megatron_sdp4bit.training.model import padded_vocab_size
-
-        return padded_vocab_size(self.vocab_size, 128 * tp)
+        return padded_vocab_size(self.vocab_size, tp)
 
     def with_overrides(self, **changes) -> "ModelShape":
         changes = {k: v for k, v in changes.items() if v is not None}

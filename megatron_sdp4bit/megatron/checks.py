@@ -1,6 +1,10 @@
 """Refusals: configurations the layer cannot quantize, and ranks that disagree.
 
-Both run at install or DDP construction (once), never inside a training step.
+Each runs once, where what it reads is fixed: at install or DDP construction, and for
+an optimizer's own config at that optimizer's first step (the first point the layer
+sees it; megatron builds it after DDP). A step only asks ``LayerState.refuse_once``,
+which re-runs a DDP config's refusals when a second ``install()`` replaced the config
+after the model was built.
 """
 from __future__ import annotations
 
@@ -37,6 +41,15 @@ def check_ddp_config(adapter, ddp_config) -> None:
             "SDP4Bit quantizes the distributed optimizer's reduce-scatter and all-gather: "
             "enable it with --use-distributed-optimizer (DistributedDataParallelConfig("
             "use_distributed_optimizer=True)), or drop the --sdp4bit flags")
+
+
+def check_ddp_for(config: SDP4BitConfig, adapter, ddp_config) -> None:
+    """Every refusal of a DDP config that ``config`` makes apply: the exact all-to-all's,
+    then quantization's."""
+    if config.exact_reduce_scatter == "alltoall":
+        check_alltoall_ddp_config(adapter, ddp_config)
+    if config.enabled:
+        check_ddp_config(adapter, ddp_config)
 
 
 def check_alltoall_ddp_config(adapter, ddp_config) -> None:

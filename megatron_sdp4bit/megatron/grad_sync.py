@@ -25,7 +25,6 @@ from megatron_sdp4bit.comm.primitives import all_reduce_flat
 from megatron_sdp4bit.comm.runner import run_or_submit
 from megatron_sdp4bit.megatron import quant_metrics
 from megatron_sdp4bit.megatron.exact_collective_bytes import record_exact
-from megatron_sdp4bit.megatron.checks import check_alltoall_ddp_config, check_ddp_config
 from megatron_sdp4bit.megatron.group_handle import Handles
 
 
@@ -52,15 +51,12 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
     if not adapter.ddp_config(bucket_group).use_distributed_optimizer:
         # megatron all-reduces (its bucket group has no reduce-scatter group to ask for)
         if quantize:
-            check_ddp_config(adapter, adapter.ddp_config(bucket_group))  # refuses, naming the flag
+            state.refuse_once(adapter, bucket_group)  # refuses, naming the flag
         return _megatrons_own_grad_sync(layer, bucket_group, force_all_reduce)
     group, size, rank = adapter.collective_group(bucket_group)
     if not (quantize and size > 1) and not _exact_is_the_layers(state, size):
         return _megatrons_own_grad_sync(layer, bucket_group, force_all_reduce)
-    if quantize:
-        check_ddp_config(adapter, adapter.ddp_config(bucket_group))
-    elif not state.own_exact_collectives:
-        check_alltoall_ddp_config(adapter, adapter.ddp_config(bucket_group))
+    state.refuse_once(adapter, bucket_group)  # checked at DDP construction, unless reinstalled
     if adapter.grad_sync_already_dispatched(bucket_group):
         return  # already dispatched during the first batch (as megatron does)
     adapter.before_grad_reduce(bucket_group)

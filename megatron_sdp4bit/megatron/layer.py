@@ -28,8 +28,7 @@ from megatron_sdp4bit.megatron import grad_sync, param_sync
 from megatron_sdp4bit.megatron.background import set_up_runner
 from megatron_sdp4bit.comm.primitives import all_gather_flat, runs_on_host_staged_gloo
 from megatron_sdp4bit.megatron.checks import (
-    check_alltoall_ddp_config,
-    check_ddp_config,
+    check_ddp_for,
     check_host_staged_ddp,
     check_model_config,
     check_same_config_on_all_ranks,
@@ -187,19 +186,19 @@ def _ddp_init(layer, ddp, *args, **kwargs):
     if _megatron_collectives_cannot_run(adapter, ddp):
         check_host_staged_ddp(adapter.ddp_config(ddp))
         state.own_exact_collectives = True
-    if state.config.exact_reduce_scatter == "alltoall":
-        check_alltoall_ddp_config(adapter, adapter.ddp_config(ddp))
-    issues_collectives = (state.config.enabled or state.own_exact_collectives
-                          or state.config.exact_reduce_scatter == "alltoall")
-    if not issues_collectives:
-        return
+    check_ddp_for(state.config, adapter, adapter.ddp_config(ddp))
     if state.config.enabled:
-        check_ddp_config(adapter, adapter.ddp_config(ddp))
         check_model_config(ddp.config)
         if not state.config_checked:
             state.resolve_ranks_per_node()
             check_same_config_on_all_ranks(state.config)
             state.config_checked = True
+    for bucket_group in adapter.ddp_bucket_groups(ddp) + adapter.expert_bucket_groups(ddp):
+        state.refusals_passed[bucket_group] = state.config  # the steps need not check again
+    issues_collectives = (state.config.enabled or state.own_exact_collectives
+                          or state.config.exact_reduce_scatter == "alltoall")
+    if not issues_collectives:
+        return
     groups = _collective_groups(adapter, ddp)
     rank_lists = [_all_data_parallel_rank_lists(group) for group in groups]
     if state.config.enabled:

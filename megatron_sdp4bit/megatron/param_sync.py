@@ -38,7 +38,6 @@ from megatron_sdp4bit.comm.primitives import all_gather_flat
 from megatron_sdp4bit.comm.runner import run_or_submit
 from megatron_sdp4bit.megatron import consistency, quant_metrics
 from megatron_sdp4bit.megatron.exact_collective_bytes import record_exact
-from megatron_sdp4bit.megatron.checks import check_ddp_config, check_optimizer_config
 from megatron_sdp4bit.megatron.group_handle import Handles
 
 
@@ -63,8 +62,8 @@ def _check_replicas(layer, optimizer) -> None:
 
 def step_with_ready_grads(layer, optimizer) -> bool:
     state, adapter = layer.state, layer.adapter
-    if state.config.enabled:
-        check_optimizer_config(getattr(optimizer, "config", None))
+    if state.config.enabled:  # at its first step: megatron builds it after DDP
+        state.refuse_once(adapter, optimizer, getattr(optimizer, "config", None))
     for bucket_group in adapter.gather_order(optimizer):  # one the forward never started
         leftover = state.prefetched.pop(bucket_group, None)
         if leftover is not None:
@@ -130,7 +129,7 @@ def copy_main_params_to_model_params(layer, optimizer):
     state, adapter = layer.state, layer.adapter
     if not (state.in_optimizer_step and _weights_quantized(layer, optimizer)):
         return layer.original("optimizer", "_copy_main_params_to_model_params")(optimizer)
-    check_ddp_config(adapter, adapter.ddp_config(optimizer))
+    # refused, if at all, in step_with_ready_grads (in_optimizer_step is set there)
     rank, size = adapter.optimizer_group(optimizer)
     sample = state.metrics.sample_now(state.iteration)
     for bucket in adapter.optimizer_buckets(optimizer):

@@ -18,6 +18,7 @@ from megatron_sdp4bit.comm.runner import InlineRunner
 from megatron_sdp4bit.comm.topology import default_ranks_per_node
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
+from megatron_sdp4bit.megatron.checks import check_ddp_for, check_optimizer_config
 from megatron_sdp4bit.megatron.quant_metrics import QuantErrorMetrics
 
 
@@ -85,6 +86,24 @@ class LayerState:
     prefetched: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
     """Weight gathers submitted right after the optimizer step (--overlap-param-gather),
     by bucket group, until megatron starts them (``param_sync.prefetch_gathers``)."""
+
+    refusals_passed: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    """Bucket groups (marked at DDP construction) and distributed optimizers (at their
+    first step) whose configs passed the refusals, by the ``config`` they passed under
+    (``refuse_once``)."""
+
+    def refuse_once(self, adapter, owner, optimizer_config=None) -> None:
+        """The refusals of ``owner``'s DDP config (a bucket group or a distributed
+        optimizer, with its ``optimizer_config``), unless they passed under this config.
+        A step calls it before it quantizes, for one reason: a second ``install()``
+        replaces ``config`` (``patch.install``), also after a model was built under
+        another; otherwise it is one dictionary look-up."""
+        if self.refusals_passed.get(owner) is self.config:
+            return
+        check_ddp_for(self.config, adapter, adapter.ddp_config(owner))
+        if self.config.enabled:
+            check_optimizer_config(optimizer_config)
+        self.refusals_passed[owner] = self.config
 
     def bucket(self, bucket) -> BucketState:
         state = self.buckets.get(bucket)

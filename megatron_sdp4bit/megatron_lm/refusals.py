@@ -73,12 +73,9 @@ def layer_refusal(args: argparse.Namespace, config: SDP4BitConfig) -> Optional[s
                 "--use-distributed-optimizer, or drop the --sdp4bit flags")
     adapter = current_adapter()
     ddp_config = ddp_config_as_megatron_lm_builds_it(args)
-    rules = []
-    if config.exact_reduce_scatter == "alltoall":
-        rules.append(lambda: checks.check_alltoall_ddp_config(adapter, ddp_config))
+    rules = [lambda: checks.check_ddp_for(config, adapter, ddp_config)]
     if config.enabled:
-        rules += [lambda: checks.check_ddp_config(adapter, ddp_config),
-                  lambda: checks.check_model_config(args),  # its fields are args' names
+        rules += [lambda: checks.check_model_config(args),  # its fields are args' names
                   lambda: checks.check_optimizer_config(args)]
     for rule in rules:
         try:

@@ -30,6 +30,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron_sdp4bit.training.arguments import ArgumentError
 from megatron_sdp4bit.training.distributed import virtual_pipeline_size
 from megatron_sdp4bit.training.fusions import Fusions, module_imports
+from megatron_sdp4bit.training.vocab import padded_vocab_size
 
 
 def _layer_spec(impl: str, device: str):
@@ -48,11 +49,6 @@ def _layer_spec(impl: str, device: str):
         raise ArgumentError("--transformer-impl transformer_engine: Transformer Engine does not "
                            "import here; install it or use --transformer-impl local")
     return specs.get_gpt_layer_local_spec(), "local"
-
-
-def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
-    """Megatron-LM pads the vocabulary to a multiple of 128 (times TP size)."""
-    return -(-vocab_size // multiple) * multiple
 
 
 def _parallel_config_kwargs(args) -> dict:
@@ -121,7 +117,7 @@ def build_gpt(args, vocab_size: int, device: str, fusions: Fusions, config=None,
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
-            vocab_size=padded_vocab_size(vocab_size, 128 * args.tensor_model_parallel_size),
+            vocab_size=padded_vocab_size(vocab_size, args.tensor_model_parallel_size),
             max_sequence_length=args.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,

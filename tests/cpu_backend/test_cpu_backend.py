@@ -15,6 +15,7 @@ shares it, because starting ranks and importing megatron cost far more than the 
 * the harness itself: a failing rank's traceback, a timeout instead of a hang, and
   ``ValueError`` for specs it cannot build.
 """
+import logging
 import math
 import multiprocessing
 import time
@@ -63,7 +64,8 @@ def _patch_points():
     points += [(random, "_get_cuda_rng_state"), (random, "_set_cuda_rng_state"),
                (random, "model_parallel_cuda_manual_seed"),
                (tensor_parallel, "model_parallel_cuda_manual_seed"),
-               (random.CudaRNGStatesTracker, "add"), (random.CudaRNGStatesTracker, "fork"),
+               (random.CudaRNGStatesTracker, "add"),
+               (logging.getLogger(random.__name__), "filters"),  # megatron's own fork, its warning dropped
                (distrib_optimizer.DistributedOptimizer, "__init__"),
                (optimizer.Float16OptimizerWithFloat16Params, "__init__"),
                (optimizer.FP32Optimizer, "__init__"),
@@ -113,6 +115,7 @@ def _check_enable_disable():
 def _check_rng_tracker(seed=77):
     """The tracker's states are CPU generator states seeded as megatron seeds CUDA ones."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+    from megatron.core.tensor_parallel import random
 
     def first_draws(generator_seed):
         return torch.rand(4, generator=torch.Generator().manual_seed(generator_seed))
@@ -120,12 +123,20 @@ def _check_rng_tracker(seed=77):
     model_parallel_cuda_manual_seed(seed)
     default_draw = torch.rand(4)  # the "default" (data-parallel) state: seed itself
     state_before_fork = torch.get_rng_state()
-    with get_cuda_rng_tracker().fork():
-        mp_draw = torch.rand(4)  # model-parallel state: seed + 2718 + tp_rank
-    restored = torch.equal(torch.get_rng_state(), state_before_fork)
-    with get_cuda_rng_tracker().fork():
-        mp_second_draw = torch.rand(4)  # continues the forked stream, not a restart
+    warned = []  # what megatron's fork logs (on CPU it would warn at every draw)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warned.append
+    logging.getLogger(random.__name__).addHandler(handler)
+    try:
+        with get_cuda_rng_tracker().fork():
+            mp_draw = torch.rand(4)  # model-parallel state: seed + 2718 + tp_rank
+        restored = torch.equal(torch.get_rng_state(), state_before_fork)
+        with get_cuda_rng_tracker().fork():
+            mp_second_draw = torch.rand(4)  # continues the forked stream, not a restart
+    finally:
+        logging.getLogger(random.__name__).removeHandler(handler)
     return {
+        "fork_silent": not warned,
         "default_ok": torch.equal(default_draw, first_draws(seed)),
         "model_parallel_ok": torch.equal(mp_draw, first_draws(seed + 2718)),
         "restored_outside": restored,

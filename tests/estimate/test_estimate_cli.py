@@ -108,6 +108,19 @@ def test_missing_flags_are_named():
     assert "--gpus-per-node" in line and "--inter-gbps" in line
 
 
+def test_an_estimate_imports_nothing_of_megatron():
+    """Issue 29: the planner, which starts no process, imported megatron's model stack
+    (GPTModel, DDP, the optimizer) for the vocabulary's padding, a one-line ceiling."""
+    code = ("import contextlib, io, sys\n"
+            "from megatron_sdp4bit.estimate import cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            f"    assert cli.main({['--config', 'configs/gpt_350m.yaml', '--tp', '2', *BASE]!r}) == 0\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformer_engine')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
 def test_a_cluster_type_without_nodes_asks_for_the_nodes_only(capsys):
     """Issue 28, round two: it said "(or take a cluster's with --cluster-type)" to a
     command that had one."""

@@ -6,7 +6,12 @@ from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron.param_sync import _another_optimizers_group
 from megatron_sdp4bit.megatron.state import LayerState
 
-DENSE, EXPERT = object(), object()
+class _Member:
+    """A chain member stand-in (the layer keeps which optimizers passed its refusals in
+    a weak map)."""
+
+
+DENSE, EXPERT = _Member(), _Member()
 
 
 def _stepping(groups):
@@ -30,14 +35,18 @@ def test_a_forced_sync_or_one_outside_a_step_is_never_skipped():
 
 class _OneRankLayer:
     """What step_with_ready_grads reads of a layer, for one data-parallel rank (nothing
-    to gather or check), with megatron's originals replaced by recorders."""
+    to gather; a DDP config that passes the refusals), with megatron's originals
+    replaced by recorders."""
 
     def __init__(self):
         from types import SimpleNamespace
 
         self.state = LayerState(config=SDP4BitConfig())
+        ddp_config = SimpleNamespace(use_distributed_optimizer=True, num_distributed_optimizer_instances=1)
         self.adapter = SimpleNamespace(gather_order=lambda optimizer: [],
-                                       optimizer_group=lambda optimizer: (0, 1))
+                                       optimizer_group=lambda optimizer: (0, 1),
+                                       ddp_config=lambda owner: ddp_config,  # checked at the first step
+                                       unsupported_ddp_features=lambda config: [])
         self.seen = []  # (member, the iteration its step saw)
 
     def original(self, owner, name):

@@ -16,7 +16,6 @@ dtypes, buckets, megatron-core version, SDP4Bit config).
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -238,7 +237,7 @@ def test_each_pipeline_stage_is_compared_with_its_own_saved_buckets():
 def test_reshard_arithmetic_on_stand_ins():
     """4 -> 2 -> 3 ranks over a bucket of params at 64-aligned starts, padded per DP size,
     against the world tensors: what megatron's dist_checkpointing would assemble."""
-    from megatron_sdp4bit.megatron.adapters import v0_16
+    from megatron_sdp4bit.training.checkpoint.reshard import reshard_parameter_state
 
     key = (torch.float32, torch.float32)
     params = [(0, 100), (128, 300), (320, 321), (384, 1000)]  # [start, end) in the bucket
@@ -261,20 +260,14 @@ def test_reshard_arithmetic_on_stand_ins():
                             "gbuf_local_start": lo - rank * local, "gbuf_local_end": hi - rank * local})
         return out
 
-    def stand_in(rank, size):
-        state = {"per_bucket_numel": [{key: [padded(size)]}], "per_bucket_numel_unpadded": [{key: [unpadded]}],
-                 0: {key: [entries(rank, size)]}}
-        group = SimpleNamespace(rank=lambda: rank, size=lambda: size)
-        return SimpleNamespace(per_bucket_numel=state["per_bucket_numel"],
-                               per_bucket_numel_unpadded=state["per_bucket_numel_unpadded"],
-                               data_parallel_group=group,
-                               get_parameter_state_dp_reshardable=lambda: state)
+    def state(rank, size):  # what the adapter's parameter_state_for_save returns on that rank
+        return {"per_bucket_numel": [{key: [padded(size)]}], "per_bucket_numel_unpadded": [{key: [unpadded]}],
+                0: {key: [entries(rank, size)]}}
 
-    adapter = v0_16.Adapter()
     for old, new in ((4, 2), (2, 4), (4, 3), (1, 4)):
-        saved = [stand_in(k, old).get_parameter_state_dp_reshardable() for k in range(old)]
+        saved = [state(k, old) for k in range(old)]
         for rank in range(new):
-            got = adapter.reshard_parameter_state(stand_in(rank, new), lambda k: saved[k], old)
+            got = reshard_parameter_state(state(rank, new), rank, new, lambda k: saved[k], old)
             want = entries(rank, new)
             assert got["per_bucket_numel"] == [{key: [padded(new)]}]
             assert len(got[0][key][0]) == len(want)
@@ -283,6 +276,5 @@ def test_reshard_arithmetic_on_stand_ins():
                 for k in ("param", "exp_avg", "exp_avg_sq", "gbuf_local_start", "gbuf_local_end"):
                     assert (torch.equal(g[k], w[k]) if torch.is_tensor(w[k]) else g[k] == w[k]), (old, new, k)
     with pytest.raises(ValueError, match="cannot be resharded"):
-        other = stand_in(0, 2)
-        other.per_bucket_numel_unpadded = [{key: [999]}]
-        adapter.reshard_parameter_state(other, lambda k: saved[k], 4)
+        reshard_parameter_state({**state(0, 2), "per_bucket_numel_unpadded": [{key: [999]}]}, 0, 2,
+                                lambda k: saved[k], 4)

@@ -179,8 +179,8 @@ class MegatronAdapter:
         raise NotImplementedError
 
     def load_parameter_state(self, optimizer, param_state: dict) -> None:
-        """Restore shards in the form ``parameter_state_for_save`` (or
-        ``reshard_parameter_state``) returned."""
+        """Restore shards in the form ``parameter_state_for_save`` returned (or that form
+        cut for another data-parallel size: ``training/checkpoint/reshard.py``)."""
         raise NotImplementedError
 
     def after_optimizer_load(self, optimizer) -> None:
@@ -209,14 +209,6 @@ class MegatronAdapter:
         element count without the end padding (which depends on the data-parallel
         size), JSON-ready. Two runs with equal layouts can exchange optimizer state
         whatever their data-parallel sizes. None for a non-distributed optimizer."""
-        raise NotImplementedError
-
-    def reshard_parameter_state(self, optimizer, saved_rank_state, saved_size: int) -> Optional[dict]:
-        """This rank's shards in megatron's "dp_reshardable" form for the current
-        data-parallel size, assembled from the states ``parameter_state_for_save``
-        returned on the ``saved_size`` ranks of another run with the same
-        ``bucket_layout``. ``saved_rank_state(k)`` returns data-parallel rank k's saved
-        state; only the ranks whose shards overlap this rank's are asked."""
         raise NotImplementedError
 
     # ----------------------------------------------------------------- CPU backend

@@ -28,9 +28,12 @@ class RngSites:
     set_state: str
     """Name of its "set the CUDA RNG state" function (``_set_cuda_rng_state``)."""
     tracker: type
-    """The tracker class (``CudaRNGStatesTracker``), whose ``add`` and ``fork`` are redirected."""
-    tracker_default_name: str
-    """The state ``fork()`` draws from without a name (the model-parallel one)."""
+    """The tracker class (``CudaRNGStatesTracker``), whose ``add`` runs with ``torch.cuda``'s
+    generator functions as the CPU generator's."""
+    fork_logger: str
+    """The logger the tracker's ``fork`` warns on (its module's)."""
+    fork_warning: str
+    """What ``fork`` warns when the CPU generator moved inside it: on CPU, every draw."""
     seed_function: Callable
     """``model_parallel_cuda_manual_seed``, rebound wherever megatron binds it."""
 

@@ -40,13 +40,14 @@ SEAMS = (
     Seam(f"{_DIST_OPT}:DistributedOptimizer.load_parameter_state_from_dp_reshardable", "mirrors",
          "megatron/adapters/v0_16.py"),
     Seam(f"{_DIST_OPT}:DistributedOptimizer.sharded_param_state_dp_reshardable", "copies",
-         "megatron/adapters/v0_16.py"),
+         "training/checkpoint/reshard.py"),
     Seam(f"{_DIST_OPT}:DistributedOptimizer.load_state_dict", "mirrors", "megatron/adapters/v0_16.py"),
     # The CPU backend (cpu_backend/core.py; its docstring says why each).
     Seam(f"{_RANDOM}:_get_cuda_rng_state", "replaces", "cpu_backend/rng.py"),
     Seam(f"{_RANDOM}:_set_cuda_rng_state", "replaces", "cpu_backend/rng.py"),
-    Seam(f"{_RANDOM}:CudaRNGStatesTracker.add", "replaces", "cpu_backend/rng.py"),
-    Seam(f"{_RANDOM}:CudaRNGStatesTracker.fork", "replaces", "cpu_backend/rng.py"),
+    Seam(f"{_RANDOM}:CudaRNGStatesTracker.add", "wraps", "cpu_backend/core.py"),
+    # its own code runs; the backend drops the warning it logs, matched by its text
+    Seam(f"{_RANDOM}:CudaRNGStatesTracker.fork", "mirrors", "cpu_backend/rng.py"),
     Seam(f"{_RANDOM}:model_parallel_cuda_manual_seed", "wraps", "cpu_backend/rng.py"),
     Seam(f"{_DIST_OPT}:DistributedOptimizer.__init__", "wraps", "cpu_backend/core.py"),
     Seam(f"{_OPT}.optimizer:Float16OptimizerWithFloat16Params.__init__", "wraps", "cpu_backend/core.py"),
@@ -320,76 +321,6 @@ class Adapter(MegatronAdapter):
                 for per_dtype in optimizer.per_bucket_numel_unpadded
                 for key, numels in per_dtype.items()]
 
-    def reshard_parameter_state(self, optimizer, saved_rank_state, saved_size: int) -> Optional[dict]:
-        """megatron-core reshards "dp_reshardable" state only inside dist_checkpointing
-        (``sharded_param_state_dp_reshardable``): every bucket is one tensor of its
-        unpadded size, of which DP rank r's entry covers ``[r * n/DP + gbuf_local_start,
-        r * n/DP + gbuf_local_end)``, n being the bucket's padded size. Its plain loader,
-        ``load_parameter_state_from_dp_reshardable``, zips the saved entries with this
-        rank's params and asserts their counts match (the ``AssertionError: (22, 42)``
-        of a 4-rank checkpoint on 2 ranks). Here the same arithmetic runs over the saved
-        per-rank states: each of this rank's entries is cut from the saved entries it
-        overlaps, and the result, in megatron's own form, goes to that loader."""
-        if not hasattr(optimizer, "get_parameter_state_dp_reshardable"):
-            return None
-        rank, size = self.optimizer_group(optimizer)
-        first = saved_rank_state(0)
-        if first["per_bucket_numel_unpadded"] != optimizer.per_bucket_numel_unpadded:
-            raise ValueError(
-                f"the saved buckets hold {first['per_bucket_numel_unpadded']} elements, this "
-                f"run's {optimizer.per_bucket_numel_unpadded}: the optimizer state cannot be resharded")
-        target = self.parameter_state_for_save(optimizer)  # this rank's entries (live tensors)
-        result = {"per_bucket_numel": optimizer.per_bucket_numel,
-                  "per_bucket_numel_unpadded": optimizer.per_bucket_numel_unpadded}
-        for gbuf_idx, per_dtype in target.items():
-            if not isinstance(gbuf_idx, int):
-                continue
-            result[gbuf_idx] = {}
-            for dtype, buckets in per_dtype.items():
-                result[gbuf_idx][dtype] = []
-                for bucket_idx, entries in enumerate(buckets):
-                    local = optimizer.per_bucket_numel[gbuf_idx][dtype][bucket_idx] // size
-                    saved_local = first["per_bucket_numel"][gbuf_idx][dtype][bucket_idx] // saved_size
-                    result[gbuf_idx][dtype].append([
-                        self._cut_entry(entry, rank * local, saved_local, saved_size,
-                                        lambda k: saved_rank_state(k)[gbuf_idx][dtype][bucket_idx])
-                        for entry in entries if not entry.get("padding", False)])
-        return result
-
-    @staticmethod
-    def _cut_entry(entry: dict, shard_start: int, saved_local: int, saved_size: int,
-                   saved_bucket) -> dict:
-        """One of this rank's entries, its tensors filled from the saved entries that
-        overlap its range of the bucket ``[start, end)``."""
-        start = shard_start + entry["gbuf_local_start"]
-        end = shard_start + entry["gbuf_local_end"]
-        out, covered = {}, 0
-        for k in range(start // saved_local, min(saved_size, -(-end // saved_local))):
-            for saved in saved_bucket(k):
-                if saved.get("padding", False):
-                    continue
-                saved_start = k * saved_local + saved["gbuf_local_start"]
-                lo = max(start, saved_start)
-                hi = min(end, k * saved_local + saved["gbuf_local_end"])
-                if lo >= hi:
-                    continue
-                for key, value in saved.items():
-                    if not torch.is_tensor(value):
-                        continue
-                    if value.dim() == 0:  # Adam's step: the same in every entry
-                        out.setdefault(key, value.clone())
-                        continue
-                    if key not in out:
-                        out[key] = torch.empty(end - start, dtype=value.dtype)
-                    out[key][lo - start:hi - start] = value[lo - saved_start:hi - saved_start]
-                covered += hi - lo
-        if covered != end - start:
-            raise ValueError(f"the saved shards cover {covered} of elements {start}..{end} "
-                             "of a bucket: the checkpoint does not match this model")
-        out.update(gbuf_local_start=entry["gbuf_local_start"], gbuf_local_end=entry["gbuf_local_end"],
-                   padding=False)
-        return out
-
     # ----------------------------------------------------------------- CPU backend
 
     def cpu_backend_sites(self) -> CoreSites:
@@ -404,8 +335,8 @@ class Adapter(MegatronAdapter):
 
         return CoreSites(
             rng=RngSites(module=random, get_state="_get_cuda_rng_state", set_state="_set_cuda_rng_state",
-                         tracker=random.CudaRNGStatesTracker,
-                         tracker_default_name=random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                         tracker=random.CudaRNGStatesTracker, fork_logger=random.__name__,
+                         fork_warning="CPU RNG state changed within GPU RNG context",
                          seed_function=random.model_parallel_cuda_manual_seed),
             type_named_inits=(distrib_optimizer.DistributedOptimizer,
                               optimizer.Float16OptimizerWithFloat16Params),
