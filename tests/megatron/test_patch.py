@@ -42,7 +42,7 @@ def _train(spec: TinyGPTSpec, config, steps: int):
         reported = patch.memory(trainer.optimizer, params)
         memory = (held, reported.held_bytes, layer.state.buffer_bytes(), reported.buffer_bytes)
         # The rounding streams are the layer's own (checkpointed with it), not comm's defaults.
-        streams = sorted({key[3] for key in layer.state.noise.states()})
+        streams = sorted({key[3] for key in layer.state.rounding_streams.states()})
         default_streams = sorted({key[3] for key in comm.generator_states()})
     patch.uninstall()
     return {
