@@ -145,7 +145,7 @@ def chunks_per_step(bucket_numels, dp: int, config: SDP4BitConfig,
 def model_buckets(config_path: str, dp: int) -> list:
     """The DDP buckets (elements) of a driver config's first pipeline stage at data-parallel
     size ``dp``, megatron's default bucket size (the estimator's layout arithmetic)."""
-    from megatron_sdp4bit.estimate.model import (bucket_numels, default_bucket_size,
+    from megatron_sdp4bit.estimate.gpt_shape import (bucket_numels, default_bucket_size,
                                                  load_model_shape, stage_params)
 
     shape = load_model_shape(config_path)

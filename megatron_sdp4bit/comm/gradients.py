@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_sdp4bit.comm.accounting import WireRecorder, recorder_or_default
-from megatron_sdp4bit.comm.checks import check_float_tensors
+from megatron_sdp4bit.comm.argument_checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
 from megatron_sdp4bit.comm.reduce_scatter_plan import ReduceScatterPlan

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_sdp4bit.comm.buffer_names import weights_gather, weights_send
 from megatron_sdp4bit.comm.accounting import WireRecorder, recorder_or_default
-from megatron_sdp4bit.comm.checks import check_float_tensors
+from megatron_sdp4bit.comm.argument_checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_gather_flat
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, weight_slices

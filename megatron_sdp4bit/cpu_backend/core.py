@@ -132,7 +132,7 @@ import torch
 
 from megatron_sdp4bit.cpu_backend import rng
 from megatron_sdp4bit.cpu_backend.cuda_twins import TORCH_CUDA_TWINS, CudaNamesOnCpu, torch_cuda_as
-from megatron_sdp4bit.cpu_backend.switch import Redirects
+from megatron_sdp4bit.cpu_backend.redirects import Redirects
 from megatron_sdp4bit.megatron.adapters import current_adapter, supported_minors
 from megatron_sdp4bit.megatron.adapters.cpu_sites import CoreSites, RngSites
 

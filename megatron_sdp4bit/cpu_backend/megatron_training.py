@@ -121,7 +121,7 @@ from megatron_sdp4bit.cpu_backend.checkpoint_worker import redirect_worker
 from megatron_sdp4bit.cpu_backend.core import BACKEND, CoreBackend
 from megatron_sdp4bit.cpu_backend.cuda_twins import CudaNamesOnCpu, torch_cuda_as
 from megatron_sdp4bit.cpu_backend.megatron_args import settle_args_for_cpu
-from megatron_sdp4bit.cpu_backend.switch import Redirects
+from megatron_sdp4bit.cpu_backend.redirects import Redirects
 from megatron_sdp4bit.megatron.adapters.cpu_sites import TrainingSites
 
 __all__ = ["ENV_VAR", "TRAINING", "CpuTraining", "enable_cpu_training", "disable_cpu_training",

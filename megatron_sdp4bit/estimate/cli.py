@@ -268,7 +268,7 @@ def _run_estimate(args) -> int:
 
 def _estimate_and_print(args, variants, kernels, latency) -> int:
     from megatron_sdp4bit.estimate import implementation
-    from megatron_sdp4bit.estimate.model import ModelError, check_split, load_model_shape
+    from megatron_sdp4bit.estimate.gpt_shape import ModelError, check_split, load_model_shape
     from megatron_sdp4bit.estimate.network import NCCL_LATENCY
     from megatron_sdp4bit.estimate.timing import Cluster, EstimateError, Workload, estimate
 

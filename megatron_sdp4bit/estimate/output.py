@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from megatron_sdp4bit.estimate.kernels import OPS
-from megatron_sdp4bit.estimate.model import total_params
+from megatron_sdp4bit.estimate.gpt_shape import total_params
 from megatron_sdp4bit.estimate.timing import Estimate
 from megatron_sdp4bit.estimate.volume import EXACT_REDUCE_SCATTERS
 

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from megatron_sdp4bit.estimate.clusters import CLUSTER_TYPES, ClusterType
 from megatron_sdp4bit.estimate.implementation import PAPER_REFERENCE, Implementation
 from megatron_sdp4bit.estimate.kernels import KernelModel
-from megatron_sdp4bit.estimate.model import GPT2_BPE_VOCAB_SIZE, ModelShape
+from megatron_sdp4bit.estimate.gpt_shape import GPT2_BPE_VOCAB_SIZE, ModelShape
 from megatron_sdp4bit.estimate.timing import Cluster, Estimate, Workload, estimate
 
 NODES = 16

@@ -50,7 +50,7 @@ from megatron_sdp4bit.config import SDP4BitConfig, preset
 from megatron_sdp4bit.estimate import calls, volume
 from megatron_sdp4bit.estimate.implementation import THIS_PROJECT, Implementation
 from megatron_sdp4bit.estimate.kernels import KernelModel
-from megatron_sdp4bit.estimate.model import (ModelShape, bucket_numels, default_bucket_size,
+from megatron_sdp4bit.estimate.gpt_shape import (ModelShape, bucket_numels, default_bucket_size,
                                              stage_params, step_flops, tp_allreduces)
 from megatron_sdp4bit.estimate.network import (NCCL_LATENCY, Calls, Latency, Network,
                                                ring_calls)

@@ -27,7 +27,7 @@ from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import grad_sync, param_sync
 from megatron_sdp4bit.megatron.background import set_up_runner
 from megatron_sdp4bit.comm.primitives import all_gather_flat, runs_on_host_staged_gloo
-from megatron_sdp4bit.megatron.checks import (
+from megatron_sdp4bit.megatron.config_refusals import (
     check_ddp_for,
     check_host_staged_ddp,
     check_model_config,

@@ -24,7 +24,7 @@ import torch
 from megatron_sdp4bit.comm.accounting import WireStats
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import adapters
-from megatron_sdp4bit.megatron.checks import check_same_config_on_all_ranks
+from megatron_sdp4bit.megatron.config_refusals import check_same_config_on_all_ranks
 from megatron_sdp4bit.megatron.installed import INSTALLED
 from megatron_sdp4bit.megatron.layer import SDP4BitLayer
 

@@ -18,7 +18,7 @@ from megatron_sdp4bit.comm.runner import InlineRunner
 from megatron_sdp4bit.comm.topology import default_ranks_per_node
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
-from megatron_sdp4bit.megatron.checks import check_ddp_for, check_optimizer_config
+from megatron_sdp4bit.megatron.config_refusals import check_ddp_for, check_optimizer_config
 from megatron_sdp4bit.megatron.quant_metrics import QuantErrorMetrics
 
 

@@ -1,12 +1,12 @@
 """What a Megatron-LM run would die of later, refused when its flags are parsed.
 
 Megatron-LM builds its DDP config, model and optimizer from ``args``; the layer refuses
-what it cannot quantize when they are built (``megatron/checks.py``), which in a
+what it cannot quantize when they are built (``megatron/config_refusals.py``), which in a
 Megatron-LM job is after initialization, as a RuntimeError traceback on every rank.
 Here the same rules run on ``args`` right after they are parsed, before any process group
 exists, so the job ends in one line from rank 0 (``flag_errors.report_bad_flag``: every
 rank parsed the same flags) and exit code 2, before the first iteration. Each rule lives
-once, in ``megatron/checks.py``; this module only hands it what Megatron-LM will build.
+once, in ``megatron/config_refusals.py``; this module only hands it what Megatron-LM will build.
 
 Also refused here: a ``--save`` / ``--load`` in a checkpoint format whose checkpoints do
 not carry the layer's state (the adapter's ``RouteSites.checkpoint_formats``).
@@ -62,7 +62,7 @@ def ddp_config_as_megatron_lm_builds_it(args: argparse.Namespace):
 
 def layer_refusal(args: argparse.Namespace, config: SDP4BitConfig) -> Optional[str]:
     """What the layer would refuse at DDP, model or optimizer construction, or None."""
-    from megatron_sdp4bit.megatron import checks
+    from megatron_sdp4bit.megatron import config_refusals
     from megatron_sdp4bit.megatron.adapters import current_adapter
 
     if config.enabled and getattr(args, "use_torch_fsdp2", False):
@@ -73,10 +73,10 @@ def layer_refusal(args: argparse.Namespace, config: SDP4BitConfig) -> Optional[s
                 "--use-distributed-optimizer, or drop the --sdp4bit flags")
     adapter = current_adapter()
     ddp_config = ddp_config_as_megatron_lm_builds_it(args)
-    rules = [lambda: checks.check_ddp_for(config, adapter, ddp_config)]
+    rules = [lambda: config_refusals.check_ddp_for(config, adapter, ddp_config)]
     if config.enabled:
-        rules += [lambda: checks.check_model_config(args),  # its fields are args' names
-                  lambda: checks.check_optimizer_config(args)]
+        rules += [lambda: config_refusals.check_model_config(args),  # its fields are args' names
+                  lambda: config_refusals.check_optimizer_config(args)]
     for rule in rules:
         try:
             rule()

@@ -1,7 +1,7 @@
 """The vocabulary as the model holds it: padded as Megatron-LM pads it.
 
 Pure arithmetic with no imports, so that the driver's model (``model.py``) and the
-planner (``estimate/model.py``), which starts no process, share the one rule without
+planner (``estimate/gpt_shape.py``), which starts no process, share the one rule without
 the planner importing megatron.
 """
 from __future__ import annotations

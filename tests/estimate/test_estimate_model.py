@@ -8,7 +8,7 @@ import pytest
 
 from megatron_sdp4bit.estimate import kernels as kernel_tables
 from megatron_sdp4bit.estimate.kernels import KernelModel
-from megatron_sdp4bit.estimate.model import (ModelShape, bucket_numels, load_model_shape,
+from megatron_sdp4bit.estimate.gpt_shape import (ModelShape, bucket_numels, load_model_shape,
                                              stage_params, total_params)
 from megatron_sdp4bit.estimate.network import NO_LATENCY
 from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate

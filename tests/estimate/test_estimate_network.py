@@ -14,7 +14,7 @@ from megatron_sdp4bit.estimate import calls, volume
 from megatron_sdp4bit.estimate.implementation import (PAPER_REFERENCE, THIS_PROJECT,
                                                       Implementation)
 from megatron_sdp4bit.estimate.kernels import KernelModel
-from megatron_sdp4bit.estimate.model import ModelShape, tp_allreduces
+from megatron_sdp4bit.estimate.gpt_shape import ModelShape, tp_allreduces
 from megatron_sdp4bit.estimate.network import (NCCL_LATENCY, NO_LATENCY, Latency,
                                                Network, ring_calls)
 from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate

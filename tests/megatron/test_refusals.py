@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_sdp4bit.megatron.adapters import v0_19
-from megatron_sdp4bit.megatron.checks import (
+from megatron_sdp4bit.megatron.config_refusals import (
     check_alltoall_ddp_config,
     check_host_staged_ddp,
     check_model_config,
@@ -72,7 +72,7 @@ def test_the_exact_alltoall_needs_the_distributed_optimizer_and_supported_featur
 def test_one_rule_set_for_a_ddp_config():
     """``check_ddp_for`` runs the refusals the config makes apply, and no others."""
     from megatron_sdp4bit.config import preset
-    from megatron_sdp4bit.megatron.checks import check_ddp_for
+    from megatron_sdp4bit.megatron.config_refusals import check_ddp_for
 
     adapter = v0_19.Adapter()
     plain = SimpleNamespace(use_distributed_optimizer=False, num_distributed_optimizer_instances=1)

@@ -27,7 +27,7 @@ EXACT_ALGORITHM = {"alltoall": "alltoall", "torch": "allreduce", "layer": "ring"
 
 def bench_bucket() -> int:
     """Elements of the model's one gradient bucket on 4 DP ranks (megatron's layout)."""
-    from megatron_sdp4bit.estimate.model import bucket_numels, load_model_shape, stage_params
+    from megatron_sdp4bit.estimate.gpt_shape import bucket_numels, load_model_shape, stage_params
 
     shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
     (numel,) = bucket_numels(stage_params(shape, 1, 1, 0), NUM_NODES * RANKS_PER_NODE, None)
@@ -38,7 +38,7 @@ def predictions(dtype: str, cluster, cores: float) -> Dict[str, float]:
     """The estimator's seconds for each case on ``cluster`` (``Probed.cluster``): link time,
     latency and that collective's kernels."""
     from megatron_sdp4bit.estimate.kernels import KernelModel
-    from megatron_sdp4bit.estimate.model import load_model_shape
+    from megatron_sdp4bit.estimate.gpt_shape import load_model_shape
     from megatron_sdp4bit.estimate.timing import Workload, estimate
 
     shape = load_model_shape(None, driver_argv=MODEL_FLAGS)

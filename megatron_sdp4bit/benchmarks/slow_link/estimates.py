@@ -68,7 +68,7 @@ def estimate_rows(args, cells: Dict[tuple, Cell], probed_links: Probed) -> dict:
     a machine whose load comes in bursts it can miss by 2x.)
     """
     from megatron_sdp4bit.estimate.kernels import KernelModel
-    from megatron_sdp4bit.estimate.model import load_model_shape
+    from megatron_sdp4bit.estimate.gpt_shape import load_model_shape
     from megatron_sdp4bit.estimate.timing import Workload, estimate
 
     shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
