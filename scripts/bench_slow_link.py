@@ -56,7 +56,7 @@ import sys
 from typing import List, Optional
 
 from megatron_sdp4bit.benchmarks.emulated_nodes import SetupError, check_host
-from megatron_sdp4bit.benchmarks.slow_link.collectives import run_collectives
+from megatron_sdp4bit.benchmarks.slow_link.collectives_alone import run_collectives
 from megatron_sdp4bit.benchmarks.slow_link.presets import LR_WARMUP_ITERS, PRESET_FLAGS
 from megatron_sdp4bit.benchmarks.slow_link.report import replay
 from megatron_sdp4bit.benchmarks.slow_link.study import run_study
