@@ -10,8 +10,9 @@ The same checks as ``scripts/gpu_check.sh``'s steps, through the same package co
 - the quantized collectives on 4 gloo ranks sharing the GPU as 2 emulated nodes x 2,
   against the CPU reference and the exact sums (``diagnostics/device_collectives.py``).
 
-The kernels' own tests run on CUDA with ``SDP4BIT_TRITON_TEST_DEVICE=cuda pytest
-tests/quant/test_triton*.py tests/quant/test_warmup.py``.
+- the kernels' own tests (tests/quant: the files ``scripts/gpu_check_triton.py`` names)
+  on CUDA tensors (``SDP4BIT_TRITON_TEST_DEVICE=cuda``, which those files read when
+  they are imported, hence a pytest of their own).
 """
 from __future__ import annotations
 
@@ -40,6 +41,21 @@ def test_every_kernel_variant_compiles_exactly_for_this_gpu():
          "--arch", str(_arch())], cwd=ROOT, capture_output=True, text=True, timeout=600,
         env=dict(os.environ, TRITON_INTERPRET="0"))  # JIT functions, not the interpreter
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_the_kernel_tests_pass_on_cuda_tensors():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check_triton_files", os.path.join(ROOT, "scripts", "gpu_check_triton.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # its TEST_FILES: one list for both
+    workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers,
+         *script.TEST_FILES], cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env=dict(os.environ, SDP4BIT_TRITON_TEST_DEVICE="cuda", TRITON_INTERPRET="0"))
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
 def test_cuda_tensors_go_to_the_triton_kernels():
