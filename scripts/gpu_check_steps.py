@@ -153,10 +153,14 @@ def time_limit(ctx: dict, seconds: float) -> float:
 def run_limited(ctx: dict, cmd: List[str], seconds: float, env: Optional[dict] = None,
                 cwd: str = ROOT) -> tuple:
     """``run_logged`` under a limit of ``seconds`` cut to the budget: ``(exit status,
-    output, cut)``, ``cut`` True when the budget shortened the limit (``killed``)."""
+    output, cut)``. ``cut`` (for ``killed``): the budget left the step under half its own
+    limit, too little to tell a slow step from a hung one; a step cut less and still
+    killed had most of its time, and hung or is too slow (FAIL)."""
     limit = time_limit(ctx, seconds)
+    if limit < seconds:
+        print(f"    (time limit cut from {seconds:.0f} s to {limit:.0f} s by the budget)", flush=True)
     rc, output = run_logged(cmd, timeout=limit, env=env, cwd=cwd)
-    return rc, output, limit < seconds
+    return rc, output, limit < 0.5 * seconds
 
 
 def killed(cut: bool) -> tuple:
@@ -586,6 +590,7 @@ def overlap_ranks(ctx: dict) -> tuple:
     if gpus < 2:
         return 4, dp4_flags(GPU_OVERLAP if not ctx["smoke"] else CPU_DP4)
     ranks = min(gpus, 8)
+    ranks -= ranks % 2 if ranks > 2 else 0  # 2 emulated nodes of ranks // 2 each
     flags = ["--distributed-backend", "nccl", *OVERLAP_FLAGS,
              "--bucket-size", str(GPU_OVERLAP["bucket_size"])]
     return ranks, flags + (["--sdp4bit-ranks-per-node", str(ranks // 2)] if ranks >= 4 else [])
@@ -639,9 +644,12 @@ def step_overlap(report: Report, ctx: dict) -> None:
             result = json.load(f)
     share = result.get("share")
     if rc != 0 or share is None:
-        status, why = killed(cut) if rc is None else (
-            "FAIL", f"exit {rc}" + ("" if share is not None else ", no quantization kernel "
-                                    "off the compute stream"))
+        if rc is None:
+            status, why = killed(cut)
+        elif rc != 0 or not result:
+            status, why = "FAIL", f"exit {rc}, no profile written"
+        else:  # it ran and profiled, and saw no quantization kernel off the compute stream
+            status, why = "FAIL", f"no quantization work seen off the {result.get('mode')} path"
         report.add("overlap", status, why, seconds, **result)
         return
     status, detail = overlap_verdict(result, gpu_shared=ranks > ctx["env"].get("gpus", 0))

@@ -220,8 +220,14 @@ def build_topologies(all_dp_rank_lists: Sequence[Sequence[int]],
             on = {}
             for rank in sorted(uneven[0].ranks):
                 on.setdefault(hosts[rank], []).append(rank)
-            raise ValueError(f"{uneven[0].fallback_reason} (its ranks' hosts: " + "; ".join(
-                f"{host}: ranks {', '.join(map(str, ranks))}" for host, ranks in on.items()) + ")")
+            raise ValueError(
+                f"DP group {sorted(uneven[0].ranks)} spreads unevenly over nodes of {rpn} ranks "
+                f"(DP members per node: {[len(n) for n in uneven[0].nodes]}; hosts: " + "; ".join(
+                    f"{host}: ranks {', '.join(map(str, ranks))}" for host, ranks in on.items())
+                + "): a two-level collective needs the same number on every node. Give "
+                "--sdp4bit-ranks-per-node 1 (ranks_per_node=1: one flat level), or tensor, "
+                "pipeline and expert parallel sizes that put as many members of every "
+                "data-parallel group on each node")
         for layout in layouts:
             _create_subgroups(layout)
 

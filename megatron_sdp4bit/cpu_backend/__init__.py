@@ -6,7 +6,7 @@ on CPU tensors over gloo, and Megatron-LM's training loop on top (docs/cpu_backe
 - ``megatron_training.py``: ``enable_cpu_training()`` ... for ``megatron.training``
   (``SDP4BIT_CPU=1`` for the launcher); ``megatron_args.py``: the arguments a CPU run
   needs; ``checkpoint_worker.py``: megatron's persistent checkpoint worker on CPU;
-- ``cuda_twins.py``, ``rng.py``: the CPU stand-ins; ``switch.py``: ``Redirects``, the
+- ``cuda_twins.py``, ``rng.py``: the CPU stand-ins; ``redirects.py``: ``Redirects``, the
   on/off state each of the two is (one object per process).
 
 Which sites a megatron-core release has is its adapter's (``cpu_backend_sites()``,

@@ -6,7 +6,7 @@
 - ``corpus``: the download-free default corpus (the Python stdlib), cached.
 - ``indexed_files``: write .bin/.idx with megatron's builder; check them.
 - ``gpt_datasets``: megatron-core GPTDataset / blends (the only module that
-  imports megatron at import time); ``dataset_helpers``: NumPy twins of its C++.
+  imports megatron at import time); ``numpy_dataset_helpers``: NumPy twins of its C++.
 - ``splits``, ``coverage``, ``token_ids``: the checks made before megatron reads
   the data (``--split``, data too small for a run, ids against the vocabulary);
   ``cache``: the cache folder.

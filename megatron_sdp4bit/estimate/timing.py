@@ -308,7 +308,9 @@ def _layout_note(layouts) -> str:
     if layout.dp_size == 1:
         return "DP 1: no data-parallel communication"
     shape = (f"{layout.num_nodes} node(s) x {len(layout.nodes[0])} DP rank(s) per node"
-             if layout.fallback_reason is None else "uneven over nodes: one flat level")
+             if layout.fallback_reason is None else
+             "uneven over nodes: one flat level, which the layer runs only with "
+             "--sdp4bit-ranks-per-node 1 (it refuses this layout otherwise)")
     hops = volume.hop_levels(layout)
     kind = {2: "two-level (intra, then inter-node all-to-all)",
             1: f"one {hops[0][0]}-node all-to-all level" if hops else ""}[len(hops)]

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.comm.runner import InlineRunner, make_runner, runner_kind
 from megatron_sdp4bit.comm.topology import build_private_groups, private_group
@@ -34,17 +36,22 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
     a world collective made by the caller). Called by every rank at every DDP
     construction, in the same order."""
     ddp_config = adapter.ddp_config(ddp)
-    if not (ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather) or not groups:
+    # rank_lists, not this rank's groups: the same on every rank, so every rank makes the
+    # same world collectives below (build_private_groups)
+    if not (ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather) or not rank_lists:
         return
     device = adapter.grad_buffers(adapter.ddp_bucket_groups(ddp)[0])[0].device
     if isinstance(state.runner, InlineRunner) and not state.runner_chosen:
         state.runner_chosen = True
-        kind = runner_kind(groups[0], device)
+        # (a rank may hold no group of its own here: megatron makes them all with the
+        # world's backend)
+        group = groups[0] if groups else torch.distributed.group.WORLD
+        kind = runner_kind(group, device)
         if kind == "inline":
             logger.info("SDP4Bit: the %s backend cannot run collectives from a worker thread or a "
                         "side stream; the quantized collectives run when megatron starts them, "
                         "not overlapped with the backward and forward passes",
-                        backend_of(groups[0], device))
+                        backend_of(group, device))
             return
         state.runner = make_runner(kind, device)
     if getattr(state.runner, "kind", None) != "thread":

@@ -39,12 +39,16 @@ from megatron_sdp4bit.patching import Patches
 logger = logging.getLogger(__name__)
 
 
-def _all_data_parallel_rank_lists(group) -> list:
-    """Rank lists of every rank's group, identical on all ranks (a world collective)."""
-    mine = torch.distributed.get_process_group_ranks(group)
+def _all_data_parallel_rank_lists(groups) -> list:
+    """For each position i, the rank lists of every rank's i-th group, identical on all
+    ranks: one world collective. A rank with fewer groups (a pipeline stage without
+    expert layers has no expert bucket groups) adds none at i, so every rank gets the
+    same lists and makes the same world collectives with them, whatever it holds."""
+    mine = [tuple(torch.distributed.get_process_group_ranks(group)) for group in groups]
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, mine)
-    return sorted({tuple(ranks) for ranks in everyone})
+    count = max(len(lists) for lists in everyone)
+    return [sorted({lists[i] for lists in everyone if i < len(lists)}) for i in range(count)]
 
 
 class SDP4BitLayer:
@@ -200,7 +204,7 @@ def _ddp_init(layer, ddp, *args, **kwargs):
     if not issues_collectives:
         return
     groups = _collective_groups(adapter, ddp)
-    rank_lists = [_all_data_parallel_rank_lists(group) for group in groups]
+    rank_lists = _all_data_parallel_rank_lists(groups)
     if state.config.enabled:
         for lists in rank_lists:
             # strict: a DP or expert-DP group spread unevenly over the nodes is refused

@@ -89,7 +89,7 @@ def step_with_ready_grads(layer, optimizer) -> bool:
     finally:
         state.in_optimizer_step = False
         state.stepping_groups = frozenset()
-    if not state.in_chained_step:  # a chain counts its iteration itself, once
+    if not state.chain_depth:  # a chain counts its iteration itself, once
         state.iteration += 1
     if success and _weights_quantized(layer, optimizer) \
             and adapter.ddp_config(optimizer).overlap_param_gather:
@@ -103,12 +103,13 @@ def chained_step_with_ready_grads(layer, chained) -> bool:
     iteration, counted once when the last member is done, so every member's step sees
     the same iteration (its replica check, error sampling, ``grad_start_iter``)."""
     state = layer.state
-    state.in_chained_step = True
+    state.chain_depth += 1
     try:
         success = layer.original("chained_optimizer", "step_with_ready_grads")(chained)
     finally:
-        state.in_chained_step = False
-    state.iteration += 1
+        state.chain_depth -= 1
+    if not state.chain_depth:  # the outermost chain: one iteration
+        state.iteration += 1
     return success
 
 

@@ -45,11 +45,12 @@ class LayerState:
     config: SDP4BitConfig
     iteration: int = 0
     """Optimizer steps done (for ``grad_start_iter`` and the metrics interval): one per
-    training iteration, also when megatron chains optimizers (``in_chained_step``)."""
+    training iteration, also when megatron chains optimizers (``chain_depth``)."""
     in_optimizer_step: bool = False
-    in_chained_step: bool = False
-    """A chained optimizer (MoE: a dense and an expert member) is stepping its members:
-    the chain counts the iteration once when they are all done, not each member."""
+    chain_depth: int = 0
+    """Chained optimizers stepping now (MoE: a dense and an expert member; megatron may
+    nest a chain in a chain): the outermost counts the iteration once when all its
+    members are done, not each member or inner chain."""
     stepping_groups: frozenset = frozenset()
     """During a (sub-)optimizer's step: the ids of the bucket groups holding its buckets.
     A chained optimizer's members each sync every bucket group of the model chunk

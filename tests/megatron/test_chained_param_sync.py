@@ -52,8 +52,12 @@ class _OneRankLayer:
     def original(self, owner, name):
         from megatron_sdp4bit.megatron.param_sync import step_with_ready_grads
 
+        from megatron_sdp4bit.megatron.param_sync import chained_step_with_ready_grads
+
         if owner == "chained_optimizer":  # megatron's chain: its members one after another
-            return lambda chained: all([step_with_ready_grads(self, m) for m in chained])
+            return lambda chained: all([
+                chained_step_with_ready_grads(self, m) if isinstance(m, list)  # a nested chain
+                else step_with_ready_grads(self, m) for m in chained])
         return lambda member: self.seen.append((member, self.state.iteration)) or True
 
 
@@ -66,6 +70,10 @@ def test_a_chained_step_is_one_iteration_and_every_member_sees_the_same_one():
     layer = _OneRankLayer()
     for _ in range(3):
         assert chained_step_with_ready_grads(layer, [DENSE, EXPERT])
-    assert layer.state.iteration == 3 and not layer.state.in_chained_step
+    assert layer.state.iteration == 3 and not layer.state.chain_depth
     assert layer.seen == [(m, i) for i in range(3) for m in (DENSE, EXPERT)]
     assert step_with_ready_grads(layer, DENSE) and layer.state.iteration == 4  # unchained
+    # megatron 0.18+ may nest a chain (its layer-wise optimizer) in the chain: still one
+    layer.seen.clear()
+    assert chained_step_with_ready_grads(layer, [[DENSE], EXPERT])
+    assert layer.state.iteration == 5 and layer.seen == [(DENSE, 4), (EXPERT, 4)]

@@ -261,3 +261,8 @@ def test_the_overlap_verdict_holds_shared_gpus_to_chance_and_own_gpus_to_the_tar
     assert ranks == 8 and flags[flags.index("--distributed-backend") + 1] == "nccl"
     assert flags[flags.index("--sdp4bit-ranks-per-node") + 1] == "4"
     assert steps.overlap_ranks(dict(smoke=False, env=dict(gpus=1)))[0] == 4
+    # an odd count: an even number of ranks, so the emulated nodes divide the host's
+    ranks, flags = steps.overlap_ranks(dict(smoke=False, env=dict(gpus=5)))
+    assert ranks == 4 and flags[flags.index("--sdp4bit-ranks-per-node") + 1] == "2"
+    ranks, flags = steps.overlap_ranks(dict(smoke=False, env=dict(gpus=3)))
+    assert ranks == 2 and "--sdp4bit-ranks-per-node" not in flags

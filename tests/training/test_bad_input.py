@@ -78,7 +78,8 @@ def test_help_exits_0_and_shows_allowed_values():
         assert result.returncode == 0, (module, result.stderr)
         text = " ".join(result.stdout.split())
         assert "--sdp4bit-hadamard-block N a power of two in 2..256" in text, module
-        assert "--sdp4bit-grad-mode MODE one of tlq-hs, tlq, ulq, off" in text, module
+        assert ("--sdp4bit-grad-mode MODE one of tlq-hs (two-level-hadamard), tlq (two-level), "
+                "ulq (two-level-uniform), off (exact)") in text, module
 
 
 def test_a_bad_flag_under_torchrun_is_one_line_from_rank_0_and_exit_2(tmp_path):

@@ -9,7 +9,7 @@
 - ``strips``: the fast paths' 32 consecutive elements per thread (loads, stores, packing).
 - ``quantize_kernel``: one kernel for every op that produces a QuantizedTensor.
 - ``dequantize_kernel``: one kernel for every op that consumes one.
-- ``launch``: tile sizes, grids and the host-side views the kernels read.
+- ``launch_plan``: tile sizes, grids and the host-side views the kernels read.
 - ``launch_record``, ``variants``, ``compile_check``: the variants real calls compile,
   recorded and compiled without a GPU.
 

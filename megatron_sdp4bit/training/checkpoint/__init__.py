@@ -16,8 +16,8 @@ torch, megatron's tracker, the SDP4Bit quantizers') and the patch layer's own st
 
 One module per concern:
 
-- ``rng``: the RNG states;
-- ``layout``: what a checkpoint records about the run's layout (world, data-,
+- ``rng_state``: the RNG states;
+- ``run_layout``: what a checkpoint records about the run's layout (world, data-,
   tensor- and pipeline-parallel sizes, megatron-core version, SDP4Bit config,
   the optimizer's buckets), and whether another run may load it (refused in one
   line, loaded with a warning, or resharded);
