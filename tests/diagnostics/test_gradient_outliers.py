@@ -83,3 +83,14 @@ def test_bucket_labels_place_parameters_by_their_main_grad_view():
     assert (labels[10:60] == go.KINDS.index("mlp fc2")).all()
     assert (labels[150:160] == go.KINDS.index("norm")).all()
     assert int((labels != go.PADDING).sum()) == 60
+
+
+def test_the_figure_reads_one_kind_over_the_sampled_iterations():
+    from megatron_sdp4bit.diagnostics.gradient_outliers_figure import series
+
+    samples = [{"iteration": 1, "kinds": {"qkv": {"crest": {"p99": 4.0}, "error_tlq": 0.2}}},
+               {"iteration": 5, "kinds": {"norm": {"crest": {"groups": 0}}}},
+               {"iteration": 9, "kinds": {"qkv": {"crest": {"p99": 6.0}, "error_tlq": 0.3}}}]
+    assert series(samples, "qkv", "crest", "p99") == ((1, 9), (4.0, 6.0))
+    assert series(samples, "norm", "crest", "p99") == ((), ())  # all-zero groups: no figure
+    assert series(samples, "qkv", "error_tlq") == ((1, 9), (0.2, 0.3))
