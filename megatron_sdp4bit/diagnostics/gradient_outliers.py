@@ -190,7 +190,8 @@ def bucket_labels(grad: torch.Tensor, named_params) -> torch.Tensor:
 def model_groups(model_chunks, group_size: int) -> tuple:
     """(gradient, labels) of every bucket of the DDP ``model_chunks``, each bucket cut
     into whole groups from its start (its tail zero-padded, as PADDING) and the
-    buckets concatenated: groups never straddle buckets, as on the wire."""
+    buckets concatenated: groups never straddle buckets, as on the wire. Copied to
+    the CPU, so the torch reference (the specification) quantizes them on any device."""
     from megatron_sdp4bit.megatron.adapters import current_adapter
 
     adapter = current_adapter()
@@ -201,7 +202,7 @@ def model_groups(model_chunks, group_size: int) -> tuple:
             for bucket in adapter.group_buckets(bucket_group):
                 grad = adapter.bucket_grad_data(bucket).reshape(-1)
                 pad = -grad.numel() % group_size
-                grads += [grad.detach().to(torch.float32), grad.new_zeros(pad, dtype=torch.float32)]
+                grads += [grad.detach().to("cpu", torch.float32), torch.zeros(pad)]
                 labels += [bucket_labels(grad, named), torch.full((pad,), PADDING, dtype=torch.int8)]
     return torch.cat(grads), torch.cat(labels)
 
