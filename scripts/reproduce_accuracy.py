@@ -17,10 +17,13 @@ stochastic-rounding streams (--sdp4bit-seed), the same s for every configuration
 so differences can be compared seed by seed.
 
 Each finished run writes ``OUT/results/<config>-seed<s>.json`` (final validation
-loss and the curves); a rerun skips finished runs, so the study can be completed
+loss, the curves, and the commit it ran on with whether the tree was dirty); a rerun skips finished runs, so the study can be completed
 over several sittings (``--max-runs`` bounds one sitting). Then, and with
 ``--analyze``, it writes ``OUT/summary.json``, ``OUT/table.md`` and
-``OUT/validation_curves.png``.
+``OUT/validation_curves.png``. When the runs span commits, the table says so and
+names the steps between them that change the quantizers or collectives
+(``megatron_sdp4bit.study_commits``): a table mixing code that computes differently
+cannot pass for a current one.
 
 Recipes:
 
@@ -54,7 +57,8 @@ import time
 from typing import Optional
 
 from megatron_sdp4bit import recipes
-from megatron_sdp4bit.jobs import checkout_commit, run_driver
+from megatron_sdp4bit.jobs import run_driver
+from megatron_sdp4bit.study_commits import commit_note, git_changes_arithmetic, run_commit
 from megatron_sdp4bit.training.figures import axis_labels, pyplot, save_figure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,7 +132,7 @@ def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerpr
     result = {"config": config, "seed": seed, "final_valid_loss": curve["valid"][-1][1],
               "final_train_loss": curve["train"][-1][1], "curves": curve,
               "seconds": round(job.seconds, 1), "flags": flags, "fingerprint": fingerprint,
-              "commit": checkout_commit(ROOT), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+              **run_commit(ROOT), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     path = os.path.join(out, "results", name + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".part", "w") as f:
@@ -238,12 +242,20 @@ def plot(results: dict, path: str, title: str):
     return save_figure(fig, [ax, diff_ax], path, dpi=110)
 
 
+def code_note(results: dict, changes_arithmetic=None) -> Optional[str]:
+    """The line under the table when the runs span commits (naming those whose
+    quantizers or collectives differ) or ran on uncommitted changes; None otherwise."""
+    in_order = sorted(results.values(), key=lambda r: r.get("finished", ""))
+    return commit_note(in_order, changes_arithmetic or git_changes_arithmetic(ROOT))
+
+
 def analyze(out: str, fingerprint: str, recipe: str) -> dict:
     results = load_results(out, fingerprint)
     summary = summarize(results)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    text = table(summary)
+    note = code_note(results)
+    text = table(summary) + (f"\n\n{note}" if note else "")
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text + "\n")
     png = plot(results, os.path.join(out, "validation_curves.png"),

@@ -154,3 +154,27 @@ def test_cpu_runs_start_again_and_are_time_limited(tmp_path, monkeypatch):
     assert "--save" not in flags and "--load" not in flags
     assert timeout == study.CPU_RUN_TIMEOUT_S
     assert result["curves"]["valid"] == [[10, 6.5]]  # nothing of the old attempt
+
+
+def test_the_table_says_when_its_runs_span_commits_that_change_the_arithmetic(tmp_path, monkeypatch):
+    """Runs of a study made before and after a change to the quantizers cannot pass for
+    one measurement: the table names the change."""
+    fingerprint = _fingerprint()
+    for seed, commit, finished in ((1, "a" * 40, "2026-12-01 10:00:00"),
+                                   (2, "b" * 40, "2026-12-04 10:00:00")):
+        _write_result(str(tmp_path), "baseline", seed, 5.70, fingerprint)
+        path = tmp_path / "results" / f"baseline-seed{seed}.json"
+        result = json.loads(path.read_text())
+        result.update(commit=commit, dirty=False, finished=finished)
+        path.write_text(json.dumps(result))
+    monkeypatch.setattr(study, "git_changes_arithmetic", lambda root: lambda older, newer: True)
+    study.main(["--out", str(tmp_path), "--analyze"])
+    table = (tmp_path / "table.md").read_text()
+    assert "Runs span 2 commits" in table and "aaaaaaa..bbbbbbb" in table
+
+
+def test_a_run_records_its_commit_and_whether_the_tree_was_dirty(tmp_path, monkeypatch):
+    _fake_driver(monkeypatch, [])
+    monkeypatch.setattr(study, "run_commit", lambda root: {"commit": "c" * 40, "dirty": True})
+    result = study.run_one(str(tmp_path), "qW", 1, ["--x"], 4, "fp")
+    assert result["commit"] == "c" * 40 and result["dirty"] is True
