@@ -97,11 +97,11 @@ def quantized_all_gather_weights(
     add = config.weight_mode == "diff"
     space = workspace if workspace is not None else Workspace()
 
-    def gather(start: int, stop: int, slot: int) -> _Gather:  # slot: the slice's index
+    def gather(start: int, stop: int, index: int) -> _Gather:
         """Quantize this rank's ``[start, stop)`` into its segment, start gathering every rank's."""
         n = stop - start
         layout = segment_layout(n, config.weight_bits, config.weight_group_size)
-        outgoing = space.buffer(weights_send(slot), layout.nbytes, flat.device)
+        outgoing = space.buffer(weights_send(index), layout.nbytes, flat.device)
         mine = wire_view(outgoing, 1, n, config.weight_bits, config.weight_group_size)
         fmt = dict(bits=config.weight_bits, group_size=config.weight_group_size,
                    rounding=config.rounding, generator=gen, out=mine)
@@ -110,7 +110,7 @@ def quantized_all_gather_weights(
             quantize_weight_diff(main, own[start:stop], **fmt)
         else:
             quantize(main, **fmt)
-        incoming = space.buffer(weights_gather(slot), dp_size * layout.nbytes, flat.device)
+        incoming = space.buffer(weights_gather(index), dp_size * layout.nbytes, flat.device)
         work = all_gather_flat(incoming, outgoing, group, True)
         scales = 4 * layout.groups
         wire.peer_sends(_COLLECTIVE, same, other, codes=layout.codes_nbytes, scales=scales,

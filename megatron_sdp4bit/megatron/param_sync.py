@@ -121,7 +121,7 @@ def prefetch_gathers(layer, optimizer) -> None:
         buckets = adapter.group_buckets(bucket_group)
         if bucket_group in state.prefetched or adapter.param_gather_in_flight(bucket_group):
             continue
-        if all(b in state.buckets and state.buckets[b].unsent_main_weights for b in buckets):
+        if state.all_unsent(buckets):
             state.prefetched[bucket_group] = _quantized_gather(layer, bucket_group, async_op=True)
 
 
@@ -193,8 +193,7 @@ def start_param_sync(layer, bucket_group, force_sync: bool = False):
             adapter.set_param_gather_handle(bucket_group, prefetched, force_sync)
         return
     buckets = adapter.group_buckets(bucket_group)
-    unsent = all(b in state.buckets and state.buckets[b].unsent_main_weights for b in buckets)
-    quantize = state.config.quantize_weights and unsent
+    quantize = state.config.quantize_weights and state.all_unsent(buckets)
     if not (quantize or state.own_exact_collectives):
         if not (force_sync and adapter.param_gather_in_flight(bucket_group)):
             record_exact(layer, bucket_group, "all_gather", adapter.param_buffers(bucket_group))

@@ -106,6 +106,10 @@ class LayerState:
             check_optimizer_config(optimizer_config)
         self.refusals_passed[owner] = self.config
 
+    def all_unsent(self, buckets) -> bool:
+        """Every one of ``buckets`` holds new main weights no all-gather has sent yet."""
+        return all(b in self.buckets and self.buckets[b].unsent_main_weights for b in buckets)
+
     def bucket(self, bucket) -> BucketState:
         state = self.buckets.get(bucket)
         if state is None:
