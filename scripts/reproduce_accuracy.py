@@ -27,9 +27,14 @@ cannot pass for a current one.
 
 Recipes:
 
-    cpu       (default) CPU_RECIPE_FLAGS: a 2 x 128 GPT (1.46 M parameters) in fp32,
+    cpu       (default) recipes.ACCURACY_CPU: a 2 x 128 GPT (1.46 M parameters) in fp32,
               400 steps of 16 x 128 tokens of the embedded corpus, on 4 CPU ranks as
               2 emulated nodes x 2; about 3 minutes per run on 2 cores alone
+    cpu-outliers
+              recipes.ACCURACY_CPU_OUTLIERS: make train's 4 x 256 GPT at lr 1e-2, 400
+              steps, the same 4 ranks: gradients whose 4-bit groups carry outliers, where
+              the Hadamard rotation has something to do; about 8 minutes per run
+              (``--configs baseline TLq TLq-HS`` for the rotation's ablation alone)
     gpu-125m  configs/gpt_125m.yaml (and gpu-350m, gpu-1.3b) on one node of GPUs
               (``--gpus``, default 8, as 2 emulated nodes unless --ranks-per-node), with
               ``--data-path`` prepared by sdp4bit-preprocess and GPT-2's vocabulary:
@@ -75,16 +80,19 @@ CONFIGS = {
 }
 
 
-# The CPU recipe (megatron_sdp4bit.recipes.ACCURACY_CPU: why this size, this length).
+# The CPU recipes (megatron_sdp4bit.recipes: why this size, this length), all on 4
+# ranks as 2 emulated nodes x 2.
 CPU_RANKS, CPU_RANKS_PER_NODE = recipes.ACCURACY_CPU_RANKS, recipes.ACCURACY_CPU_RANKS_PER_NODE
 CPU_RUN_TIMEOUT_S = 4 * 3600  # a CPU run takes minutes: a hung one is stopped
-CPU_RECIPE_FLAGS = recipes.ACCURACY_CPU.flags()
+CPU_RECIPES = {"cpu": recipes.ACCURACY_CPU, "cpu-outliers": recipes.ACCURACY_CPU_OUTLIERS}
+GPU_RECIPES = ("gpu-125m", "gpu-350m", "gpu-1.3b")
 
 
 def recipe_flags(recipe: str, gpus: int, ranks_per_node: int) -> tuple[list, int]:
     """(driver flags shared by every run, ranks) of a recipe."""
-    if recipe == "cpu":
-        return CPU_RECIPE_FLAGS + ["--sdp4bit-ranks-per-node", str(CPU_RANKS_PER_NODE)], CPU_RANKS
+    if recipe in CPU_RECIPES:
+        return (CPU_RECIPES[recipe].flags() + ["--sdp4bit-ranks-per-node", str(CPU_RANKS_PER_NODE)],
+                CPU_RANKS)
     size = recipe.split("-", 1)[1]
     config = os.path.join(ROOT, "configs", f"gpt_{size}.yaml")
     if not os.path.isfile(config):
@@ -269,7 +277,7 @@ def analyze(out: str, fingerprint: str, recipe: str) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--recipe", default="cpu", choices=("cpu", "gpu-125m", "gpu-350m", "gpu-1.3b"))
+    p.add_argument("--recipe", default="cpu", choices=(*CPU_RECIPES, *GPU_RECIPES))
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--out", default=None, help="default runs/accuracy-<recipe>")
@@ -287,7 +295,7 @@ def parse_args(argv=None):
         p.error("--seeds must be non-negative integers")
     if args.checkpoint_interval < 0:
         p.error("--checkpoint-interval must be >= 0")
-    if args.recipe != "cpu" and not args.analyze and "--data-path" not in args.driver_flags:
+    if args.recipe not in CPU_RECIPES and not args.analyze and "--data-path" not in args.driver_flags:
         p.error(f"--recipe {args.recipe} needs -- --data-path PREFIX (sdp4bit-preprocess) and the "
                 "tokenizer flags")
     args.out = args.out or os.path.join(ROOT, "runs", f"accuracy-{args.recipe}")
@@ -308,7 +316,7 @@ def main(argv=None) -> int:
         print(f"[accuracy] {len(done)} runs finished in {args.out}, {len(todo)} to go", flush=True)
         for index, (config, seed) in enumerate(todo[: args.max_runs]):
             started = time.perf_counter()
-            on_cpu = args.recipe == "cpu"  # minutes per run; GPU runs take hours
+            on_cpu = args.recipe in CPU_RECIPES  # minutes per run; GPU runs take hours
             result = run_one(args.out, config, seed, shared, ranks, fingerprint,
                              checkpoint_interval=0 if on_cpu else args.checkpoint_interval,
                              timeout=CPU_RUN_TIMEOUT_S if on_cpu else None)

@@ -13,7 +13,8 @@ import pytest
 from megatron_sdp4bit import demo, recipes
 
 ALL = {"MAKE_TRAIN": recipes.MAKE_TRAIN, "SLOW_LINK": recipes.SLOW_LINK,
-       "ACCURACY_CPU": recipes.ACCURACY_CPU, "SOAK": recipes.SOAK, "STEP_WORK": recipes.STEP_WORK,
+       "ACCURACY_CPU": recipes.ACCURACY_CPU,
+       "ACCURACY_CPU_OUTLIERS": recipes.ACCURACY_CPU_OUTLIERS, "SOAK": recipes.SOAK, "STEP_WORK": recipes.STEP_WORK,
        "GPU_CHECK": recipes.gpu_check_recipe(12, 768, 12, 1024, 8, 60, 10, data_parallel=4)}
 
 
@@ -27,6 +28,17 @@ def test_the_accuracy_study_keeps_its_flags_in_order():
         "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
         "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
         "--train-iters", "400", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "20",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--use-distributed-optimizer",
+        "--log-interval", "10", "--eval-interval", "50", "--eval-iters", "16",
+        "--split", "969,30,1", "--default-corpus-mb", "8"]
+
+
+def test_the_outlier_recipe_is_make_trains_model_at_ten_times_the_learning_rate():
+    flags = recipes.ACCURACY_CPU_OUTLIERS.flags()
+    assert flags == [
+        "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+        "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "16",
+        "--train-iters", "400", "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "20",
         "--weight-decay", "0.1", "--clip-grad", "1.0", "--use-distributed-optimizer",
         "--log-interval", "10", "--eval-interval", "50", "--eval-iters", "16",
         "--split", "969,30,1", "--default-corpus-mb", "8"]

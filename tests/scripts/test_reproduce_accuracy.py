@@ -156,6 +156,24 @@ def test_cpu_runs_start_again_and_are_time_limited(tmp_path, monkeypatch):
     assert result["curves"]["valid"] == [[10, 6.5]]  # nothing of the old attempt
 
 
+def test_the_outlier_recipe_is_a_cpu_recipe_with_its_own_flags(tmp_path, monkeypatch):
+    """``--recipe cpu-outliers`` needs no data, runs time-limited without checkpoints,
+    on make train's model at lr 1e-2, and its results are not mixed with the default
+    recipe's (another fingerprint)."""
+    calls = []
+    _fake_driver(monkeypatch, calls)
+    monkeypatch.setattr(study, "analyze", lambda *a: {})
+    out = str(tmp_path)
+    assert study.main(["--recipe", "cpu-outliers", "--configs", "TLq", "--seeds", "1",
+                       "--out", out]) == 0
+    (flags, timeout), = calls
+    assert flags[flags.index("--hidden-size") + 1] == "256" and flags[flags.index("--lr") + 1] == "1e-2"
+    assert "--save" not in flags and timeout == study.CPU_RUN_TIMEOUT_S
+    default, _ = study.recipe_flags("cpu", 8, 4)
+    with pytest.raises(SystemExit, match="other flags"):
+        study.load_results(out, study.study_fingerprint(default))
+
+
 def test_the_table_says_when_its_runs_span_commits_that_change_the_arithmetic(tmp_path, monkeypatch):
     """Runs of a study made before and after a change to the quantizers cannot pass for
     one measurement: the table names the change."""
