@@ -131,14 +131,17 @@ def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerpr
                      timeout=timeout, cwd=ROOT)
     if job.returncode != 0:
         raise RuntimeError(f"{name} exited {job.returncode}; log {job.log_path}:\n{job.tail()}")
-    from megatron_sdp4bit.training.metrics import loss_curves
+    from megatron_sdp4bit.training.metrics import group_shape_means, loss_curves
 
-    curve = {kind: [list(point) for point in points]
-             for kind, points in loss_curves(os.path.join(run_dir, "metrics.jsonl")).items()}
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    curve = {kind: [list(point) for point in points] for kind, points in loss_curves(metrics).items()}
     if not curve["valid"]:
         raise RuntimeError(f"{name} logged no validation loss; log {job.log_path}")
+    last = curve["train"][-1][0]
     result = {"config": config, "seed": seed, "final_valid_loss": curve["valid"][-1][1],
               "final_train_loss": curve["train"][-1][1], "curves": curve,
+              # the 4-bit gradient groups' shape over the second half (quantized runs only)
+              "grad_groups": group_shape_means(metrics, after_iteration=last // 2),
               "seconds": round(job.seconds, 1), "flags": flags, "fingerprint": fingerprint,
               **run_commit(ROOT), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
     path = os.path.join(out, "results", name + ".json")
@@ -163,6 +166,13 @@ def load_results(out: str, fingerprint: str) -> dict:
             raise SystemExit(f"{folder}/{name} was run with other flags (recipe fingerprint "
                              f"{result['fingerprint']}, now {fingerprint}): use another --out, or "
                              "delete the old results to rerun them")
+        if "grad_groups" not in result:  # a run finished before results kept them
+            from megatron_sdp4bit.training.metrics import group_shape_means
+
+            metrics = os.path.join(out, "runs", run_name(result["config"], result["seed"]),
+                                   "metrics.jsonl")
+            last = result["curves"]["train"][-1][0]
+            result["grad_groups"] = group_shape_means(metrics, last // 2) if os.path.isfile(metrics) else {}
         results[(result["config"], result["seed"])] = result
     return results
 
@@ -209,6 +219,31 @@ def table(summary: dict) -> str:
         beyond = {True: "yes", False: "no"}.get(r.get("exceeds_seed_spread"), "-")
         lines.append(f"| {config} | {paper} | {paper_pct} | {ours} | {pct} | {paired} | {beyond} |")
     return "\n".join(lines)
+
+
+def group_shape_table(results: dict) -> Optional[str]:
+    """The gradients' 4-bit groups as the runs that quantized them sampled them (every
+    logged step of the second half of training, averaged per run, then over seeds): do
+    they carry outliers (crest factor max|g| / rms over groups of 128; above 8, one
+    element holds about half a group's energy), and what the Hadamard rotation does to
+    the 4-bit error there. None when no run sampled them."""
+    rows = []
+    for config in CONFIGS:
+        runs = [r["grad_groups"] for (c, _), r in sorted(results.items())
+                if c == config and r.get("grad_groups")]
+        if not runs:
+            continue
+        mean = {field: statistics.fmean(run[field] for run in runs) for field in runs[0]}
+        rows.append(f"| {config} | {len(runs)} | {mean['grad_crest_median']:.2f} | "
+                    f"{mean['grad_crest_p99']:.2f} | {100 * mean['grad_crest_share_above_8']:.2f}% | "
+                    f"{mean['grad_4bit_error_tlq']:.3f} | {mean['grad_4bit_error_tlq_hs']:.3f} |")
+    if not rows:
+        return None
+    return "\n".join(["4-bit gradient groups, second half of training (sampled on logged steps; "
+                      "mean over runs):", "",
+                      "| configuration | runs | crest median | crest p99 | groups above 8 | "
+                      "4-bit error TLq | 4-bit error TLq-HS |", "|---|---:|---:|---:|---:|---:|---:|",
+                      *rows])
 
 
 def plot(results: dict, path: str, title: str):
@@ -263,7 +298,8 @@ def analyze(out: str, fingerprint: str, recipe: str) -> dict:
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     note = code_note(results)
-    text = table(summary) + (f"\n\n{note}" if note else "")
+    groups = group_shape_table(results)
+    text = table(summary) + (f"\n\n{note}" if note else "") + (f"\n\n{groups}" if groups else "")
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(text + "\n")
     png = plot(results, os.path.join(out, "validation_curves.png"),

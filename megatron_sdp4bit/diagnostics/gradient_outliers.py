@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron_sdp4bit import quant
+from megatron_sdp4bit.megatron.quant_metrics import crest_factors, crest_summary
 
 KINDS = ("embedding", "qkv", "attention output", "mlp fc1", "mlp fc2", "norm", "output layer",
          "other")
@@ -85,25 +86,6 @@ def group_kinds(labels: torch.Tensor, group_size: int) -> torch.Tensor:
     kinds = counts.argmax(dim=1) - 1
     kinds[counts.sum(dim=1) == 0] = PADDING
     return kinds
-
-
-def crest_factors(groups: torch.Tensor) -> torch.Tensor:
-    """max |g| / rms(g) per row of ``groups``; NaN for an all-zero row (no scale)."""
-    groups = groups.to(torch.float64)
-    rms = groups.pow(2).mean(dim=1).sqrt()
-    peak = groups.abs().amax(dim=1)
-    return torch.where(rms > 0, peak / rms, torch.full_like(rms, float("nan")))
-
-
-def crest_summary(crests: torch.Tensor, threshold: float) -> dict:
-    """Median, 99th percentile, max and the share above ``threshold`` of the finite
-    crest factors; counts of groups used and of all-zero groups left out."""
-    finite = crests[torch.isfinite(crests)].to(torch.float64)
-    if finite.numel() == 0:
-        return {"groups": 0, "zero_groups": int(crests.numel())}
-    return {"groups": int(finite.numel()), "zero_groups": int(crests.numel() - finite.numel()),
-            "median": float(finite.median()), "p99": float(torch.quantile(finite, 0.99)),
-            "max": float(finite.max()), "share_above": float((finite > threshold).double().mean())}
 
 
 @dataclass(frozen=True)

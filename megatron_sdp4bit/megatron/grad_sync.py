@@ -69,6 +69,10 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
         hops = comm.get_topology(group, state.config.ranks_per_node).levels
         state.metrics.record(quant_metrics.grad_quantization_errors(
             grads[0], state.config, [hop.name for hop in hops]))
+    if quantize and state.metrics.sample_now(state.iteration):
+        for grad_data in grads:  # every bucket group's: the sample spans the whole model
+            state.metrics.record_group_shape(
+                quant_metrics.gradient_group_shape(grad_data, state.config))
     ddp_config = adapter.ddp_config(bucket_group)
     op = torch.distributed.ReduceOp.AVG if ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     async_op = bool(ddp_config.overlap_grad_reduce)

@@ -29,7 +29,8 @@ from megatron_sdp4bit.megatron.installed import INSTALLED
 from megatron_sdp4bit.megatron.layer import SDP4BitLayer
 
 __all__ = ["install", "uninstall", "is_installed", "current_config", "adapter_minor", "set_iteration",
-           "get_iteration", "set_metrics_interval", "quantization_errors", "wire_stats",
+           "get_iteration", "set_metrics_interval", "quantization_errors",
+           "gradient_group_shape", "wire_stats",
            "replica_checks_passed", "kernel_warm_up", "memory", "state_dict", "load_state_dict",
            "optimizer_group", "after_optimizer_load", "drain"]
 
@@ -117,6 +118,15 @@ def quantization_errors() -> Dict[str, float]:
     on a slice of the local gradients). Empty until a sampled step ran."""
     layer = INSTALLED.layer
     return {} if layer is None else layer.state.metrics.read()
+
+
+def gradient_group_shape() -> Dict[str, float]:
+    """The gradients' 4-bit groups on the sampled steps since the last read (all
+    buffers): crest factors and the 4-bit error without / with the Hadamard rotation
+    (``quant_metrics.QuantErrorMetrics.read_group_shape``). Empty until a sampled
+    step quantized gradients."""
+    layer = INSTALLED.layer
+    return {} if layer is None else layer.state.metrics.read_group_shape()
 
 
 def wire_stats() -> WireStats:

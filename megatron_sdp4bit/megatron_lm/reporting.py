@@ -12,8 +12,9 @@ two of Megatron-LM's training functions (``RouteSites``):
 - ``training_log``: while it runs, the iteration line it prints (``print_rank_last``,
   the last rank) ends with what the layer measured since the previous line: bytes this
   rank sent against the exact collectives (``patch.wire_stats()``), the replica checks
-  passed so far (``--sdp4bit-check-interval``) and the sampled relative quantization
-  errors; the same figures go to Megatron-LM's TensorBoard and W&B writers when they
+  passed so far (``--sdp4bit-check-interval``), the sampled relative quantization
+  errors and the gradients' 4-bit group shape (crest factors; the error without and
+  with the Hadamard rotation: what TLq-HS buys on this run); the same figures go to Megatron-LM's TensorBoard and W&B writers when they
   are configured (they live on that rank), under ``sdp4bit/``.
 
 All figures are per rank (the last rank's, the one that prints), taken from what the
@@ -64,9 +65,11 @@ class LayerFigures:
             self.totals[key] += value
         errors = patch.quantization_errors()
         self.errors.update(errors)
+        shape = patch.gradient_group_shape()
         return {"bytes-sent": window["sent"], "bytes-exact": window["exact"],
                 "replica-checks-passed": patch.replica_checks_passed(),
-                **{f"quant-error-{name}": value for name, value in errors.items()}}
+                **{f"quant-error-{name}": value for name, value in errors.items()},
+                **{f"grad-groups-{name.replace('_', '-')}": value for name, value in shape.items()}}
 
 
 def iteration_line_fields(figures: dict) -> str:
@@ -79,6 +82,11 @@ def iteration_line_fields(figures: dict) -> str:
     for name, value in figures.items():
         if name.startswith("quant-error-"):
             line += f" sdp4bit {name[len('quant-error-'):]} error: {value:.3E} |"
+    if "grad-groups-crest-p99" in figures:  # the 4-bit gradient groups' outliers, sampled
+        line += (f" sdp4bit grad groups crest p99: {figures['grad-groups-crest-p99']:.2f}"
+                 f" ({100 * figures['grad-groups-crest-share-above-8']:.2f}% above 8),"
+                 f" 4-bit error TLq/TLq-HS: {figures['grad-groups-error-tlq']:.3f}"
+                 f"/{figures['grad-groups-error-tlq-hs']:.3f} |")
     return line
 
 

@@ -20,8 +20,14 @@ TRAIN_FIELDS = (
     "iteration", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
     "bytes_sent", "bytes_exact", "bytes_sent_intra", "bytes_sent_inter", "wire_ratio",
     "weight_quant_rel_error",
-    "grad_quant_rel_error", "skipped",
+    "grad_quant_rel_error", *(f"grad_{name}" for name in (
+        "crest_median", "crest_p99", "crest_max", "crest_share_above_8",
+        "4bit_error_tlq", "4bit_error_tlq_hs")),
+    "skipped",
 )
+"""What a ``train`` record holds. The ``grad_crest_*`` and ``grad_4bit_error_*`` fields
+are the gradients' 4-bit group shape on the window's sampled step
+(``patch.gradient_group_shape``): null where no gradient was quantized."""
 
 
 def default_run_dir() -> str:
@@ -194,6 +200,22 @@ def loss_curves(metrics_path: str) -> dict:
     records = read_metrics(metrics_path)
     return {kind: [(r["iteration"], r["loss"]) for r in records if r["kind"] == kind]
             for kind in ("train", "valid")}
+
+
+GROUP_SHAPE_FIELDS = ("grad_crest_median", "grad_crest_p99", "grad_crest_share_above_8",
+                      "grad_4bit_error_tlq", "grad_4bit_error_tlq_hs")
+
+
+def group_shape_means(metrics_path: str, after_iteration: int = 0) -> dict:
+    """Per ``GROUP_SHAPE_FIELDS`` field, its mean over the sampled train records past
+    ``after_iteration`` and how many there were (``samples``); {} when none was sampled
+    (no gradient quantized, or a run from before the field existed)."""
+    records = [r for r in read_metrics(metrics_path) if r["kind"] == "train"
+               and r["iteration"] > after_iteration and r.get("grad_crest_p99") is not None]
+    if not records:
+        return {}
+    means = {field: sum(r[field] for r in records) / len(records) for field in GROUP_SHAPE_FIELDS}
+    return {**means, "samples": len(records)}
 
 
 def plot_losses(metrics_path: str, png_path: str, title: str = "",

@@ -172,6 +172,7 @@ class TrainingRun:
         self.tokens_total += self.tokens_per_step * window_steps
         wire = self.meter.read()
         errors = patch.quantization_errors()
+        shape = patch.gradient_group_shape()
         quantized = self.parts.quantized
         self.logger.log("train", {
             "iteration": self.iteration, "loss": self.last_loss,
@@ -188,6 +189,10 @@ class TrainingRun:
             # the gradients' last hop that ran: across nodes, or inside the one node
             "grad_quant_rel_error": errors.get("grad_inter", errors.get("grad_intra"))
             if quantized else 0.0,
+            **{f"grad_{name}": shape.get(name) for name in (
+                "crest_median", "crest_p99", "crest_max", "crest_share_above_8")},
+            "grad_4bit_error_tlq": shape.get("error_tlq"),
+            "grad_4bit_error_tlq_hs": shape.get("error_tlq_hs"),
             "skipped": skipped,
         })
 

@@ -5,8 +5,9 @@ import torch
 from harness import spawn_ranks
 from harness.tiny_gpt import TinyGPTSpec
 from megatron_sdp4bit.config import preset
-from megatron_sdp4bit.megatron.quant_metrics import (QuantErrorMetrics, grad_quantization_errors,
-                                                      relative_error)
+from megatron_sdp4bit.megatron.quant_metrics import (QuantErrorMetrics, gradient_group_shape,
+                                                      grad_quantization_errors, relative_error,
+                                                      spread_groups)
 
 
 def test_relative_error_is_a_device_tensor():
@@ -67,6 +68,35 @@ def _errors_sampled(rank, world_size, layouts):
     return sampled
 
 
+def _group_shape_sampled(rank, world_size):
+    """The group shape of one sampled step of a model in several bucket groups, and the
+    groups its buffers hold."""
+    from harness.tiny_gpt import TinyGPTTrainer
+    from megatron_sdp4bit.megatron import patch
+
+    patch.install(preset("sdp4bit", ranks_per_node=1))
+    patch.set_metrics_interval(2)
+    trainer = TinyGPTTrainer(TinyGPTSpec(dtype="fp32", overlap_grad_reduce=True, bucket_size=4000))
+    trainer.train_steps(1)
+    unsampled = patch.gradient_group_shape()
+    trainer.train_steps(1)
+    shape = patch.gradient_group_shape()
+    groups = sum(bucket.grad_data.numel() // 128
+                 for group in trainer.model.bucket_groups for bucket in group.buckets)
+    patch.uninstall()
+    return unsampled, shape, groups, trainer.num_buckets
+
+
+def test_the_group_shape_samples_every_bucket_group_of_a_sampled_step():
+    """Not the first bucket group's alone (its elements are the last layers'): the
+    sample covers the whole model, and a step that is not sampled reports nothing."""
+    for unsampled, shape, groups, bucket_groups in spawn_ranks(_group_shape_sampled, 2, timeout_s=300):
+        assert bucket_groups > 1 and unsampled == {}
+        assert shape["groups"] == groups, (shape, groups)  # below GROUP_SAMPLE: every group
+        assert 1 <= shape["crest_median"] <= shape["crest_p99"] <= shape["crest_max"] <= 128 ** 0.5
+        assert 0 < shape["error_tlq"] < 1 and 0 < shape["error_tlq_hs"] < 1
+
+
 def test_the_layer_reports_the_errors_of_the_hops_that_ran():
     """2 ranks on one node run the 8-bit intra-node hop only; one rank per node, the 4-bit
     inter-node hop only. Before, both reported both hops' errors (issue 28, item 11)."""
@@ -85,3 +115,52 @@ def test_sampling_happens_on_the_last_step_of_each_window_only():
     for bad in (-1, 1.5):
         with pytest.raises(ValueError, match="metrics interval"):
             metrics.set_interval(bad)
+
+
+def test_spread_groups_takes_whole_groups_across_the_buffer():
+    buffer = torch.arange(10 * 128 + 5, dtype=torch.float32)
+    rows = spread_groups(buffer, 128, limit=4 * 128)  # 10 groups, at most 4: every 3rd
+    assert rows.shape == (4, 128) and rows[:, 0].tolist() == [0, 3 * 128, 6 * 128, 9 * 128]
+    assert spread_groups(buffer, 128, limit=1 << 20).shape == (10, 128)  # the tail is no group
+    assert spread_groups(torch.zeros(100), 128).shape[0] == 0
+    assert gradient_group_shape(torch.zeros(100), preset("sdp4bit")) == {}
+
+
+def test_the_rotation_pays_on_heavy_tailed_groups_only():
+    """On Gaussian groups TLq and TLq-HS err alike (about 0.166, docs/results.md); on
+    groups with an outlier each, TLq errs more and TLq-HS does not, and the crest
+    factors say so. The training's RNG is left alone."""
+    generator = torch.Generator().manual_seed(0)
+    gaussian = torch.randn(1 << 16, generator=generator)
+    spiky = gaussian.clone()
+    spiky[::128] = 30.0  # about 30 standard deviations: crest about 10.6
+    state = torch.get_rng_state()
+    metrics = QuantErrorMetrics()
+    for values in (gaussian, spiky):
+        metrics.record_group_shape(gradient_group_shape(values, preset("sdp4bit")))
+        shape = metrics.read_group_shape()
+        assert shape["groups"] == values.numel() // 128
+        if values is gaussian:
+            assert 2.5 < shape["crest_median"] < 3.1 and shape["crest_share_above_8"] == 0
+            assert abs(shape["error_tlq"] - shape["error_tlq_hs"]) < 0.01
+        else:
+            assert shape["crest_median"] > 8 and shape["crest_share_above_8"] == 1
+            assert shape["error_tlq"] > 2 * shape["error_tlq_hs"]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert metrics.read_group_shape() == {}  # read once
+
+
+def test_a_sampled_steps_buffers_add_up():
+    """Two buffers read as one sample: the groups and the squared errors add."""
+    generator = torch.Generator().manual_seed(1)
+    a, b = torch.randn(128 * 40, generator=generator), torch.randn(128 * 24, generator=generator) * 5
+    config = preset("sdp4bit")
+    metrics = QuantErrorMetrics()
+    metrics.record_group_shape(gradient_group_shape(a, config))
+    metrics.record_group_shape(gradient_group_shape(b, config))
+    both = metrics.read_group_shape()
+    alone = {name: float(v) for name, v in gradient_group_shape(torch.cat([a, b]), config).items()
+             if name != "crest"}
+    assert both["groups"] == 64
+    # the same sums, up to the rounding draws (another generator offset for b)
+    assert both["error_tlq"] == pytest.approx((alone["error2_tlq"] / alone["norm2"]) ** 0.5, rel=0.05)

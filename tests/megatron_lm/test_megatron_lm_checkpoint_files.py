@@ -168,3 +168,11 @@ def test_figures_go_to_the_iteration_line_and_both_writers():
     assert {name: value for name, value, step in tensorboard.calls if step == 10} == expected
     assert wandb.calls == [(expected, 10)]
     reporting.write_figures((lambda: None, lambda: None), figures, 11)  # not configured: nothing to do
+
+
+def test_the_gradient_group_shape_goes_to_the_iteration_line():
+    figures = {"bytes-sent": 0, "bytes-exact": 0, "replica-checks-passed": 0,
+               "grad-groups-crest-p99": 9.5, "grad-groups-crest-share-above-8": 0.0213,
+               "grad-groups-error-tlq": 0.2634, "grad-groups-error-tlq-hs": 0.1612}
+    assert reporting.iteration_line_fields(figures).endswith(
+        " sdp4bit grad groups crest p99: 9.50 (2.13% above 8), 4-bit error TLq/TLq-HS: 0.263/0.161 |")

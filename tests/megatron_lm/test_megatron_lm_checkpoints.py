@@ -197,6 +197,8 @@ def test_log_lines_install_line_and_summary(straight):
     assert all("sdp4bit weight error: " in line for line in lines), lines
     assert not any("sdp4bit grad_intra error: " in line for line in lines[:N + 1]), lines
     assert all("sdp4bit grad_intra error: " in line for line in lines[N + 1:]), lines
+    assert not any("sdp4bit grad groups crest p99: " in line for line in lines[:N + 1]), lines
+    assert all("sdp4bit grad groups crest p99: " in line for line in lines[N + 1:]), lines
     assert [int(re.search(r"replica checks passed: (\d+)", line).group(1)) for line in lines] == \
         list(range(1, 2 * N + 1))
     assert output.count("SDP4Bit installed (megatron-core") == 1, output

@@ -103,6 +103,38 @@ def test_analysis_writes_the_validation_figure(tmp_path, capsys):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def _sampled_train_records(run_dir, crest_p99):
+    """A quantized run's metrics: logged steps 10 and 20, the group shape sampled on both."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for iteration, scale in ((10, 1.0), (20, 2.0)):
+            f.write(json.dumps({"kind": "train", "iteration": iteration, "loss": 6.0,
+                                "grad_crest_median": 2.8 * scale, "grad_crest_p99": crest_p99 * scale,
+                                "grad_crest_share_above_8": 0.01 * scale,
+                                "grad_4bit_error_tlq": 0.2 * scale,
+                                "grad_4bit_error_tlq_hs": 0.16}) + "\n")
+        f.write(json.dumps({"kind": "valid", "iteration": 20, "loss": 6.5}) + "\n")
+
+
+def test_the_table_shows_the_gradient_groups_the_quantized_runs_sampled(tmp_path, monkeypatch, capsys):
+    """The runs that quantize gradients report their 4-bit groups' crest factors and the
+    error without / with the rotation (second half of training, mean over seeds); the
+    baseline, which quantizes nothing, has no row. A result written before results kept
+    the figures takes them from its run's metrics."""
+    fingerprint = _fingerprint()
+    out = str(tmp_path)
+    monkeypatch.setattr(study, "plot", lambda *a: None)
+    _write_result(out, "baseline", 1, 5.70, fingerprint)
+    for seed, p99 in ((1, 5.0), (2, 7.0)):
+        _write_result(out, "TLq", seed, 5.72, fingerprint)
+        _sampled_train_records(os.path.join(out, "runs", f"TLq-seed{seed}"), p99)
+    study.main(["--out", out, "--analyze"])
+    text = capsys.readouterr().out
+    # step 20 only (the second half of 20 steps): p99 2 x mean(5, 7) = 12, share 2%
+    assert "| TLq | 2 | 5.60 | 12.00 | 2.00% | 0.400 | 0.160 |" in text, text
+    assert "| baseline | 1 |" not in text.split("4-bit gradient groups")[1]
+
+
 def test_gpu_recipe_needs_data(capsys):
     with pytest.raises(SystemExit):
         study.parse_args(["--recipe", "gpu-125m"])

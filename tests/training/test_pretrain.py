@@ -73,10 +73,15 @@ def test_metrics_file_has_every_field(runs):
         assert field in train[-1], field
     assert 0.2 < train[-1]["wire_ratio"] < 0.3  # ~4 bits instead of 16/32
     assert train[-1]["weight_quant_rel_error"] > 0
+    last = train[-1]  # the 4-bit groups' shape: a crest factor lies in [1, sqrt(128)]
+    assert 1 <= last["grad_crest_median"] <= last["grad_crest_p99"] <= last["grad_crest_max"] <= 128 ** 0.5
+    assert 0 <= last["grad_crest_share_above_8"] <= 1
+    assert 0 < last["grad_4bit_error_tlq"] < 1 and 0 < last["grad_4bit_error_tlq_hs"] < 1
     assert [r for r in records if r["kind"] == "valid"]
     assert os.path.isfile(os.path.join(root, "sdp", "loss.png"))
     exact = read_metrics(os.path.join(root, "exact", "metrics.jsonl"))
     assert exact[0]["wire_ratio"] == 1.0
+    assert exact[0]["grad_crest_p99"] is None  # no gradient quantized: nothing sampled
 
 
 def test_resume_continues_the_same_curve_bit_for_bit(runs):
