@@ -127,6 +127,10 @@ def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerpr
                   "--save-interval", str(checkpoint_interval)]
     elif os.path.isdir(run_dir):  # an unfinished earlier attempt: start it again
         shutil.rmtree(run_dir)
+    # The code the run imports is the checkout's when it starts (recorded at the end,
+    # a commit made meanwhile was taken for the one it ran on); a checkout that
+    # changes while it runs may have mixed both: counted as uncommitted code.
+    code = run_commit(ROOT)
     job = run_driver(flags, os.path.join(out, "logs", name + ".log"), ranks=ranks,
                      timeout=timeout, cwd=ROOT)
     if job.returncode != 0:
@@ -143,7 +147,9 @@ def run_one(out: str, config: str, seed: int, shared: list, ranks: int, fingerpr
               # the 4-bit gradient groups' shape over the second half (quantized runs only)
               "grad_groups": group_shape_means(metrics, after_iteration=last // 2),
               "seconds": round(job.seconds, 1), "flags": flags, "fingerprint": fingerprint,
-              **run_commit(ROOT), "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+              **code, "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if run_commit(ROOT) != code:
+        result["dirty"] = True
     path = os.path.join(out, "results", name + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".part", "w") as f:

@@ -228,3 +228,17 @@ def test_a_run_records_its_commit_and_whether_the_tree_was_dirty(tmp_path, monke
     monkeypatch.setattr(study, "run_commit", lambda root: {"commit": "c" * 40, "dirty": True})
     result = study.run_one(str(tmp_path), "qW", 1, ["--x"], 4, "fp")
     assert result["commit"] == "c" * 40 and result["dirty"] is True
+
+
+def test_a_run_records_the_commit_it_started_on_and_a_change_meanwhile(tmp_path, monkeypatch):
+    """The driver imports the code at its start: a commit made while it runs is not
+    the one it ran on (before, the commit at its end was recorded), and a run whose
+    checkout changed under it may have mixed both: marked dirty."""
+    _fake_driver(monkeypatch, [])
+    states = iter([{"commit": "a" * 40, "dirty": False}, {"commit": "a" * 40, "dirty": False},
+                   {"commit": "a" * 40, "dirty": False}, {"commit": "b" * 40, "dirty": False}])
+    monkeypatch.setattr(study, "run_commit", lambda root: next(states))
+    steady = study.run_one(str(tmp_path), "qW", 1, ["--x"], 4, "fp")
+    assert steady["commit"] == "a" * 40 and steady["dirty"] is False
+    moved = study.run_one(str(tmp_path), "qW", 2, ["--x"], 4, "fp")
+    assert moved["commit"] == "a" * 40 and moved["dirty"] is True
