@@ -107,12 +107,16 @@ def test_a_runner_gives_the_synchronous_result_bit_for_bit(world):
 
 @battery.case(*WORLDS)
 def back_to_back_equals_sync(rank: int, world: int) -> list:
-    """(rpn, dtype, chunks, bit-identical) of three reduce-scatters and a gather between
-    them, as the layer issues a step's buckets: one workspace per direction, one
-    rounding stream, every call submitted before any is waited for."""
+    """(rpn, dtype, chunks, bit-identical) of three reduce-scatters and two weight
+    gathers, each kind after each kind, as the layer issues a step's buckets: one
+    workspace per direction, one rounding stream each, every call submitted before any
+    is waited for; 1 or 3 chunks (and weight slices) per call."""
+    from megatron_sdp4bit.comm import weights
+
     runner = _runner(world)
     twin = runner.group_for(dist.group.WORLD)
     caps = reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS
+    slice_caps = weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS
     records = []
     try:
         for rpn in ranks_per_node_choices(world):
@@ -121,39 +125,47 @@ def back_to_back_equals_sync(rank: int, world: int) -> list:
                 for chunks in (1, 3):
                     reduce_scatter_plan.MAX_CHUNK_ELEMENTS = world * 256 if chunks > 1 else caps[0]
                     reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS = 1
+                    # weight slices of 2 groups (2 x 2048 per rank): 2 or 3 slices a gather
+                    weights.MAX_CHUNK_ELEMENTS = world * 4096 if chunks > 1 else slice_caps[0]
+                    weights.MIN_SLICE_ELEMENTS = 1
                     config = SDP4BitConfig(ranks_per_node=rpn, rounding="stochastic",
                                            pipeline_chunks=chunks)
                     # buckets of other sizes: the second one's plan grows the buffers
                     buckets = [make_input(rank, 30 + b, world * n, dtype, integers=False)
                                for b, n in enumerate((1024, 2050, 512))]
-                    model = make_input(0, 3, world * 768, dtype, integers=False)
-                    main = model.view(world, -1)[rank].float() + 0.01
+                    models = [make_input(0, 3 + m, world * n, dtype, integers=False)
+                              for m, n in enumerate((10240, 6144))]
+                    mains = [m.view(world, -1)[rank].float() + 0.01 for m in models]
                     results = {}
                     for mode, use in (("sync", None), ("runner", runner)):
                         grads_stream = torch.Generator().manual_seed(5 + rank)
                         weights_stream = torch.Generator().manual_seed(6 + rank)
                         grads_space, weights_space = Workspace(), Workspace()
                         outs = [torch.empty(x.numel() // world, dtype=dtype) for x in buckets]
-                        gathered = model.clone()
+                        gathered = [m.clone() for m in models]
                         handles = []
-                        for index, (x, out) in enumerate(zip(buckets, outs)):
-                            handles.append(quantized_reduce_scatter(
-                                out, x, op=dist.ReduceOp.AVG, group=twin if use else None,
-                                config=config, async_op=use is not None, generator=grads_stream,
-                                workspace=grads_space, runner=use))
-                            if index == 1:
-                                handles.append(quantized_all_gather_weights(
-                                    gathered, main, group=twin if use else None, config=config,
-                                    async_op=use is not None, generator=weights_stream,
-                                    workspace=weights_space, runner=use))
+                        # each kind after each kind: RS RS AG AG RS
+                        for kind, index in (("rs", 0), ("rs", 1), ("ag", 0), ("ag", 1), ("rs", 2)):
+                            if kind == "rs":
+                                handles.append(quantized_reduce_scatter(
+                                    outs[index], buckets[index], op=dist.ReduceOp.AVG,
+                                    group=twin if use else None, config=config,
+                                    async_op=use is not None, generator=grads_stream,
+                                    workspace=grads_space, runner=use))
+                                continue
+                            handles.append(quantized_all_gather_weights(
+                                gathered[index], mains[index], group=twin if use else None,
+                                config=config, async_op=use is not None,
+                                generator=weights_stream, workspace=weights_space, runner=use))
                         for handle in handles:
                             if handle is not None:
                                 handle.wait()
-                        results[mode] = outs + [gathered]
+                        results[mode] = outs + gathered
                     records.append((rpn, str(dtype), chunks, all(
                         torch.equal(a, b) for a, b in zip(results["sync"], results["runner"]))))
     finally:
         reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS = caps
+        weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS = slice_caps
         runner.close()
     return records
 
