@@ -23,6 +23,15 @@ holds at most ``MAX_CHUNK_ELEMENTS`` (more chunks than ``pipeline_chunks`` where
 needed), and chunks are launched one after another as earlier ones finish, so
 the buffers are a few chunks' codes whatever the bucket size.
 
+On a worker thread (gloo) a call is a ``StagedJob`` (``comm/runner.py``): the next
+call's chunk 0 is quantized and sent on its first hop while this call's last chunk
+is still on its second hop, before this call's last write. Bucket after bucket, the
+quantization of one then runs while the previous one's inter-node hop is on the
+wire. The rounding draws keep their order (a write draws none) and the buffers
+never meet: the next call's first stage uses first-hop buffers, the write waits on
+a second hop's; one level has no second hop, and its call finishes before the next
+starts.
+
 With ``async_op=True`` every stage of every chunk is handed to ``runner``
 (``comm/runner.py``) at call time: a worker thread (gloo) or a side stream (NCCL)
 runs them while the caller goes on, and only the handle's ``wait()`` joins the
@@ -46,7 +55,7 @@ from megatron_sdp4bit.comm.handles import finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
 from megatron_sdp4bit.comm.reduce_scatter_plan import ReduceScatterPlan
 from megatron_sdp4bit.comm.rounding_streams import pick_generator
-from megatron_sdp4bit.comm.runner import Completion, run_or_submit
+from megatron_sdp4bit.comm.runner import Completion, StagedJob, run_or_submit
 from megatron_sdp4bit.comm.topology import Topology, get_topology, peer_split
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -112,8 +121,10 @@ def quantized_reduce_scatter(
     gen = pick_generator(generator, config.rounding, input.device, config.seed,
                          topology.global_rank, "grads")
     run = _QuantizedReduceScatter(plan, gen, wire, topology)
-    # chunk by chunk: a few chunks' buffers alive at a time
-    return run_or_submit(runner, run.finish, async_op, (output, input, *plan.buffers))
+    # chunk by chunk: a few chunks' buffers alive at a time; on a thread runner the
+    # next bucket's first quantization runs while this one's last hop is on the wire
+    return run_or_submit(runner, StagedJob(run.start, run.launch_rest), async_op,
+                         (output, input, *plan.buffers))
 
 
 def _validate(output: torch.Tensor, input: torch.Tensor, op, dp_size: int) -> None:
@@ -150,15 +161,35 @@ class _QuantizedReduceScatter:
         self.first_hop: deque = deque()  # (chunk steps, first hop in flight)
         self.second_hop: deque = deque()  # (chunk steps, last hop in flight)
 
-    def finish(self) -> None:
-        """Every stage of every chunk, pipelined; the output is complete after."""
-        for steps in self.plan.chunks:
-            steps.quantize(self.generator)
-            self.first_hop.append((steps, self._exchange(steps.hops[0])))
-            self._advance(keep=1)  # the chunk just launched stays in flight
+    def start(self) -> None:
+        """Chunk 0: quantize and start its first hop (``StagedJob``'s head). It touches
+        the first hop's slot-0 buffers only, which no earlier reduce-scatter's
+        ``complete`` uses: that is a second hop's (and the output's)."""
+        self._launch(self.plan.chunks[0])
+
+    def launch_rest(self):
+        """Every other stage up to the last chunk's last hop in flight; returns
+        ``complete`` for two levels (what is left: wait and write the last chunk, no
+        rounding draws), None for one level, whose last hop uses first-hop buffers
+        that the next call's ``start`` takes: it finishes here."""
+        for steps in self.plan.chunks[1:]:
+            self._launch(steps)
+        if self.plan.levels == 1:
+            self.complete()
+            return None
+        self._advance(keep=0)  # every chunk on its last hop; all but the last written
+        return self.complete
+
+    def complete(self) -> None:
+        """Wait for the hops in flight and write their chunks: the output is complete."""
         self._advance(keep=0)
         while self.second_hop:
             self._write(*self.second_hop.popleft())
+
+    def _launch(self, steps) -> None:
+        steps.quantize(self.generator)
+        self.first_hop.append((steps, self._exchange(steps.hops[0])))
+        self._advance(keep=1)  # the chunk just launched stays in flight
 
     def _advance(self, keep: int) -> None:
         """Move all but ``keep`` first-hop chunks on to their last hop, writing each

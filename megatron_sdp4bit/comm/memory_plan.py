@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, Sequence
 
-from megatron_sdp4bit.comm.buffer_names import GRADS_SUM, grads_hop, weights_gather, weights_send
+from megatron_sdp4bit.comm.buffer_names import (GRADS_SUM, SLOTS, grads_hop, weights_gather,
+                                                weights_send)
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, weight_slices
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant.types import QuantizedTensor, num_groups
@@ -121,13 +122,16 @@ def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
 
 def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig) -> Dict[str, int]:
     """Bytes per workspace buffer name of one bucket's qW/qWD all-gather, slice by slice in
-    two slots: this rank's segment and every rank's. (Exact gathers add nothing.)"""
+    two slots (either slot for a one-slice bucket): this rank's segment and every
+    rank's. (Exact gathers add nothing.)"""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_weights:
         return {}
     demands = []
-    for index, (_, n) in enumerate(weight_slices(shard, dp, config.weight_group_size, False,
-                                                 MAX_CHUNK_ELEMENTS)):
+    slices = weight_slices(shard, dp, config.weight_group_size, False, MAX_CHUNK_ELEMENTS)
+    # A call starts on the slot after the previous call's last (Workspace.next_slots):
+    # a one-slice bucket may take either slot.
+    for index, (_, n) in enumerate(slices * SLOTS if len(slices) < SLOTS else slices):
         own = segment_nbytes(n, config.weight_bits, config.weight_group_size)
         demands.append({weights_send(index): own, weights_gather(index): dp * own})
     return _merge_max(demands)

@@ -18,6 +18,14 @@ the returned handle's ``wait()`` joins the caller with it.
   kernels and collectives go to a side stream that first waits for the caller's
   stream; waiting on NCCL blocks no host thread, so nothing is left for a thread.
 
+A job may come in stages (``StagedJob``): its ``head`` may run before the previous
+job's deferred ``tail``. The thread runner then overlaps bucket i's last hop (on
+the wire) with bucket i + 1's quantization (on the cores): the chain of a step's
+buckets costs about max(transfer, arithmetic) per bucket instead of their sum.
+The draws from a rounding stream keep the synchronous order (a tail draws none),
+and a head touches no buffer a tail uses (``gradients.py`` says why for its own).
+The other runners run the stages in order (a stream already queues them).
+
 Every job of a runner is ordered after the previous one (one worker, one stream):
 jobs may share buffers (``Workspace``), and every rank issues each process
 group's collectives in submission order, which is the same on every rank when the
@@ -46,6 +54,26 @@ from megatron_sdp4bit.comm.topology import private_group
 logger = logging.getLogger(__name__)
 
 Job = Callable[[], None]
+
+
+class StagedJob:
+    """A job a thread runner may interleave with its neighbours: ``head()`` may run
+    before the previous job's tail, ``body()`` after it, and ``body()`` returns the
+    job's ``tail`` (or None), which may run after the next job's head. Called as a
+    plain job, the three run in order.
+
+    The job's author guarantees what makes that safe: a head uses no buffer that an
+    earlier job's tail still uses, and a tail draws from no rounding stream (so the
+    draws keep the order of the synchronous call)."""
+
+    def __init__(self, head: Job, body: Callable[[], Optional[Job]]) -> None:
+        self.head, self.body = head, body
+
+    def __call__(self) -> None:
+        self.head()
+        tail = self.body()
+        if tail is not None:
+            tail()
 
 
 class Completion:
@@ -195,38 +223,79 @@ class ThreadRunner:
     def _work(self) -> None:
         if self._stream is not None:
             torch.cuda.set_device(self.device)
+        deferred = None  # (tail, tensors, handle) of the last job, whose tail waits
         while True:
+            if deferred is not None and self._jobs.empty():
+                # nothing to overlap it with: finish it now rather than hold its waiter
+                deferred = self._finish(*deferred)
             item = self._jobs.get()
-            if item is None:
-                return
-            if isinstance(item, threading.Event):
+            if item is None or isinstance(item, threading.Event):
+                if deferred is not None:  # drain and close complete every job first
+                    deferred = self._finish(*deferred)
+                if item is None:
+                    return
                 item.set()
                 continue
             job, tensors, ready, handle = item
             item = None  # the job and its tensors are not kept past it
-            try:
-                if self._failure is not None:
-                    raise _failed_before(self._failure)
-                self._run(job, tensors, ready, handle)
-            except BaseException as error:  # handed to the waiter, never lost
-                handle.error = error
-                if self._failure is None:
-                    self._failure = error
-            finally:
-                job = tensors = None
-                handle._done.set()
+            head, body = (job.head, job.body) if isinstance(job, StagedJob) else (None, job)
+            job = None
+            ok, _ = self._attempt(handle, head, ready)
+            if deferred is not None:  # the earlier job's tail, after this one's head
+                deferred = self._finish(*deferred)
+            ok, tail = self._attempt(handle, body) if ok else (False, None)
+            if head is None:
+                tail = None  # a plain job's result is no tail
+            head = body = None
+            if tail is not None:
+                deferred = (tail, tensors, handle)
+            else:
+                self._complete(tensors, handle)
+            tensors = tail = None
 
-    def _run(self, job: Job, tensors, ready, handle: Completion) -> None:
-        with torch.no_grad():
-            if self._stream is None:
-                job()
-                return
-            self._stream.wait_event(ready)
-            with torch.cuda.stream(self._stream):
-                job()
-            for tensor in tensors:
-                tensor.record_stream(self._stream)
-            handle._device_done.record(self._stream)
+    def _attempt(self, handle: Completion, part: Optional[Callable], ready=None) -> tuple:
+        """``(ok, result)`` of running ``part`` (None: nothing) on the runner's stream,
+        that stream first made to wait for the submitter's work (``ready``). An error
+        goes to ``handle`` and fails every later job; after an earlier failure nothing
+        runs."""
+        try:
+            if self._failure is not None:
+                raise _failed_before(self._failure)
+            with torch.no_grad():
+                if self._stream is None:
+                    return True, part() if part is not None else None
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                with torch.cuda.stream(self._stream):
+                    return True, part() if part is not None else None
+        except BaseException as error:  # handed to the waiter, never lost
+            handle.error = error
+            if self._failure is None:
+                self._failure = error
+            return False, None
+
+    def _finish(self, tail: Job, tensors, handle: Completion) -> None:
+        """Run a deferred tail and complete its job; returns None. A failure since its
+        body ran does not skip it: its hops are in flight, and it is that job's to
+        finish (an error of its own goes to its handle)."""
+        failure, self._failure = self._failure, None
+        try:
+            self._attempt(handle, tail)
+        finally:
+            self._failure = failure or self._failure
+        self._complete(tensors, handle)
+        return None
+
+    def _complete(self, tensors, handle: Completion) -> None:
+        """The job is over on the host: its tensors recorded on the side stream, its
+        device event recorded after its work, its waiter released."""
+        try:
+            if self._stream is not None:
+                for tensor in tensors:
+                    tensor.record_stream(self._stream)
+                handle._device_done.record(self._stream)
+        finally:
+            handle._done.set()
 
 
 def _failed_before(error: BaseException) -> RuntimeError:

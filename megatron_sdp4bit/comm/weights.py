@@ -30,7 +30,7 @@ from megatron_sdp4bit.comm.handles import finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_gather_flat
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, weight_slices
 from megatron_sdp4bit.comm.rounding_streams import pick_generator
-from megatron_sdp4bit.comm.runner import Completion, run_or_submit
+from megatron_sdp4bit.comm.runner import Completion, StagedJob, run_or_submit
 from megatron_sdp4bit.comm.topology import peer_split
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -119,12 +119,17 @@ def quantized_all_gather_weights(
         everyone = wire_view(incoming, dp_size, n, config.weight_bits, config.weight_group_size)
         return _Gather(targets[:, start:stop], everyone, work)
 
-    # Slice by slice (``_gather_in_slices``), so a bucket of every parameter (megatron's
+    # Slice by slice (``_SliceGathers``), so a bucket of every parameter (megatron's
     # without overlap) needs a few slices' codes at a time, not the whole bucket's.
     slices = weight_slices(shard, dp_size, config.weight_group_size, whole=False,
                            max_chunk_elements=MAX_CHUNK_ELEMENTS,
                            min_slice_elements=MIN_SLICE_ELEMENTS)
-    return run_or_submit(runner, lambda: _gather_in_slices(gather, slices, add), async_op,
+    # The slots continue from the previous call on this workspace: its last slice's and
+    # this call's first differ, so a thread runner may start this call while that
+    # slice is still being applied (``_SliceGathers``).
+    first_slot = space.next_slots("weights", len(slices))
+    run = _SliceGathers(gather, slices, first_slot, add)
+    return run_or_submit(runner, StagedJob(run.start, run.rest), async_op,
                          (model_buffer, main_shard))
 
 
@@ -144,16 +149,36 @@ def _exact_all_gather(flat: torch.Tensor, main_shard: torch.Tensor, group, async
     return run_or_submit(runner, gather, async_op, (flat, main_shard))
 
 
-def _gather_in_slices(gather: Callable[[int, int, int], "_Gather"], slices, add: bool) -> None:
-    """Slice i + 1's gather in flight while slice i is applied. Two slots: slice i + 2
-    reuses slice i's buffers, applied (so waited for) before slice i + 2 is quantized."""
-    previous = None
-    for index, (start, n) in enumerate(slices):
-        current = gather(start, start + n, index)
-        if previous is not None:
-            previous.apply(add)
-        previous = current
-    previous.apply(add)
+class _SliceGathers:
+    """One call's slices: slice i + 1's gather in flight while slice i is applied. Two
+    slots: slice i + 2 reuses slice i's buffers, applied (so waited for) before slice
+    i + 2 is quantized.
+
+    As a ``StagedJob``: ``start`` (the head) quantizes slice 0 and starts its gather;
+    ``rest`` runs every other slice and returns the last slice's apply (the tail: a
+    wait and a dequantize, no rounding draws), which a thread runner runs after the
+    next call's head. That head takes the slot after this call's last one, and the
+    next call's second slice (this call's last slot again) comes after the tail."""
+
+    def __init__(self, gather: Callable[[int, int, int], "_Gather"], slices, first_slot: int,
+                 add: bool):
+        self.gather, self.slices, self.first_slot, self.add = gather, slices, first_slot, add
+        self.previous: Optional[_Gather] = None
+
+    def start(self) -> None:
+        self.previous = self._gather(0)
+
+    def rest(self) -> Callable[[], None]:
+        for index in range(1, len(self.slices)):
+            current = self._gather(index)
+            self.previous.apply(self.add)
+            self.previous = current
+        last, self.previous = self.previous, None
+        return lambda: last.apply(self.add)
+
+    def _gather(self, index: int) -> "_Gather":
+        start, n = self.slices[index]
+        return self.gather(start, start + n, self.first_slot + index)
 
 
 class _Gather:

@@ -25,6 +25,8 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from megatron_sdp4bit.comm.buffer_names import SLOTS
+
 
 class Workspace:
     """Named uint8 buffers, each as large as the largest request made for its name, and
@@ -33,6 +35,15 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: Dict[Tuple[str, str], torch.Tensor] = {}
         self._plans: Dict[int, tuple] = {}  # id(input) -> (weakref to it, {key: plan})
+        self._next_slot: Dict[str, int] = {}
+
+    def next_slots(self, kind: str, count: int) -> int:
+        """The first of ``count`` consecutive slot numbers for a call of ``kind``: the one
+        after the previous such call's last, so that two calls in a row start and end on
+        different slots (``buffer_names``: a slot is its number modulo ``SLOTS``)."""
+        first = self._next_slot.get(kind, 0)
+        self._next_slot[kind] = (first + count) % SLOTS
+        return first
 
     def buffer(self, name: str, nbytes: int, device) -> torch.Tensor:
         """A 1-D uint8 tensor of ``nbytes`` on ``device``: the start of the buffer kept

@@ -41,8 +41,10 @@ def test_held_is_one_fp32_main_shard_per_bucket(dp):
 def test_weight_buffers_are_this_ranks_segment_and_every_ranks():
     dp, shard = 8, 4096
     own = segment_nbytes(shard, 4, 2048)
+    # one slice, in either slot: a call starts on the slot after the previous call's last
     assert weight_buffer_demand(dp * shard, dp, SDP) == {
-        "weights send 0": own, "weights gather 0": dp * own}
+        "weights send 0": own, "weights gather 0": dp * own,
+        "weights send 1": own, "weights gather 1": dp * own}
     assert own == quantized_nbytes(shard, 4, 2048) + 8  # scales 16-byte aligned: 2 + 6 pad bytes
     assert weight_buffer_demand(dp * shard, dp, preset("tlq-hs-only")) == {}  # megatron's own
     assert weight_gather_scratch(dp * shard, dp, SDP) == 0  # qWD adds in place
@@ -112,7 +114,8 @@ def test_sync_weight_gather_works_in_slices():
     per_rank = max(MAX_CHUNK_ELEMENTS // dp, MIN_SLICE_ELEMENTS)
     assert sum(sliced.values()) == 2 * (dp + 1) * segment_nbytes(per_rank, 4, 2048)
     small = dp * 4096
-    assert set(weight_buffer_demand(small, dp, SDP)) == {"weights send 0", "weights gather 0"}
+    assert set(weight_buffer_demand(small, dp, SDP)) == {
+        f"weights {kind} {slot}" for kind in ("send", "gather") for slot in (0, 1)}
 
 
 def test_synchronous_gathers_keep_useful_calls_at_many_ranks():

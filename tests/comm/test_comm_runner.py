@@ -8,6 +8,10 @@ Properties checked against the synchronous call and the exact collective:
 - the call returns before its collective is done (a peer that starts late does not
   hold the caller), and the caller's own collectives on the original group run
   meanwhile without pairing with the runner's (the runner uses a private twin);
+- buckets submitted back to back, whose stages the worker interleaves (the next
+  bucket's first quantization before the previous one's last write), give the
+  synchronous results of the same calls one after another, on one workspace and
+  one rounding stream, with a weight gather between them;
 - a job that fails makes its wait raise, and every later job fails without running.
 """
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch.distributed as dist
 from comm_worlds import WORLDS, battery, make_input, ranks_per_node_choices
 from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm import quantized_all_gather_weights, quantized_reduce_scatter, reduce_scatter_plan
-from megatron_sdp4bit.comm.runner import InlineRunner, ThreadRunner, run_or_submit
+from megatron_sdp4bit.comm.runner import InlineRunner, StagedJob, ThreadRunner, run_or_submit
 from megatron_sdp4bit.comm.topology import build_private_groups
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -99,6 +103,78 @@ def test_a_runner_gives_the_synchronous_result_bit_for_bit(world):
         assert len(records) == 2 * 2 * 2 * 2 * len(ranks_per_node_choices(world))
         different = [r for r in records if not r[-1]]
         assert not different, f"rank {rank}: overlapped differs from sync for {different}"
+
+
+@battery.case(*WORLDS)
+def back_to_back_equals_sync(rank: int, world: int) -> list:
+    """(rpn, dtype, chunks, bit-identical) of three reduce-scatters and two weight
+    gathers, each kind after each kind, as the layer issues a step's buckets: one
+    workspace per direction, one rounding stream each, every call submitted before any
+    is waited for; 1 or 3 chunks (and weight slices) per call."""
+    from megatron_sdp4bit.comm import weights
+
+    runner = _runner(world)
+    twin = runner.group_for(dist.group.WORLD)
+    caps = reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS
+    slice_caps = weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS
+    records = []
+    try:
+        for rpn in ranks_per_node_choices(world):
+            comm.get_topology(twin, rpn)
+            for dtype in DTYPES:
+                for chunks in (1, 3):
+                    reduce_scatter_plan.MAX_CHUNK_ELEMENTS = world * 256 if chunks > 1 else caps[0]
+                    reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS = 1
+                    # weight slices of 2 groups (2 x 2048 per rank): 2 or 3 slices a gather
+                    weights.MAX_CHUNK_ELEMENTS = world * 4096 if chunks > 1 else slice_caps[0]
+                    weights.MIN_SLICE_ELEMENTS = 1
+                    config = SDP4BitConfig(ranks_per_node=rpn, rounding="stochastic",
+                                           pipeline_chunks=chunks)
+                    # buckets of other sizes: the second one's plan grows the buffers
+                    buckets = [make_input(rank, 30 + b, world * n, dtype, integers=False)
+                               for b, n in enumerate((1024, 2050, 512))]
+                    models = [make_input(0, 3 + m, world * n, dtype, integers=False)
+                              for m, n in enumerate((10240, 6144))]
+                    mains = [m.view(world, -1)[rank].float() + 0.01 for m in models]
+                    results = {}
+                    for mode, use in (("sync", None), ("runner", runner)):
+                        grads_stream = torch.Generator().manual_seed(5 + rank)
+                        weights_stream = torch.Generator().manual_seed(6 + rank)
+                        grads_space, weights_space = Workspace(), Workspace()
+                        outs = [torch.empty(x.numel() // world, dtype=dtype) for x in buckets]
+                        gathered = [m.clone() for m in models]
+                        handles = []
+                        # each kind after each kind: RS RS AG AG RS
+                        for kind, index in (("rs", 0), ("rs", 1), ("ag", 0), ("ag", 1), ("rs", 2)):
+                            if kind == "rs":
+                                handles.append(quantized_reduce_scatter(
+                                    outs[index], buckets[index], op=dist.ReduceOp.AVG,
+                                    group=twin if use else None, config=config,
+                                    async_op=use is not None, generator=grads_stream,
+                                    workspace=grads_space, runner=use))
+                                continue
+                            handles.append(quantized_all_gather_weights(
+                                gathered[index], mains[index], group=twin if use else None,
+                                config=config, async_op=use is not None,
+                                generator=weights_stream, workspace=weights_space, runner=use))
+                        for handle in handles:
+                            if handle is not None:
+                                handle.wait()
+                        results[mode] = outs + gathered
+                    records.append((rpn, str(dtype), chunks, all(
+                        torch.equal(a, b) for a, b in zip(results["sync"], results["runner"]))))
+    finally:
+        reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS = caps
+        weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS = slice_caps
+        runner.close()
+    return records
+
+
+def test_buckets_back_to_back_on_a_runner_give_the_synchronous_results(world):
+    for rank, records in enumerate(battery.results(back_to_back_equals_sync, world)):
+        assert len(records) == 2 * 2 * len(ranks_per_node_choices(world))
+        different = [r for r in records if not r[-1]]
+        assert not different, f"rank {rank}: back-to-back buckets differ from sync for {different}"
 
 
 @battery.case(2, 4)
@@ -198,3 +274,69 @@ def test_without_a_runner_or_inline_the_job_runs_at_the_call():
     assert handle.is_completed() and handle.wait() and ran == [1, 2]
     handle = run_or_submit(InlineRunner(), lambda: ran.append(3), async_op=True)
     assert handle.is_completed() and ran == [1, 2, 3]
+
+
+def _staged(log, name, gate=None, fail_in=None):
+    """A StagedJob that logs its stages; its head waits for ``gate`` first."""
+    def head():
+        if gate is not None:
+            gate.wait()
+        if fail_in == "head":
+            raise ValueError(f"{name} head")
+        log.append(f"{name} head")
+
+    def body():
+        log.append(f"{name} body")
+        return lambda: log.append(f"{name} tail")
+
+    return StagedJob(head, body)
+
+
+def test_the_next_jobs_head_runs_before_the_previous_jobs_tail():
+    """Queued jobs interleave: head 2 between body 1 and tail 1; a plain job comes after
+    the tail before it; the last job's tail runs without a next job to wait for."""
+    import threading
+
+    runner = ThreadRunner(torch.device("cpu"))
+    log, gate = [], threading.Event()
+    try:
+        first = runner.submit(_staged(log, "1", gate))
+        second = runner.submit(_staged(log, "2"))
+        plain = runner.submit(lambda: log.append("plain"))
+        third = runner.submit(_staged(log, "3"))
+        gate.set()  # all four are queued before the first head runs
+        third.wait()
+        assert log == ["1 head", "1 body", "2 head", "1 tail", "2 body", "2 tail", "plain",
+                       "3 head", "3 body", "3 tail"]
+        assert all(h.is_completed() for h in (first, second, plain))
+        lone = runner.submit(_staged(log, "4"))
+        lone.wait()  # nothing after it: its tail is not held back
+        assert log[-1] == "4 tail"
+    finally:
+        runner.close()
+
+
+def test_a_failing_head_leaves_the_earlier_job_to_finish_and_fails_the_later_ones():
+    import threading
+
+    runner = ThreadRunner(torch.device("cpu"))
+    log, gate = [], threading.Event()
+    try:
+        first = runner.submit(_staged(log, "1", gate))
+        second = runner.submit(_staged(log, "2", fail_in="head"))
+        third = runner.submit(_staged(log, "3"))
+        gate.set()
+        assert first.wait()  # its hops were in flight: it finishes, unharmed
+        with pytest.raises(ValueError, match="2 head"):
+            second.wait()
+        with pytest.raises(RuntimeError, match="earlier collective"):
+            third.wait()
+        assert log == ["1 head", "1 body", "1 tail"]
+    finally:
+        runner.close()
+
+
+def test_a_staged_job_called_plainly_runs_its_stages_in_order():
+    log = []
+    assert run_or_submit(InlineRunner(), _staged(log, "x"), async_op=False) is None
+    assert log == ["x head", "x body", "x tail"]
