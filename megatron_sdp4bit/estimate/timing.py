@@ -36,7 +36,10 @@ The model, stated once (docs/performance.md, "Estimator"):
   outrun that work (then the queue grows and the excess is exposed: the
   ``comm - window x (B - 1) / B`` term). The runner runs each bucket's kernels
   and transfers one after the other, so ``comm`` there is the chain: transfers,
-  latency and the direction's kernels. Not modelled: the kernels' share of the
+  latency and the direction's kernels. (The thread runner also runs bucket
+  i + 1's first quantization while bucket i's last hop is on the wire, one
+  hop per bucket: left out, so the modelled chain is slightly long; measured against
+  the CPU study in docs/performance.md, "Overlap".) Not modelled: the kernels' share of the
   device beside the backward pass (on a GPU they may take SMs the backward
   needs; on the CPU emulation they take its cores).
 """
