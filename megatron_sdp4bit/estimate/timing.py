@@ -24,17 +24,22 @@ The model, stated once (docs/performance.md, "Estimator"):
   staging copy (``kernels.py``); without overlap they add to the step.
 - **Overlap** (``none``, ``grads``, ``full``): ``none`` adds everything.
   ``grads`` hides bucket i's reduce-scatter under the backward pass of the
-  buckets after it (Megatron's ``--overlap-grad-reduce``): exposed =
-  ``max(comm / B, comm - backward x (B - 1) / B)`` with B buckets and
-  backward = 2/3 of compute. ``full`` also hides the all-gather under the
-  next forward pass (1/3 of compute; ``--overlap-param-gather``). That is this
+  buckets after it (Megatron's ``--overlap-grad-reduce``), backward = 2/3 of
+  compute. ``full`` also hides the all-gather under the next forward pass (1/3
+  of compute; ``--overlap-param-gather``). Each is a queue, bucket by bucket
+  (``_reduce_scatter_exposed``, ``_gather_exposed``): bucket i's share of the
+  elements is its share of the chain and of the pass, the backward pass makes
+  the buckets ready in megatron's order and the forward pass needs them in the
+  reverse one. With B equal buckets the exposed time is
+  ``max(comm / B, comm - window x (B - 1) / B)``; with tied embeddings the
+  bucket that holds them (reduced last, gathered first) is often the largest,
+  and its share is what no schedule hides. That is this
   project's schedule (``comm/runner.py``): every stage of bucket i's collective
   is issued when megatron starts it, on a side stream or a worker thread that
   runs the buckets' collectives one after another, so it hides behind the
   backward (forward) work of the buckets after (before) it, all but the last
   bucket's reduce-scatter and the first bucket's gather, unless the collectives
-  outrun that work (then the queue grows and the excess is exposed: the
-  ``comm - window x (B - 1) / B`` term). The runner runs each bucket's kernels
+  outrun that work (then the queue grows and the excess is exposed). The runner runs each bucket's kernels
   and transfers one after the other, so ``comm`` there is the chain: transfers,
   latency and the direction's kernels. (The thread runner also runs bucket
   i + 1's first quantization while bucket i's last hop is on the wire, one
@@ -205,10 +210,35 @@ def _kernel_ops(shard: int, layout, config: SDP4BitConfig,
     return ops
 
 
-def _exposed(comm: float, window: float, buckets: int) -> float:
-    if buckets <= 1:
-        return comm
-    return max(comm / buckets, comm - window * (buckets - 1) / buckets)
+def _bucket_shares(buckets: Dict[int, List[int]]) -> List[float]:
+    """Each bucket's share of the elements, in megatron's bucket order (the first is
+    reduced first), of the stage with the most buckets (megatron buckets stage 0 only)."""
+    numels = max(buckets.values(), key=len)
+    total = sum(numels)
+    return [n / total for n in numels]
+
+
+def _reduce_scatter_exposed(comm: float, backward: float, shares: List[float]) -> float:
+    """What of a chain of ``comm`` seconds outlasts the ``backward`` pass: bucket i is
+    ready once the backward pass has done its share of the elements, and the chain runs
+    the buckets one after another, each taking its share of ``comm``. The last bucket's
+    share is never hidden; a chain that outruns the backward pass exposes its excess."""
+    ready = done = 0.0
+    for share in shares:
+        ready += backward * share
+        done = max(done, ready) + comm * share
+    return done - backward
+
+
+def _gather_exposed(comm: float, forward: float, shares: List[float]) -> float:
+    """What a chain of ``comm`` seconds of gathers, all issued before the ``forward``
+    pass, adds to it: the forward pass runs the buckets in the reverse order, each once
+    its gather is done. The first bucket's gather is never hidden."""
+    gathered = computed = 0.0
+    for share in reversed(shares):
+        gathered += comm * share
+        computed = max(computed, gathered) + forward * share
+    return computed - forward
 
 
 def _compute(cluster: Cluster, workload: Workload, microbatches: int) -> Tuple[float, float, str]:
@@ -406,23 +436,24 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
     weight_lat = cluster.latency.seconds(t.weight_calls)
     grad_s = _collective_seconds(t.grad_phases, t.pipelined, net) + grad_lat
     weight_s = _collective_seconds([t.weight], 1, net) + weight_lat
-    n_buckets = max(len(b) for b in buckets.values())
+    shares = _bucket_shares(buckets)
     backward, forward = compute_s * 2 / 3, compute_s / 3
     # An overlapped direction's kernels run in the runner's chain with its transfers
     # (one after the other, bucket after bucket): the chain hides as a whole. Where the
     # kernels share the compute's cores (a CPU), they cost that time anyway: they stay
-    # in the step and lengthen the window they run in instead.
+    # in the step, as part of the pass they run beside, and the chain is the transfers.
     grad_kernels = sum(s for op, s in t.kernel_ops.items() if op.startswith("grad_"))
     weight_kernels = sum(t.kernel_ops.values()) - grad_kernels
     kernel_s = sum(t.kernel_ops.values())
     shared = kernels.shares_compute
     grad_exposed, weight_exposed = grad_s, weight_s
     if workload.overlap != "none":
-        grad_exposed = _exposed(grad_s + grad_kernels, backward + shared * grad_kernels, n_buckets)
+        grad_exposed = (_reduce_scatter_exposed(grad_s, backward + grad_kernels, shares) if shared
+                        else _reduce_scatter_exposed(grad_s + grad_kernels, backward, shares))
         kernel_s -= 0 if shared else grad_kernels
     if workload.overlap == "full":
-        weight_exposed = _exposed(weight_s + weight_kernels, forward + shared * weight_kernels,
-                                  n_buckets)
+        weight_exposed = (_gather_exposed(weight_s, forward + weight_kernels, shares) if shared
+                          else _gather_exposed(weight_s + weight_kernels, forward, shares))
         kernel_s -= 0 if shared else weight_kernels
     memory = max((_stage_memory(stage, layout, buckets[stage], config, cluster, workload)
                   for stage, layout in layouts), key=lambda m: m.per_param(m.total_bytes))

@@ -11,6 +11,7 @@ from megatron_sdp4bit.estimate.kernels import KernelModel
 from megatron_sdp4bit.estimate.gpt_shape import (ModelShape, bucket_numels, load_model_shape,
                                              stage_params, total_params)
 from megatron_sdp4bit.estimate.network import NO_LATENCY
+from megatron_sdp4bit.estimate import timing
 from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -158,6 +159,44 @@ def test_overlap_hides_communication_but_not_the_last_buckets():
         # the last bucket's reduce-scatter completes after the backward pass
         v = full.variants[name]
         assert v.grad_exposed_s >= v.grad_comm_s / len(full.buckets[0]) - 1e-12
+
+
+@pytest.mark.parametrize("comm, window", [(0.2, 1.0), (1.0, 1.0), (3.0, 1.0)])
+def test_equal_buckets_expose_the_last_one_or_the_excess(comm, window):
+    """With B equal buckets the queue gives the closed form: the last bucket's share,
+    or what the chain has beyond the window of the B - 1 buckets before it."""
+    for buckets in (1, 2, 4, 8):
+        shares = [1 / buckets] * buckets
+        closed = max(comm / buckets, comm - window * (buckets - 1) / buckets)
+        assert timing._reduce_scatter_exposed(comm, window, shares) == pytest.approx(closed)
+        assert timing._gather_exposed(comm, window, shares) == pytest.approx(closed)
+
+
+def test_the_bucket_reduced_last_and_gathered_first_is_never_hidden():
+    """The reduce-scatter's last bucket starts when the backward pass ends; the forward
+    pass's first bucket (megatron's last) waits for its gather. However long the
+    passes, that bucket's share of each chain stays exposed."""
+    shares = [0.2, 0.2, 0.2, 0.4]   # the embedding bucket last, as in bench_slow_link's model
+    assert timing._reduce_scatter_exposed(1.0, 100.0, shares) == pytest.approx(0.4)
+    assert timing._gather_exposed(1.0, 100.0, shares) == pytest.approx(0.4)
+    assert timing._gather_exposed(1.0, 100.0, shares[::-1]) == pytest.approx(0.2)
+
+
+def test_the_slow_link_models_embedding_bucket_is_the_floor_of_its_overlap():
+    """bench_slow_link's overlap presets: 4 buckets of 1 M, the last (tied embeddings)
+    40% of the elements; overlapped, at least that share of each direction stays out."""
+    from megatron_sdp4bit.benchmarks.slow_link.presets import MODEL_FLAGS, OVERLAP_BUCKET_SIZE
+    shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
+    e = estimate(Cluster(2, 2, 1, 1, 10.0, 0.1),
+                 Workload(shape=shape, global_batch=16, micro_batch=4, compute_s=10.0,
+                          overlap="full", bucket_size=OVERLAP_BUCKET_SIZE, param_element_size=4),
+                 KernelModel("cpu"), ["baseline", "sdp4bit"])
+    numels = e.buckets[0]
+    assert len(numels) == 4 and numels[-1] / sum(numels) == pytest.approx(0.403, abs=0.001)
+    for v in e.variants.values():
+        assert v.grad_exposed_s >= 0.4 * v.grad_comm_s
+        assert v.weight_exposed_s >= 0.4 * v.weight_comm_s
+        assert v.grad_exposed_s < 0.41 * v.grad_comm_s  # 10 s of compute hide the rest
 
 
 def test_exact_reduce_scatter_algorithms_order_by_bytes():
