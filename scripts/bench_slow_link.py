@@ -57,7 +57,7 @@ from typing import List, Optional
 
 from megatron_sdp4bit.benchmarks.emulated_nodes import SetupError, check_host
 from megatron_sdp4bit.benchmarks.slow_link.collectives_alone import run_collectives
-from megatron_sdp4bit.benchmarks.slow_link.presets import LR_WARMUP_ITERS, PRESET_FLAGS
+from megatron_sdp4bit.benchmarks.slow_link.presets import LR_WARMUP_ITERS, NUM_LAYERS, PRESET_FLAGS
 from megatron_sdp4bit.benchmarks.slow_link.report import replay
 from megatron_sdp4bit.benchmarks.slow_link.study import run_study
 
@@ -90,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--presets", default="baseline,sdp4bit",
                    help=f"comma-separated, the first is the reference: {', '.join(PRESET_FLAGS)}")
     p.add_argument("--repeats", type=int, default=2, help="runs per (rate, preset), interleaved")
+    p.add_argument("--num-layers", type=int, default=NUM_LAYERS,
+                   help=f"layers of the model (default {NUM_LAYERS}: `make train`'s); more layers put "
+                        "a smaller share of the bytes in the embedding bucket, which overlap "
+                        "cannot hide")
     p.add_argument("--iters", type=int, default=16, help="training iterations per run")
     p.add_argument("--warmup", type=int, default=4, help="first iterations of a run not measured")
     p.add_argument("--delay-ms", type=float, default=0.0,
@@ -135,6 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--presets: unknown {unknown}; choose from {', '.join(PRESET_FLAGS)}")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.num_layers < 1:
+        p.error(f"--num-layers must be >= 1, got {args.num_layers}")
     if args.iters <= LR_WARMUP_ITERS:
         p.error(f"--iters must be above {LR_WARMUP_ITERS} (the runs' learning-rate warm-up)")
     if not 0 <= args.warmup < args.iters:

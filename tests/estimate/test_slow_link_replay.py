@@ -94,3 +94,33 @@ def test_a_run_without_link_probes_replays_its_tables_without_the_estimator(tmp_
     proc = _replay(path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "did not probe their links" in proc.stdout and "exposed O_R - L" in proc.stdout
+
+
+def test_num_layers_reaches_the_ranks_and_the_replayed_estimate(tmp_path):
+    """``--num-layers``: the ranks train that model, and a replay prices that model's bytes
+    (read back from the file's command), not the default one's."""
+    from argparse import Namespace
+
+    from megatron_sdp4bit.benchmarks.slow_link.presets import NUM_LAYERS
+    from megatron_sdp4bit.benchmarks.slow_link.runs import node_command
+
+    argv = node_command(Namespace(num_layers=12, dtype="fp32", iters=6, python=sys.executable),
+                        0, 29600, "sdp4bit-overlap", str(tmp_path / "run"))
+    assert argv[argv.index("--num-layers") + 1] == "12" and argv.count("--num-layers") == 1
+    default = node_command(Namespace(num_layers=NUM_LAYERS, dtype="fp32", iters=6,
+                                     python=sys.executable), 0, 29600, "sdp4bit", str(tmp_path))
+    assert default[default.index("--num-layers") + 1] == str(NUM_LAYERS)
+
+    probed = Probed(10.0, {None: 9.0, 100.0: 0.0958}, 7.0, {None: 8.0, 100.0: 200.0})
+    waits = {}
+    for layers in (NUM_LAYERS, 12):
+        path = tmp_path / f"layers{layers}.json"
+        write_json(str(path), COMMAND + f" --num-layers {layers}", probed, _cells(), None)
+        proc = _replay(path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows = {line.split("|")[2].strip(): float(line.split("|")[5])
+                for line in proc.stdout.splitlines() if line.startswith("| 100 Mbit/s (0.0958)")}
+        # the exact collectives' link time grows with the model more than SDP4Bit's
+        waits[layers] = next(v for k, v in rows.items() if k.startswith("exact")) - next(
+            v for k, v in rows.items() if k.startswith("SDP4Bit"))
+    assert waits[12] > 1.5 * waits[NUM_LAYERS]

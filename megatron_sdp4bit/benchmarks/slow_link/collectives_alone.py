@@ -18,30 +18,31 @@ from megatron_sdp4bit.benchmarks.emulated_nodes import NUM_NODES, EmulatedNodes,
 from megatron_sdp4bit.benchmarks.link_probes import (probe_bytes, probe_cpu, probe_goodput,
                                                      probe_latency)
 from megatron_sdp4bit.benchmarks.slow_link.estimates import Probed
-from megatron_sdp4bit.benchmarks.slow_link.presets import (FIRST_PORT, GLOBAL_BATCH, MODEL_FLAGS,
-                                                           RANKS_PER_NODE, rate_label)
+from megatron_sdp4bit.benchmarks.slow_link.presets import (FIRST_PORT, GLOBAL_BATCH,
+                                                           RANKS_PER_NODE, model_flags,
+                                                           rate_label)
 
 # How the estimator prices each way of calling a collective (its exact reduce-scatter).
 EXACT_ALGORITHM = {"alltoall": "alltoall", "torch": "allreduce", "layer": "ring"}
 
 
-def bench_bucket() -> int:
+def bench_bucket(num_layers: int) -> int:
     """Elements of the model's one gradient bucket on 4 DP ranks (megatron's layout)."""
     from megatron_sdp4bit.estimate.gpt_shape import bucket_numels, load_model_shape, stage_params
 
-    shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
+    shape = load_model_shape(None, driver_argv=model_flags(num_layers))
     (numel,) = bucket_numels(stage_params(shape, 1, 1, 0), NUM_NODES * RANKS_PER_NODE, None)
     return numel
 
 
-def predictions(dtype: str, cluster, cores: float) -> Dict[str, float]:
+def predictions(dtype: str, cluster, cores: float, num_layers: int) -> Dict[str, float]:
     """The estimator's seconds for each case on ``cluster`` (``Probed.cluster``): link time,
     latency and that collective's kernels."""
     from megatron_sdp4bit.estimate.kernels import KernelModel
     from megatron_sdp4bit.estimate.gpt_shape import load_model_shape
     from megatron_sdp4bit.estimate.timing import Workload, estimate
 
-    shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
+    shape = load_model_shape(None, driver_argv=model_flags(num_layers))
     kernels = KernelModel("cpu", cores_per_rank=cores)
     out = {}
     for case in collectives.PRESETS:
@@ -74,7 +75,7 @@ def measure(args, numel: int, port: int) -> tuple:
 
 def run_collectives(args) -> int:
     """Measure and predict every case at each rate of ``args.rate_list``; print the table."""
-    numel = bench_bucket()
+    numel = bench_bucket(args.num_layers)
     rows = []
     with EmulatedNodes(delay_ms=args.delay_ms) as nodes:
         nodes.set_slow_start_after_idle(args.slow_start_after_idle)
@@ -93,7 +94,7 @@ def run_collectives(args) -> int:
             share = (share + probe_cpu(args.python, NUM_NODES, RANKS_PER_NODE)) / 2
             nominal = (os.cpu_count() or 1) / (NUM_NODES * RANKS_PER_NODE)
             predicted = predictions(args.dtype, probed.cluster(rate),
-                                    share if args.cpu_correction else nominal)
+                                    share if args.cpu_correction else nominal, args.num_layers)
             load = os.getloadavg()[0]
             rows += [(rate, goodput, share, case.label, measured[case.label],
                       predicted[case.label], load) for case in collectives.PRESETS]

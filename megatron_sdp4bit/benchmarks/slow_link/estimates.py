@@ -17,10 +17,10 @@ from typing import Dict, Optional
 
 from megatron_sdp4bit.benchmarks.emulated_nodes import NUM_NODES
 from megatron_sdp4bit.benchmarks.link_probes import probe_bytes, probe_goodput, probe_latency
-from megatron_sdp4bit.benchmarks.slow_link.presets import (GLOBAL_BATCH, MODEL_FLAGS,
-                                                           OVERLAP_BUCKET_SIZE, PRESET_ESTIMATE,
-                                                           PRESET_LABELS, RANKS_PER_NODE,
-                                                           STATISTICS, base_preset, overlapped,
+from megatron_sdp4bit.benchmarks.slow_link.presets import (GLOBAL_BATCH, OVERLAP_BUCKET_SIZE,
+                                                           PRESET_ESTIMATE, PRESET_LABELS,
+                                                           RANKS_PER_NODE, STATISTICS,
+                                                           base_preset, model_flags, overlapped,
                                                            rate_label)
 from megatron_sdp4bit.benchmarks.slow_link.runs import Cell
 
@@ -71,7 +71,7 @@ def estimate_rows(args, cells: Dict[tuple, Cell], probed_links: Probed) -> dict:
     from megatron_sdp4bit.estimate.gpt_shape import load_model_shape
     from megatron_sdp4bit.estimate.timing import Workload, estimate
 
-    shape = load_model_shape(None, driver_argv=MODEL_FLAGS)
+    shape = load_model_shape(None, driver_argv=model_flags(args.num_layers))
     param_bytes = 2 if args.dtype == "bf16" else 4
     goodput = probed_links.goodput
     nominal = (os.cpu_count() or 1) / (NUM_NODES * RANKS_PER_NODE)

@@ -6,10 +6,13 @@ the reduce-scatter as an all-to-all plus local sum, ``comm/exact_alltoall.py``, 
 driver's ``--sdp4bit-exact-reduce-scatter alltoall``: the bytes per rank of a ring
 reduce-scatter), ``sdp4bit``, ``zeropp``; and each of them with ``-overlap``:
 Megatron's ``--overlap-grad-reduce --overlap-param-gather`` with buckets of
-``OVERLAP_BUCKET_SIZE`` parameters (6 buckets of the 5.3 M-parameter model), the
+``OVERLAP_BUCKET_SIZE`` parameters (4 buckets of the 5.3 M-parameter model, the last
+with the tied embeddings: 40% of the elements), the
 overlap study's rows.
 """
 from __future__ import annotations
+
+from typing import List
 
 from megatron_sdp4bit.benchmarks.emulated_nodes import NUM_NODES
 from megatron_sdp4bit.recipes import SLOW_LINK
@@ -21,6 +24,15 @@ LR_WARMUP_ITERS = SLOW_LINK.lr_warmup_iters  # megatron's scheduler needs more i
 # The `make train` model (5.3 M params) on the embedded corpus; no evaluation
 # until the end (one batch), so every logged step is a training step.
 MODEL_FLAGS = SLOW_LINK.flags()
+NUM_LAYERS = SLOW_LINK.num_layers
+
+
+def model_flags(num_layers: int = NUM_LAYERS) -> List[str]:
+    """The driver's model flags with ``num_layers`` layers (``--num-layers``: a deeper
+    model puts a smaller share of its bytes in the embedding bucket, which overlap
+    cannot hide)."""
+    return SLOW_LINK.replace(num_layers=num_layers).flags()
+
 PRESET_FLAGS = {
     "baseline": ["--sdp4bit-preset", "baseline", "--use-distributed-optimizer"],
     "baseline-a2a": ["--sdp4bit-preset", "baseline", "--use-distributed-optimizer",
@@ -33,7 +45,7 @@ PRESET_LABELS = {"baseline": "exact (gloo reduce_scatter, fp32)",
                  "sdp4bit": "SDP4Bit (qWD 4-bit, TLq-HS 8/4)",
                  "zeropp": "ZeRO++ (qW 4-bit, ULq 4/4)"}
 OVERLAP = "-overlap"
-OVERLAP_BUCKET_SIZE = 1_000_000  # parameters per bucket: 6 buckets of the 5.3 M model
+OVERLAP_BUCKET_SIZE = 1_000_000  # parameters per bucket: 4 buckets of the 5.3 M model
 OVERLAP_FLAGS = ["--overlap-grad-reduce", "--overlap-param-gather",
                  "--bucket-size", str(OVERLAP_BUCKET_SIZE)]
 for _name in list(PRESET_FLAGS):

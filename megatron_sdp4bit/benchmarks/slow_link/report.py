@@ -130,6 +130,8 @@ def replay(args) -> int:
         data = json.load(f)
     command = data["command"].split()
     args.dtype = command[command.index("--dtype") + 1] if "--dtype" in command else "bf16"
+    if "--num-layers" in command:  # the model the runs trained (the default otherwise)
+        args.num_layers = int(command[command.index("--num-layers") + 1])
     cells: Dict[tuple, Cell] = {}
     for c in data["cells"]:
         runs = c.get("runs") or [{"step_times": c["step_times"], "sent_per_step": c["sent_per_step"][0],

@@ -23,9 +23,9 @@ from typing import Dict, List, Optional
 from megatron_sdp4bit.benchmarks.emulated_nodes import (NAMESPACES, NUM_NODES, EmulatedNodes,
                                                         node_torchrun)
 from megatron_sdp4bit.benchmarks.link_probes import probe_cpu
-from megatron_sdp4bit.benchmarks.slow_link.presets import (DRIVER_ENTRY, MODEL_FLAGS,
-                                                           PRESET_FLAGS, RANKS_PER_NODE,
-                                                           dtype_flags)
+from megatron_sdp4bit.benchmarks.slow_link.presets import (DRIVER_ENTRY, PRESET_FLAGS,
+                                                           RANKS_PER_NODE, dtype_flags,
+                                                           model_flags)
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Cell:
 
 def node_command(args, node: int, port: int, preset: str, run_dir: str) -> List[str]:
     """The full argv that starts ``node``'s two ranks inside its namespace."""
-    entry = [*DRIVER_ENTRY, *MODEL_FLAGS, *dtype_flags(args.dtype),
+    entry = [*DRIVER_ENTRY, *model_flags(args.num_layers), *dtype_flags(args.dtype),
              *PRESET_FLAGS[preset], "--train-iters", str(args.iters), "--run-dir", run_dir]
     return node_torchrun(node, port, RANKS_PER_NODE, entry, args.python)
 
