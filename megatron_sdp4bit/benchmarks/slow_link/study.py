@@ -23,7 +23,8 @@ from megatron_sdp4bit.benchmarks.link_probes import probe_bytes, probe_goodput, 
 from megatron_sdp4bit.benchmarks.slow_link.estimates import (Probed, estimate_rows, print_estimate,
                                                              probe_link)
 from megatron_sdp4bit.benchmarks.slow_link.presets import (FIRST_PORT, GLOBAL_BATCH,
-                                                           RANKS_PER_NODE, SEQ_LENGTH, rate_label)
+                                                           RANKS_PER_NODE, SEQ_LENGTH,
+                                                           model_flags, rate_label)
 from megatron_sdp4bit.benchmarks.slow_link.report import (markdown_table, mib, overlap_table,
                                                           write_json)
 from megatron_sdp4bit.benchmarks.slow_link.runs import Cell, run_once
@@ -120,8 +121,12 @@ def run_study(args, command: str) -> int:
 
 
 def _print_footer(args, command: str, out_dir: str, seconds: float) -> None:
-    print(f"{NUM_NODES} emulated nodes x {RANKS_PER_NODE} gloo CPU ranks; GPT 4 layers x 256 "
-          f"(5.3 M params), global batch {GLOBAL_BATCH} x {SEQ_LENGTH} tokens, {args.dtype}; "
+    from megatron_sdp4bit.estimate.gpt_shape import load_model_shape, total_params
+
+    shape = load_model_shape(None, driver_argv=model_flags(args.num_layers))
+    print(f"{NUM_NODES} emulated nodes x {RANKS_PER_NODE} gloo CPU ranks; GPT {shape.num_layers} "
+          f"layers x {shape.hidden_size} ({total_params(shape) / 1e6:.1f} M params), global "
+          f"batch {GLOBAL_BATCH} x {SEQ_LENGTH} tokens, {args.dtype}; "
           f"{args.iters} iterations per run, first {args.warmup} not measured, {args.repeats} "
           f"interleaved runs per row; tbf on both veth ends"
           + (f", netem delay {args.delay_ms:g} ms" if args.delay_ms else "")
