@@ -5,9 +5,14 @@
 #                       and packaging are on the device image: /work/.library/device/KINDS.md)
 #   .gpu_carry/corpus/  a small prebuilt embedded corpus (4 MB of the stdlib: tokenizer.json,
 #                       stdlib_text_document.bin/.idx), so the check does not build one there
+#   .gpu_carry/megatron-lm/  only with MEGATRON_LM_GIT: Megatron-LM's core_v0.16.1 files that
+#                       step (g) runs (pretrain_gpt.py, its two builder modules, megatron/;
+#                       7.6 MB), exported from that git directory of an NVIDIA/Megatron-LM
+#                       clone (nothing is downloaded); then MEGATRON_LM_PATH=.gpu_carry/megatron-lm
 # Then carry it: the device tool's carry list names ".gpu_carry" (docs/gpu_check.md).
 #
 #   scripts/gpu_check_prepare.sh           # about 15 s and a 2.6 MB download; re-running reuses both
+#   MEGATRON_LM_GIT=~/Megatron-LM/.git scripts/gpu_check_prepare.sh   # also step (g)'s files
 set -uo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -63,6 +68,28 @@ EOF
     status=1
   fi
   rm -rf "$tmp"
+fi
+
+# 3. Megatron-LM's files for step (g), from a local clone's git directory
+if [ -n "${MEGATRON_LM_GIT:-}" ]; then
+  tag=core_v0.16.1
+  if [ -f "$carry/megatron-lm/pretrain_gpt.py" ]; then
+    echo "megatron-lm: already there ($carry/megatron-lm)"
+  elif ! git --git-dir "$MEGATRON_LM_GIT" rev-parse -q --verify "refs/tags/$tag" >/dev/null; then
+    echo "error: MEGATRON_LM_GIT=$MEGATRON_LM_GIT is not a git directory with the tag $tag" >&2
+    status=1
+  else
+    mkdir -p "$carry/megatron-lm"
+    if git --git-dir "$MEGATRON_LM_GIT" archive "$tag" megatron pretrain_gpt.py gpt_builders.py \
+        model_provider.py | tar -x -C "$carry/megatron-lm"; then
+      echo "megatron-lm: $tag's pretrain_gpt.py, gpt_builders.py, model_provider.py, megatron/" \
+        "($(du -sh "$carry/megatron-lm" | cut -f1)); run with MEGATRON_LM_PATH=$carry/megatron-lm"
+    else
+      echo "error: exporting $tag from $MEGATRON_LM_GIT failed" >&2
+      rm -rf "$carry/megatron-lm"
+      status=1
+    fi
+  fi
 fi
 
 git check-ignore -q "$carry" || echo "warning: $carry is not git-ignored: it would travel as part of the tree" >&2
