@@ -151,19 +151,21 @@ def crest_summary(crests: torch.Tensor, threshold: float) -> dict:
 
 def spread_groups(grad_data: torch.Tensor, group_size: int, limit: int = GROUP_SAMPLE) -> torch.Tensor:
     """Every s-th whole group of ``grad_data`` (as [groups, group_size]), s the smallest
-    stride that keeps at most ``limit`` elements: a sample over all the buffer's
-    parameters (its first elements are the last layer's alone)."""
+    stride that keeps at most ``limit`` elements (at least one group): a sample over all
+    the buffer's parameters (its first elements are the last layer's alone)."""
     count = grad_data.numel() // group_size
-    stride = max(1, -(-count * group_size // limit))
+    stride = max(1, -(-count * group_size // max(limit, group_size)))
     return grad_data.view(-1)[:count * group_size].view(count, group_size)[::stride]
 
 
-def gradient_group_shape(grad_data: torch.Tensor, config: SDP4BitConfig) -> Dict[str, torch.Tensor]:
+def gradient_group_shape(grad_data: torch.Tensor, config: SDP4BitConfig,
+                         limit: int = GROUP_SAMPLE) -> Dict[str, torch.Tensor]:
     """Whether a gradient buffer's 4-bit groups carry outliers, as device tensors.
 
     The groups are the inter-node hop's (``grad_bits_inter`` bits in groups of
     ``grad_group_size_inter``), cut from the buffer's start as the hop cuts a chunk
-    and sampled by ``spread_groups``: ``crest`` (each group's crest factor), and over
+    and sampled by ``spread_groups`` (at most ``limit`` elements, at least one group):
+    ``crest`` (each group's crest factor), and over
     the sample ``norm2`` (sum of g^2) and the squared errors of quantizing it without
     the rotation (``error2_tlq``, ``quant.quantize``) and with it in blocks of
     ``hadamard_block`` (``error2_tlq_hs``), with the config's rounding. Both are
@@ -173,7 +175,7 @@ def gradient_group_shape(grad_data: torch.Tensor, config: SDP4BitConfig) -> Dict
     buffer is smaller than one group.
     """
     bits, group = config.grad_hop_format("inter")
-    groups = spread_groups(grad_data, group)
+    groups = spread_groups(grad_data, group, limit)
     if groups.shape[0] == 0:
         return {}
     x = groups.float().contiguous().view(-1)

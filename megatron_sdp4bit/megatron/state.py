@@ -84,6 +84,10 @@ class LayerState:
     warm_up_seconds: float = 0.0
     """Time those compilations took (0 where the reference serves the device)."""
     buckets: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    grad_elements: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    """Gradient elements of each bucket group of the live model chunks (set at DDP
+    construction): a sampled step's gradient-group sample is one budget spread over
+    their sum (``sample_limit``), whatever the number of buckets."""
     prefetched: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
     """Weight gathers submitted right after the optimizer step (--overlap-param-gather),
     by bucket group, until megatron starts them (``param_sync.prefetch_gathers``)."""
@@ -109,6 +113,13 @@ class LayerState:
     def all_unsent(self, buckets) -> bool:
         """Every one of ``buckets`` holds new main weights no all-gather has sent yet."""
         return all(b in self.buckets and self.buckets[b].unsent_main_weights for b in buckets)
+
+    def sample_limit(self, budget: int, numel: int) -> int:
+        """Elements to sample of a gradient buffer of ``numel`` elements: its share of
+        ``budget`` over the whole model's gradients (``grad_elements``), so that every
+        buffer is sampled at the same stride."""
+        total = sum(self.grad_elements.values())
+        return budget * numel // total if total >= numel else budget
 
     def bucket(self, bucket) -> BucketState:
         state = self.buckets.get(bucket)

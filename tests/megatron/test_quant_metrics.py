@@ -97,6 +97,35 @@ def test_the_group_shape_samples_every_bucket_group_of_a_sampled_step():
         assert 0 < shape["error_tlq"] < 1 and 0 < shape["error_tlq_hs"] < 1
 
 
+def _group_shape_budget(rank, world_size, bucket_size, budget_groups):
+    """How many groups one sampled step sampled, with a budget of ``budget_groups``."""
+    from harness.tiny_gpt import TinyGPTTrainer
+    from megatron_sdp4bit.megatron import patch, quant_metrics
+
+    quant_metrics.GROUP_SAMPLE = budget_groups * 128
+    patch.install(preset("sdp4bit", ranks_per_node=1))
+    patch.set_metrics_interval(1)
+    trainer = TinyGPTTrainer(TinyGPTSpec(dtype="fp32", overlap_grad_reduce=True,
+                                         bucket_size=bucket_size))
+    trainer.train_steps(1)
+    shape = patch.gradient_group_shape()
+    patch.uninstall()
+    return shape["groups"], trainer.num_buckets
+
+
+def test_the_group_shape_sample_is_one_budget_whatever_the_bucket_count():
+    """A sampled step's sample is spread over the whole model at one stride: more
+    buckets (--overlap-grad-reduce) do not sample more (they did: a budget per buffer,
+    ten times the work on ten buckets)."""
+    budget = 40
+    for bucket_size in (None, 4000):
+        for groups, buckets in spawn_ranks(_group_shape_budget, 2, bucket_size, budget,
+                                           timeout_s=300):
+            assert buckets > 1 or bucket_size is None
+            # whole groups at one stride: the budget, give or take a group per buffer
+            assert budget - buckets <= groups <= budget + buckets, (groups, buckets, bucket_size)
+
+
 def test_the_layer_reports_the_errors_of_the_hops_that_ran():
     """2 ranks on one node run the 8-bit intra-node hop only; one rank per node, the 4-bit
     inter-node hop only. Before, both reported both hops' errors (issue 28, item 11)."""
