@@ -122,18 +122,19 @@ def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
 
 def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig) -> Dict[str, int]:
     """Bytes per workspace buffer name of one bucket's qW/qWD all-gather, slice by slice in
-    two slots (either slot for a one-slice bucket): this rank's segment and every
-    rank's. (Exact gathers add nothing.)"""
+    two slots: this rank's segment and every rank's. (Exact gathers add nothing.)"""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_weights:
         return {}
     demands = []
     slices = weight_slices(shard, dp, config.weight_group_size, False, MAX_CHUNK_ELEMENTS)
-    # A call starts on the slot after the previous call's last (Workspace.next_slots):
-    # a one-slice bucket may take either slot.
-    for index, (_, n) in enumerate(slices * SLOTS if len(slices) < SLOTS else slices):
-        own = segment_nbytes(n, config.weight_bits, config.weight_group_size)
-        demands.append({weights_send(index): own, weights_gather(index): dp * own})
+    # A call starts on the slot after the previous call's last (Workspace.next_slots),
+    # which depends on the buckets before it: any slice may land in any slot.
+    for first in range(SLOTS):
+        for index, (_, n) in enumerate(slices):
+            own = segment_nbytes(n, config.weight_bits, config.weight_group_size)
+            demands.append({weights_send(first + index): own,
+                            weights_gather(first + index): dp * own})
     return _merge_max(demands)
 
 

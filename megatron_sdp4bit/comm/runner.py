@@ -288,12 +288,18 @@ class ThreadRunner:
 
     def _complete(self, tensors, handle: Completion) -> None:
         """The job is over on the host: its tensors recorded on the side stream, its
-        device event recorded after its work, its waiter released."""
+        device event recorded after its work, its waiter released. A failure here (a
+        CUDA error) goes to the handle and fails every later job, as a job's own does:
+        the worker lives on, so no later waiter hangs."""
         try:
             if self._stream is not None:
                 for tensor in tensors:
                     tensor.record_stream(self._stream)
                 handle._device_done.record(self._stream)
+        except BaseException as error:  # handed to the waiter, never lost
+            handle.error = handle.error or error
+            if self._failure is None:
+                self._failure = error
         finally:
             handle._done.set()
 

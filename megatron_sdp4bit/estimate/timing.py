@@ -33,7 +33,11 @@ The model, stated once (docs/performance.md, "Estimator"):
   reverse one. With B equal buckets the exposed time is
   ``max(comm / B, comm - window x (B - 1) / B)``; with tied embeddings the
   bucket that holds them (reduced last, gathered first) is often the largest,
-  and its share is what no schedule hides. That is this
+  and its share is what no schedule hides. (Its compute is not where its share
+  puts it: the tied output layer runs first in the backward pass and last in
+  the forward pass, so the other buckets are ready later and needed earlier than
+  their shares say; with a large embedding share the hiding of the other buckets
+  is optimistic.) That is this
   project's schedule (``comm/runner.py``): every stage of bucket i's collective
   is issued when megatron starts it, on a side stream or a worker thread that
   runs the buckets' collectives one after another, so it hides behind the

@@ -85,9 +85,10 @@ class LayerState:
     """Time those compilations took (0 where the reference serves the device)."""
     buckets: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
     grad_elements: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
-    """Gradient elements of each bucket group of the live model chunks (set at DDP
-    construction): a sampled step's gradient-group sample is one budget spread over
-    their sum (``sample_limit``), whatever the number of buckets."""
+    """Gradient elements of each bucket group of the live model chunks that reduces over
+    more than one rank (set at DDP construction): a sampled step's gradient-group sample
+    is one budget spread over their sum (``sample_limit``), whatever the number of
+    buckets."""
     prefetched: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
     """Weight gathers submitted right after the optimizer step (--overlap-param-gather),
     by bucket group, until megatron starts them (``param_sync.prefetch_gathers``)."""

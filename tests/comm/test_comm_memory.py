@@ -104,6 +104,20 @@ def test_layer_memory_shares_buffers_because_one_collective_runs_at_a_time():
     assert "B/param" in one.describe() and one.per_param(one.held_bytes) == pytest.approx(4 / dp)
 
 
+def test_a_two_slice_buckets_full_slice_may_land_in_either_slot():
+    """A gather's slices take the slots after the previous gather's last, which depends on
+    the buckets before it: a [full, smaller] bucket may start on slot 1, so both slots must
+    hold a full slice (the plan sized slot 1 for the smaller one: 2.4 MB short at DP 8)."""
+    dp, shard = 8, 1_500_000
+    slices = weight_slices(shard, dp, 2048, False, MAX_CHUNK_ELEMENTS)
+    assert len(slices) == 2 and slices[0][1] > slices[1][1]
+    full = segment_nbytes(slices[0][1], 4, 2048)
+    demand = weight_buffer_demand(dp * shard, dp, SDP)
+    for slot in (0, 1):
+        assert demand[f"weights send {slot}"] == full
+        assert demand[f"weights gather {slot}"] == dp * full
+
+
 def test_sync_weight_gather_works_in_slices():
     dp = 8
     huge = dp * 100 * MAX_CHUNK_ELEMENTS

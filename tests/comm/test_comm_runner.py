@@ -16,6 +16,7 @@ Properties checked against the synchronous call and the exact collective:
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -144,6 +145,9 @@ def back_to_back_equals_sync(rank: int, world: int) -> list:
                         outs = [torch.empty(x.numel() // world, dtype=dtype) for x in buckets]
                         gathered = [m.clone() for m in models]
                         handles = []
+                        if use is not None:  # all five queued before the first runs: they
+                            gate = threading.Event()  # interleave (head i+1 before tail i)
+                            handles.append(use.submit(gate.wait))
                         # each kind after each kind: RS RS AG AG RS
                         for kind, index in (("rs", 0), ("rs", 1), ("ag", 0), ("ag", 1), ("rs", 2)):
                             if kind == "rs":
@@ -157,6 +161,8 @@ def back_to_back_equals_sync(rank: int, world: int) -> list:
                                 gathered[index], mains[index], group=twin if use else None,
                                 config=config, async_op=use is not None,
                                 generator=weights_stream, workspace=weights_space, runner=use))
+                        if use is not None:
+                            gate.set()
                         for handle in handles:
                             if handle is not None:
                                 handle.wait()
@@ -285,9 +291,14 @@ def _staged(log, name, gate=None, fail_in=None):
             raise ValueError(f"{name} head")
         log.append(f"{name} head")
 
+    def tail():
+        if fail_in == "tail":
+            raise ValueError(f"{name} tail")
+        log.append(f"{name} tail")
+
     def body():
         log.append(f"{name} body")
-        return lambda: log.append(f"{name} tail")
+        return tail
 
     return StagedJob(head, body)
 
@@ -332,6 +343,79 @@ def test_a_failing_head_leaves_the_earlier_job_to_finish_and_fails_the_later_one
         with pytest.raises(RuntimeError, match="earlier collective"):
             third.wait()
         assert log == ["1 head", "1 body", "1 tail"]
+    finally:
+        runner.close()
+
+
+def _wait_within(handle, seconds: float):
+    """``handle.wait()``, failing the test (not hanging it) if it has not returned within
+    ``seconds``."""
+    outcome = []
+
+    def wait():
+        try:
+            outcome.append(handle.wait())
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            outcome.append(error)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(seconds)
+    assert outcome, f"wait() did not return within {seconds} s"
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
+def test_a_failing_deferred_tail_fails_its_own_job_and_the_later_ones_not_the_next_head():
+    """A tail deferred past the next job's head fails its own handle; the next job, whose
+    head already ran, fails as an earlier failure's successor; nothing hangs."""
+    import threading
+
+    runner = ThreadRunner(torch.device("cpu"))
+    log, gate = [], threading.Event()
+    try:
+        first = runner.submit(_staged(log, "1", gate, fail_in="tail"))
+        second = runner.submit(_staged(log, "2"))
+        third = runner.submit(lambda: log.append("plain"))
+        gate.set()
+        with pytest.raises(ValueError, match="1 tail"):
+            first.wait()
+        with pytest.raises(RuntimeError, match="earlier collective"):
+            second.wait()
+        with pytest.raises(RuntimeError, match="earlier collective"):
+            third.wait()
+        assert log[:3] == ["1 head", "1 body", "2 head"] and "plain" not in log
+    finally:
+        runner.close()
+
+
+def test_a_failure_while_completing_a_job_fails_the_later_ones_and_hangs_none():
+    """Completing a job (on CUDA: recording its tensors and event on the side stream) may
+    fail; the worker lives on: its waiter sees the error and later waiters fail fast."""
+    runner = ThreadRunner(torch.device("cpu"))
+    calls = []
+    original = runner._complete
+
+    def complete_failing_once(tensors, handle):
+        calls.append(handle)
+        if len(calls) == 1:
+            runner._stream = object()  # record_stream is then called on a plain tensor...
+            try:
+                original([torch.zeros(1)], handle)  # ...and raises
+            finally:
+                runner._stream = None
+            return
+        original(tensors, handle)
+
+    runner._complete = complete_failing_once
+    try:
+        first = runner.submit(lambda: None)
+        with pytest.raises(RuntimeError, match="unknown parameter type"):  # no stream
+            _wait_within(first, 30)
+        second = runner.submit(lambda: None)
+        with pytest.raises(RuntimeError, match="earlier collective"):
+            _wait_within(second, 30)
     finally:
         runner.close()
 

@@ -113,10 +113,12 @@ def test_num_layers_reaches_the_ranks_and_the_replayed_estimate(tmp_path):
 
     probed = Probed(10.0, {None: 9.0, 100.0: 0.0958}, 7.0, {None: 8.0, 100.0: 200.0})
     waits = {}
-    for layers in (NUM_LAYERS, 12):
+    # the file's own model, whatever the replay's command line says
+    for layers, flag in ((NUM_LAYERS, ""), (12, " --num-layers=12")):
         path = tmp_path / f"layers{layers}.json"
-        write_json(str(path), COMMAND + f" --num-layers {layers}", probed, _cells(), None)
-        proc = _replay(path)
+        write_json(str(path), COMMAND + flag, probed, _cells(), None)
+        proc = subprocess.run([sys.executable, SCRIPT, "--replay", str(path), "--num-layers", "7"],
+                              capture_output=True, text=True, cwd=REPO, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         rows = {line.split("|")[2].strip(): float(line.split("|")[5])
                 for line in proc.stdout.splitlines() if line.startswith("| 100 Mbit/s (0.0958)")}

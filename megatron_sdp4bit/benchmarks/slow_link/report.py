@@ -13,7 +13,7 @@ from typing import Dict, Optional
 
 from megatron_sdp4bit.benchmarks.slow_link.estimates import (Probed, estimate_rows,
                                                              print_estimate)
-from megatron_sdp4bit.benchmarks.slow_link.presets import (GLOBAL_BATCH, OVERLAP,
+from megatron_sdp4bit.benchmarks.slow_link.presets import (GLOBAL_BATCH, NUM_LAYERS, OVERLAP,
                                                            PRESET_LABELS, SEQ_LENGTH, overlapped,
                                                            rate_label)
 from megatron_sdp4bit.benchmarks.slow_link.runs import Cell, RunResult
@@ -130,8 +130,10 @@ def replay(args) -> int:
         data = json.load(f)
     command = data["command"].split()
     args.dtype = command[command.index("--dtype") + 1] if "--dtype" in command else "bf16"
-    if "--num-layers" in command:  # the model the runs trained (the default otherwise)
-        args.num_layers = int(command[command.index("--num-layers") + 1])
+    # the model the runs trained: their command's --num-layers, else the default
+    layers = [a.split("=", 1)[1] if "=" in a else command[i + 1]
+              for i, a in enumerate(command) if a.split("=", 1)[0] == "--num-layers"]
+    args.num_layers = int(layers[-1]) if layers else NUM_LAYERS
     cells: Dict[tuple, Cell] = {}
     for c in data["cells"]:
         runs = c.get("runs") or [{"step_times": c["step_times"], "sent_per_step": c["sent_per_step"][0],
