@@ -199,7 +199,10 @@ def _ddp_init(layer, ddp, *args, **kwargs):
             state.config_checked = True
     for bucket_group in adapter.ddp_bucket_groups(ddp) + adapter.expert_bucket_groups(ddp):
         state.refusals_passed[bucket_group] = state.config  # the steps need not check again
-        if adapter.collective_group(bucket_group)[1] > 1:  # what a sampled step samples
+        # what a sampled step samples; only an enabled layer samples, and only under the
+        # distributed optimizer (which check_ddp_for requires of it) does a bucket group
+        # carry its collective group
+        if state.config.enabled and adapter.collective_group(bucket_group)[1] > 1:
             state.grad_elements[bucket_group] = sum(g.numel()
                                                     for g in adapter.grad_buffers(bucket_group))
     issues_collectives = (state.config.enabled or state.own_exact_collectives
