@@ -225,7 +225,7 @@ def _quantized_gather(layer, bucket_group, async_op: bool) -> Handles:
         handles.append(comm.quantized_all_gather_weights(
             param_data, bucket_state.main_shard, group=state.runner.group_for(group),
             config=state.config, async_op=async_op,
-            generator=state.generator(bucket_state.main_shard.device, "weights"),
+            generator=state.generator(bucket_state.main_shard.device, "weights", bucket_group),
             workspace=state.weight_workspace, recorder=state.wire, runner=state.runner))
         bucket_state.unsent_main_weights = False
     first_bucket, first = buckets[0], kept[0]

@@ -68,6 +68,9 @@ class LayerState:
     metrics: QuantErrorMetrics = field(default_factory=QuantErrorMetrics)
     rounding_streams: RoundingStreams = field(default_factory=RoundingStreams)
     """This rank's stochastic-rounding streams (saved with the layer's checkpoint state)."""
+    stream_names: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
+    """Each bucket group's rounding-stream name, numbered in construction order when DDP
+    is built (``name_streams``)."""
     wire: WireRecorder = field(default_factory=WireRecorder)
     """The bytes of every bucket collective this layer ran or saw megatron run."""
     runner: object = field(default_factory=InlineRunner)
@@ -128,12 +131,26 @@ class LayerState:
             state = self.buckets[bucket] = BucketState()
         return state
 
-    def generator(self, device, purpose: str) -> Optional[torch.Generator]:
-        """The rounding stream for ``purpose`` (``grads`` or ``weights``) on ``device``;
-        None with nearest rounding."""
+    def name_streams(self, bucket_groups) -> None:
+        """Give each new bucket group its own rounding streams, numbered in the order the
+        model chunks and their groups are built (the same in every run of a model).
+        Megatron starts the groups in another order in a process's first step (all at
+        the end of the backward pass, dense before expert) than later (each when ready):
+        with one stream for all, a resumed run's first step would hand the groups other
+        noise than the uninterrupted run did at that step."""
+        for bucket_group in bucket_groups:
+            if bucket_group not in self.stream_names:
+                self.stream_names[bucket_group] = f"bucket group {len(self.stream_names)}"
+
+    def generator(self, device, purpose: str, bucket_group=None) -> Optional[torch.Generator]:
+        """The rounding stream for ``purpose`` (``grads`` or ``weights``) of
+        ``bucket_group`` (its own, once named by ``name_streams``) on ``device``; None
+        with nearest rounding."""
         if self.config.rounding != "stochastic":
             return None
-        return self.rounding_streams.generator_for(device, self.config.seed, torch.distributed.get_rank(), purpose)
+        name = self.stream_names.get(bucket_group) if bucket_group is not None else None
+        stream = purpose if name is None else f"{purpose}/{name}"
+        return self.rounding_streams.generator_for(device, self.config.seed, torch.distributed.get_rank(), stream)
 
     def resolve_ranks_per_node(self) -> None:
         """Decide ``config.ranks_per_node`` once, from the hosts the ranks run on (a given

@@ -149,7 +149,11 @@ def test_reported_held_memory_is_what_the_layer_holds(matrix_runs, name):
 def test_the_layer_draws_its_rounding_noise_from_its_own_streams(matrix_runs):
     _stock, sdp = _by_name(matrix_runs)["bf16"]
     for rank in sdp:
-        assert rank["streams"] == (["grads", "weights"], [])
+        streams, default_streams = rank["streams"]
+        # one stream per purpose and bucket group (state.name_streams), none of comm's
+        assert {s.split("/")[0] for s in streams} == {"grads", "weights"}, streams
+        assert all(s.split("/")[1].startswith("bucket group ") for s in streams), streams
+        assert default_streams == []
 
 
 def test_several_buckets_were_exercised(matrix_runs):
