@@ -87,6 +87,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="an output layer of its own (default: the word embeddings, tied)")
     m.add_argument("--transformer-impl", choices=("auto", "local", "transformer_engine"), default="auto",
                    help="layer spec: Transformer Engine when installed (auto), or megatron's local one")
+    m.add_argument("--num-experts", type=_POSITIVE_INT, default=None,
+                   help="mixture of experts: experts per MLP layer (megatron-core's MoE layer); "
+                        "default: dense MLPs")
+    m.add_argument("--moe-router-topk", type=_POSITIVE_INT, default=2,
+                   help="experts each token is routed to (with --num-experts)")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -130,6 +135,10 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="TP: ranks that split each layer's weights (Megatron-LM's meaning)")
     t.add_argument("--pipeline-model-parallel-size", type=_POSITIVE_INT, default=1,
                    help="PP: pipeline stages the layers are split into")
+    t.add_argument("--expert-model-parallel-size", type=_POSITIVE_INT, default=1,
+                   help="EP: ranks that split the experts (each holds --num-experts / EP), carved out "
+                        "of the data-parallel ranks as in Megatron-LM; the experts' gradients and "
+                        "weights go over the expert-data-parallel groups (DP / EP ranks each)")
     t.add_argument("--num-layers-per-virtual-pipeline-stage", type=_POSITIVE_INT, default=None,
                    help="layers per virtual pipeline stage: each PP stage holds (layers / PP) / this "
                         "interleaved model chunks (megatron's interleaved 1F1B schedule)")
@@ -283,6 +292,29 @@ def _check_paths(args: argparse.Namespace) -> None:
             setattr(args, dest, os.path.expanduser(value))
 
 
+def _check_experts(args: argparse.Namespace) -> None:
+    """The mixture-of-experts flags against each other (the world is checked with the
+    parallel layout, ``distributed.parallel_layout``)."""
+    experts, parallel = args.num_experts, args.expert_model_parallel_size
+    if experts is None:
+        if parallel > 1:
+            raise ArgumentError(f"--expert-model-parallel-size {parallel} splits the experts of a "
+                                "mixture-of-experts model: add --num-experts, or drop it")
+        return
+    if args.moe_router_topk > experts:
+        raise ArgumentError(f"--moe-router-topk {args.moe_router_topk} routes each token to more experts "
+                            f"than --num-experts {experts}: lower it")
+    if experts % parallel:
+        raise ArgumentError(f"--num-experts {experts} is not divisible by --expert-model-parallel-size "
+                            f"{parallel}: every expert-parallel rank holds as many experts")
+    if args.tensor_model_parallel_size > 1:
+        raise ArgumentError(
+            f"--num-experts with --tensor-model-parallel-size {args.tensor_model_parallel_size}: megatron's "
+            "MoE layer needs sequence parallelism beside tensor parallelism, which this driver does not "
+            "set; use --tensor-model-parallel-size 1 (Megatron-LM's pretrain_gpt.py with "
+            "--sequence-parallel runs MoE with TP)")
+
+
 def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
     def bad(message):
         raise ArgumentError(message)
@@ -321,6 +353,7 @@ def _fill_defaults_and_validate(args: argparse.Namespace) -> argparse.Namespace:
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         bad("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler contradict each other: "
             "use this run's schedule or the checkpoint's, not both")
+    _check_experts(args)
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         bad("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
     try:

@@ -170,6 +170,7 @@ class ParallelLayout:
     pipeline: int = 1
     virtual: Optional[int] = None
     data: int = 1
+    expert: int = 1  # expert-parallel ranks, carved out of the data-parallel ones
 
     @property
     def model_chunks(self) -> int:
@@ -180,7 +181,8 @@ class ParallelLayout:
         parts = [f"TP {self.tensor}", f"PP {self.pipeline}"]
         if self.virtual:
             parts.append(f"VP {self.virtual}")
-        return " x ".join(parts) + f" x DP {self.data}"
+        experts = f" (EP {self.expert} x expert DP {self.data // self.expert})" if self.expert > 1 else ""
+        return " x ".join(parts) + f" x DP {self.data}{experts}"
 
 
 def virtual_pipeline_size(args) -> Optional[int]:
@@ -223,8 +225,13 @@ def parallel_layout(args, world_size: int) -> ParallelLayout:
         raise ArgumentError(
             f"the world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} = {tp * pp}")
+    data, expert = world_size // (tp * pp), args.expert_model_parallel_size
+    if data % expert:
+        raise ArgumentError(
+            f"the data-parallel size {data} is not divisible by --expert-model-parallel-size {expert} "
+            "(expert-parallel groups are carved out of the data-parallel ranks)")
     layout = ParallelLayout(world=world_size, tensor=tp, pipeline=pp,
-                            virtual=virtual_pipeline_size(args), data=world_size // (tp * pp))
+                            virtual=virtual_pipeline_size(args), data=data, expert=expert)
     check_parallel_sizes(args, layout.data)
     micro_batches = args.global_batch_size // (args.micro_batch_size * layout.data)
     if layout.virtual and micro_batches % pp:
@@ -247,22 +254,25 @@ def init_model_parallel(seed: int, layout: Optional[ParallelLayout] = None) -> N
     if parallel_state.model_parallel_is_initialized():
         same = (parallel_state.get_tensor_model_parallel_world_size() == layout.tensor
                 and parallel_state.get_pipeline_model_parallel_world_size() == layout.pipeline
-                and parallel_state.get_virtual_pipeline_model_parallel_world_size() == layout.virtual)
+                and parallel_state.get_virtual_pipeline_model_parallel_world_size() == layout.virtual
+                and parallel_state.get_expert_model_parallel_world_size() == layout.expert)
         if not same:
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            layout.tensor, layout.pipeline, virtual_pipeline_model_parallel_size=layout.virtual)
+            layout.tensor, layout.pipeline, virtual_pipeline_model_parallel_size=layout.virtual,
+            expert_model_parallel_size=layout.expert)
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def parallel_ranks() -> dict:
-    """This rank's coordinates: tensor, pipeline and data-parallel rank."""
+    """This rank's coordinates: tensor, pipeline, data-parallel and expert-parallel rank."""
     return {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-            "dp_rank": parallel_state.get_data_parallel_rank()}
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "ep_rank": parallel_state.get_expert_model_parallel_rank()}
 
 
 def is_loss_rank() -> bool:

@@ -33,22 +33,26 @@ from megatron_sdp4bit.training.fusions import Fusions, module_imports
 from megatron_sdp4bit.training.vocab import padded_vocab_size
 
 
-def _layer_spec(impl: str, device: str):
+def _layer_spec(impl: str, device: str, num_experts=None):
     """megatron-core's Transformer Engine layer spec when TE imports (and the run is
-    on CUDA), its local spec otherwise; ``impl`` is ``--transformer-impl``."""
+    on CUDA), its local spec otherwise; ``impl`` is ``--transformer-impl``. With
+    ``num_experts`` the MLPs are megatron's MoE layers (one expert MLP each, no
+    grouped GEMM: it needs Transformer Engine or a GPU kernel)."""
+    moe = dict(num_experts=num_experts, moe_grouped_gemm=False)
+    local = specs.get_gpt_layer_local_spec(**moe), "local"
     if impl == "local":
-        return specs.get_gpt_layer_local_spec(), "local"
+        return local
     if device != "cuda":
         if impl == "transformer_engine":
             raise ArgumentError("--transformer-impl transformer_engine needs a GPU; "
                                "use --transformer-impl local (or auto) on the CPU")
-        return specs.get_gpt_layer_local_spec(), "local"
+        return local
     if module_imports("transformer_engine"):
-        return specs.get_gpt_layer_with_transformer_engine_spec(), "transformer_engine"
+        return specs.get_gpt_layer_with_transformer_engine_spec(**moe), "transformer_engine"
     if impl == "transformer_engine":
         raise ArgumentError("--transformer-impl transformer_engine: Transformer Engine does not "
                            "import here; install it or use --transformer-impl local")
-    return specs.get_gpt_layer_local_spec(), "local"
+    return local
 
 
 def _parallel_config_kwargs(args) -> dict:
@@ -77,8 +81,46 @@ def transformer_config(args, device: str, fusions: Fusions):
         pipeline_dtype=dtype,
         use_cpu_initialization=device != "cuda",
         **_parallel_config_kwargs(args),
+        **_experts_config_kwargs(args),
         **fusions.as_config_kwargs(),
     )
+
+
+# What megatron-core 0.16-0.18's MoE helpers import from Transformer Engine, in one try
+# block, leaving the names unbound when TE is missing (0.19 binds them to None).
+_MOE_TE_NAMES = ("fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+                 "fused_permute_with_probs", "fused_sort_chunks_by_index",
+                 "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+                 "fused_unpermute", "te_general_gemm")
+
+
+def _bind_missing_moe_te_names() -> None:
+    """Without Transformer Engine, megatron-core 0.16-0.18's router gating tests
+    ``te_general_gemm is not None`` on a name its module never bound: every MoE step
+    failed with a NameError (the CPU, and GPUs without TE). Bind the missing names to
+    None, as megatron-core 0.19 does; nothing changes where TE imported."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "HAVE_TE", True):
+        return
+    for name in _MOE_TE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def _experts_config_kwargs(args) -> dict:
+    """The MoE layer's settings (none for a dense model): top-k routing over
+    ``--num-experts`` experts of ``--ffn-hidden-size``, split over the expert-parallel
+    ranks, tokens exchanged by megatron's all-gather dispatcher, no linear biases (as
+    Megatron-LM's MoE recipes, ``--disable-bias-linear``: megatron-core's expert MLP
+    adds its bias in place into a view of its output, which autograd refuses at EP 1),
+    and Megatron-LM's defaults otherwise (no auxiliary load-balancing loss)."""
+    if args.num_experts is None:
+        return {}
+    _bind_missing_moe_te_names()
+    return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                expert_model_parallel_size=args.expert_model_parallel_size,
+                moe_token_dispatcher_type="allgather", moe_grouped_gemm=False, add_bias_linear=False)
 
 
 class _DropDeprecationNotice(logging.Filter):
@@ -111,7 +153,7 @@ def build_gpt(args, vocab_size: int, device: str, fusions: Fusions, config=None,
     whole model. The vocabulary is padded to a multiple of 128 x TP, as in Megatron-LM.
     """
     config = config or transformer_config(args, device, fusions)
-    spec, impl = _layer_spec(args.transformer_impl, device)
+    spec, impl = _layer_spec(args.transformer_impl, device, args.num_experts)
     args.transformer_impl_used = impl
     with _quiet_gpt_deprecation():
         model = GPTModel(

@@ -5,11 +5,14 @@ step, and worlds of ranks that run the driver on the embedded corpus.
 change them (a fault injected into a schedule callback, counters on the model's
 bucket groups), trains, and returns the driver's summary plus
 ``weights_sha256_per_step`` (after each iteration, through the run's per-step
-callback) and ``weights_sha256`` (at the end).
+callback, once the step's overlapped weight gathers are done) and ``weights_sha256`` (at the end).
 
 ``captured_run(argv, on_step, errors, named)``: the driver's ``run`` on ``argv`` with
 its printout captured; one of ``errors`` becomes the result's ``error`` line, so a
 world of ranks returns each rank's refusal for the test to compare.
+
+``count_collectives_per_chunk(counts)``: a ``prepare`` that counts, per DDP chunk, the
+bucket groups' collectives that went quantized or exact (the experts' apart).
 
 ``TINY_GPT``: the driver flags of the tests' model. ``train_records(root, name)`` / ``train_log(root, name, field)``: the training log
 lines of the run written to ``root/name`` (its ``--run-dir``).
@@ -25,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from collections import defaultdict
 from typing import Callable, Iterator, Optional
 
 import pytest
 
 from harness import spawn_ranks
+from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.megatron.consistency import weights_sha256
 from megatron_sdp4bit.pretrain import run
 from megatron_sdp4bit.training.arguments import parse_args
@@ -56,12 +61,56 @@ def run_with_hashes(args, prepare: Optional[Callable[[RunParts], None]] = None,
     if prepare is not None:
         prepare(parts)
     hashes = []
-    training = TrainingRun(parts, on_step=lambda run: hashes.append(weights_sha256(run.ddp)),
-                           forward_step=forward_step)
+
+    def hash_weights(run) -> None:
+        patch.drain()  # with --overlap-param-gather the step's weight gathers are still running
+        hashes.append(weights_sha256(run.ddp))
+
+    training = TrainingRun(parts, on_step=hash_weights, forward_step=forward_step)
     training.train()
     summary = training.summary()
     summary.update(weights_sha256=weights_sha256(training.ddp), weights_sha256_per_step=hashes)
     return summary
+
+
+def count_collectives_per_chunk(counts: dict) -> Callable[[RunParts], None]:
+    """A ``prepare(parts)`` that makes every bucket group of every DDP chunk report into
+    ``counts``, per call, whether the collective it ran sent 4/8-bit codes (quantized)
+    or plain values (exact), read from the wire accounting around the call; expert
+    bucket groups (MoE) count under ``expert ...`` keys. Only for runs whose
+    collectives finish within the call (no overlap flags): an overlapped one counts
+    its bytes on the layer's worker, after the call has returned."""
+    from megatron_sdp4bit.megatron import patch
+
+    def counted(method, chunk_counts, collective, kind):
+        def wrapper(*args, **kwargs):
+            before = patch.wire_stats()
+            result = method(*args, **kwargs)
+            after = patch.wire_stats()
+            codes = after.sent_bytes(collective, kind="codes") - before.sent_bytes(collective, kind="codes")
+            values = after.sent_bytes(collective, kind="values") - before.sent_bytes(collective, kind="values")
+            if codes > 0:
+                chunk_counts[f"{kind}{collective} quantized"] += 1
+            elif values > 0:
+                chunk_counts[f"{kind}{collective} exact"] += 1
+            return result
+        return wrapper
+
+    def prepare(parts):
+        counts.clear()
+        for index, chunk in enumerate(parts.model):
+            chunk_counts = counts.setdefault(index, defaultdict(int))
+            for kind, groups in (("", chunk.bucket_groups),
+                                 ("expert ", getattr(chunk, "expert_parallel_bucket_groups", []))):
+                for bucket_group in groups:
+                    # Instance attributes: megatron calls them as bucket_group.start_*_sync().
+                    bucket_group.start_grad_sync = counted(
+                        bucket_group.start_grad_sync, chunk_counts, "reduce_scatter", kind)
+                    bucket_group.start_param_sync = counted(
+                        bucket_group.start_param_sync, chunk_counts, "all_gather", kind)
+                chunk_counts[f"{kind}bucket groups"] = len(groups)
+
+    return prepare
 
 
 def captured_run(argv: list, on_step: Optional[Callable] = None, errors=(CheckpointError,),

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import pytest
 
-from driver_runs import driver_world, train_log
+from driver_runs import count_collectives_per_chunk, driver_world, train_log
 
 STEPS, SAVED_AT = 6, 3
 COMMON = [
@@ -41,41 +41,6 @@ CHUNKS = {"tp2": 1, "pp2": 1, "pp2vp2": 2}
 
 # --- inside a rank ------------------------------------------------------------------------
 
-def _count_collectives_per_chunk(counts: dict):
-    """A ``prepare(parts)`` that makes every bucket group of every DDP chunk report into
-    ``counts``, per call, whether the collective it ran sent 4/8-bit codes (quantized)
-    or plain values (exact), read from the wire accounting around the call."""
-    from megatron_sdp4bit.megatron import patch
-
-    def counted(method, chunk_counts, collective):
-        def wrapper(*args, **kwargs):
-            before = patch.wire_stats()
-            result = method(*args, **kwargs)
-            after = patch.wire_stats()
-            codes = after.sent_bytes(collective, kind="codes") - before.sent_bytes(collective, kind="codes")
-            values = after.sent_bytes(collective, kind="values") - before.sent_bytes(collective, kind="values")
-            if codes > 0:
-                chunk_counts[f"{collective} quantized"] += 1
-            elif values > 0:
-                chunk_counts[f"{collective} exact"] += 1
-            return result
-        return wrapper
-
-    def prepare(parts):
-        counts.clear()
-        for index, chunk in enumerate(parts.model):
-            chunk_counts = counts.setdefault(index, defaultdict(int))
-            for bucket_group in chunk.bucket_groups:
-                # Instance attributes: megatron calls them as bucket_group.start_*_sync().
-                bucket_group.start_grad_sync = counted(
-                    bucket_group.start_grad_sync, chunk_counts, "reduce_scatter")
-                bucket_group.start_param_sync = counted(
-                    bucket_group.start_param_sync, chunk_counts, "all_gather")
-            chunk_counts["bucket groups"] = len(chunk.bucket_groups)
-
-    return prepare
-
-
 def _layouts_world(rank, world_size, root):
     from driver_runs import run_with_hashes
     from megatron_sdp4bit.pretrain import run
@@ -85,7 +50,7 @@ def _layouts_world(rank, world_size, root):
         args = parse_args(COMMON + extra + ["--train-iters", str(iters),
                                             "--run-dir", os.path.join(root, name)])
         counts = {}
-        summary = run_with_hashes(args, prepare=_count_collectives_per_chunk(counts))
+        summary = run_with_hashes(args, prepare=count_collectives_per_chunk(counts))
         summary["collectives_per_chunk"] = {k: dict(v) for k, v in counts.items()}
         return summary
 

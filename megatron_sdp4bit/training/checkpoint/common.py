@@ -37,11 +37,18 @@ def rank_and_world() -> Tuple[int, int]:
 
 
 def model_holder() -> Tuple[int, int]:
-    """(this rank's data-parallel rank, the global rank of data-parallel rank 0 of its
-    group): that rank's file holds the model weights of this rank's model shard."""
+    """(this rank's rank among the ranks that hold the same model weights, the global
+    rank of the first of them): that rank's file holds the weights of this rank's model
+    shard. They are the data-parallel group; with expert parallelism the
+    expert-data-parallel group (data-parallel ranks of one expert-parallel rank), as the
+    data-parallel rank 0 of the others holds other experts."""
     if parallel_state.model_parallel_is_initialized():
-        ranks = torch.distributed.get_process_group_ranks(parallel_state.get_data_parallel_group())
-        return parallel_state.get_data_parallel_rank(), ranks[0]
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            group, rank = (parallel_state.get_expert_data_parallel_group(),
+                           parallel_state.get_expert_data_parallel_rank())
+        else:
+            group, rank = parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_rank()
+        return rank, torch.distributed.get_process_group_ranks(group)[0]
     return rank_and_world()[0], 0
 
 

@@ -25,6 +25,7 @@ _FLAGS = (
     ("untied_embeddings", "--untie-embeddings-and-output-weights"),
     ("layers_per_virtual_stage", "--num-layers-per-virtual-pipeline-stage"),
     ("transformer_impl", "--transformer-impl"),
+    ("num_experts", "--num-experts"), ("moe_router_topk", "--moe-router-topk"),
 )
 
 
@@ -54,6 +55,8 @@ def model_record(model) -> dict:
         # parameters, other names (a GPU checkpoint resumed where TE is missing).
         "transformer_impl": "transformer_engine" if any(type(m).__name__.startswith("TE")
                                                         for m in chunks[0].modules()) else "local",
+        "num_experts": config.num_moe_experts,
+        "moe_router_topk": config.moe_router_topk if config.num_moe_experts else None,
     }
 
 

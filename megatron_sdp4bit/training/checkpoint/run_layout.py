@@ -31,10 +31,11 @@ def _parallel_sizes() -> dict:
     _, world = rank_and_world()
     if not parallel_state.model_parallel_is_initialized():
         return {"data_parallel_size": world, "tensor_model_parallel_size": 1,
-                "pipeline_model_parallel_size": 1}
+                "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1}
     return {"data_parallel_size": parallel_state.get_data_parallel_world_size(),
             "tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size()}
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
+            "expert_model_parallel_size": parallel_state.get_expert_model_parallel_world_size()}
 
 
 def current_layout(model, optimizer, stage_buckets: Optional[dict] = None,
@@ -85,7 +86,8 @@ def release(version: str) -> str:
 def _refuse_other_model_parallel_sizes(where: str, saved: dict, current: dict) -> None:
     for key, what, flag in (("tensor_model_parallel_size", "tensor-parallel", "--tensor-model-parallel-size"),
                             ("pipeline_model_parallel_size", "pipeline-parallel",
-                             "--pipeline-model-parallel-size")):
+                             "--pipeline-model-parallel-size"),
+                            ("expert_model_parallel_size", "expert-parallel", "--expert-model-parallel-size")):
         if saved.get(key) is not None and saved[key] != current[key]:
             raise CheckpointError(
                 f"{where} {what} size {saved[key]}, this run has {current[key]}; checkpoints are "
@@ -185,9 +187,11 @@ def compare_layouts(directory: str, saved: dict, current: dict) -> Tuple[bool, L
     if not converts(saved, current):  # a plain optimizer has no buckets to compare
         _refuse_other_buckets(where, saved, current)
     reshard = saved["data_parallel_size"] != current["data_parallel_size"]
-    if reshard and (current["tensor_model_parallel_size"] != 1 or current["pipeline_model_parallel_size"] != 1):
+    if reshard and (current["tensor_model_parallel_size"] != 1 or current["pipeline_model_parallel_size"] != 1
+                    or current.get("expert_model_parallel_size", 1) != 1):
+        # (reshard.py takes the model from rank 0's file: with EP > 1 it holds some experts only)
         raise CheckpointError(
             f"{where} data-parallel size {saved['data_parallel_size']}, this run has "
-            f"{current['data_parallel_size']}; resharding is supported with TP = PP = 1 only: "
+            f"{current['data_parallel_size']}; resharding is supported with TP = PP = EP = 1 only: "
             f"resume with {saved['data_parallel_size']} data-parallel ranks")
     return reshard, data_warnings + _warnings(where, saved, current)
