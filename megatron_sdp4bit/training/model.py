@@ -169,7 +169,31 @@ def build_gpt(args, vocab_size: int, device: str, fusions: Fusions, config=None,
         )
     if device == "cuda":
         model.cuda(torch.cuda.current_device())
+    elif args.num_experts is not None:
+        _draw_experts_per_expert_rank(model, config, args.seed)
     return model, config
+
+
+def _draw_experts_per_expert_rank(model, config, seed: int) -> None:
+    """On CPU megatron initialises every weight from torch's default generator, seeded
+    alike on every rank: the experts of expert-parallel rank 1 began as copies of rank
+    0's. Draw the expert weights again, as megatron does on GPUs, from a stream seeded
+    like its expert RNG tracker (seed + 100 x pipeline rank + 1024 + 100 x
+    expert-parallel rank), each with the init method megatron gave it (the second
+    linear layer: the output layers' scaled one), in fp32 and then cast, as megatron's
+    CPU initialisation does."""
+    expert_seed = (seed + 100 * parallel_state.get_pipeline_model_parallel_rank() + 1024
+                   + 100 * parallel_state.get_expert_model_parallel_rank())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(expert_seed)
+        for name, module in model.named_modules():
+            if not getattr(module, "is_expert", False) or getattr(module, "weight", None) is None:
+                continue
+            init = config.output_layer_init_method if "linear_fc2" in name else config.init_method
+            weight = torch.empty(module.weight.shape, dtype=torch.float32)
+            init(weight)
+            with torch.no_grad():
+                module.weight.copy_(weight)
 
 
 def build_gpt_chunks(args, vocab_size: int, device: str, fusions: Fusions):

@@ -11,6 +11,8 @@ callback, once the step's overlapped weight gathers are done) and ``weights_sha2
 its printout captured; one of ``errors`` becomes the result's ``error`` line, so a
 world of ranks returns each rank's refusal for the test to compare.
 
+``refusal(call, *errors)``: the message of the refusal ``call()`` raised, or None.
+
 ``count_collectives_per_chunk(counts)``: a ``prepare`` that counts, per DDP chunk, the
 bucket groups' collectives that went quantized or exact (the experts' apart).
 
@@ -111,6 +113,15 @@ def count_collectives_per_chunk(counts: dict) -> Callable[[RunParts], None]:
                 chunk_counts[f"{kind}bucket groups"] = len(groups)
 
     return prepare
+
+
+def refusal(call: Callable[[], object], *errors: type) -> Optional[str]:
+    """The message of the one of ``errors`` that ``call()`` raised; None if it ran."""
+    try:
+        call()
+    except errors as error:
+        return str(error)
+    return None
 
 
 def captured_run(argv: list, on_step: Optional[Callable] = None, errors=(CheckpointError,),

@@ -6,7 +6,7 @@ expert-data-parallel group ({0, 2}, {1, 3}) spans both nodes and its buckets tak
 hops on groups of their own, beside the dense DP-4 buckets. Runs: the same model
 dense and with experts, both with Megatron's overlap flags (as users train); the MoE
 run without them, its collectives counted per bucket group; the overlapped MoE run
-split in two by a checkpoint. The tests read: the loss falls, the replicas of each
+split in two by a checkpoint. The tests read: each expert-parallel rank starts from experts of its own, the loss falls, the replicas of each
 expert-parallel rank are bit-identical after every step (the two ranks hold other
 experts), the layer's replica check ran for both optimizers of megatron's chain every
 step, every expert bucket group's collectives were quantized, the MoE run's bytes
@@ -15,12 +15,13 @@ mixture-of-experts flags are refused in one line naming the flag.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import defaultdict
 
 import pytest
 
-from driver_runs import count_collectives_per_chunk, driver_world, train_log
+from driver_runs import count_collectives_per_chunk, driver_world, refusal, train_log
 
 STEPS, SAVED_AT = 6, 3
 COMMON = [
@@ -35,6 +36,15 @@ OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--bucket-size", "
 EXPERTS = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2"]
 
 
+def _experts_sha256(chunks) -> str:
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".experts." in name:
+                digest.update(param.detach().float().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _experts_world(rank, world_size, root):
     from driver_runs import run_with_hashes
     from megatron_sdp4bit.training.arguments import parse_args
@@ -42,7 +52,16 @@ def _experts_world(rank, world_size, root):
 
     def go(name, extra, iters=STEPS, counts=None):
         args = parse_args(COMMON + extra + ["--train-iters", str(iters), "--run-dir", os.path.join(root, name)])
-        summary = run_with_hashes(args, prepare=count_collectives_per_chunk(counts) if counts is not None else None)
+        counting = count_collectives_per_chunk(counts) if counts is not None else None
+        at_start = {}
+
+        def prepare(parts):
+            at_start["experts"] = _experts_sha256(parts.model)
+            if counting is not None:
+                counting(parts)
+
+        summary = run_with_hashes(args, prepare=prepare)
+        summary["experts_at_start"] = at_start["experts"]
         if counts is not None:
             summary["collectives_per_chunk"] = {k: dict(v) for k, v in counts.items()}
         return summary
@@ -55,11 +74,9 @@ def _experts_world(rank, world_size, root):
         "first_half": go("first_half", OVERLAP + EXPERTS + ["--save", ckpt], SAVED_AT),
         "second_half": go("second_half", OVERLAP + EXPERTS + ["--load", ckpt]),
     }
-    try:  # the checkpoint holds half the experts per rank: another EP is refused
-        go("other_ep", OVERLAP + ["--num-experts", "4", "--load", ckpt])
-        results["other_ep"] = None
-    except CheckpointError as error:
-        results["other_ep"] = str(error)
+    # the checkpoint holds half the experts per rank: another EP is refused
+    results["other_ep"] = refusal(lambda: go("other_ep", OVERLAP + ["--num-experts", "4", "--load", ckpt]),
+                                  CheckpointError)
     return results
 
 
@@ -95,6 +112,17 @@ def test_replicas_of_each_expert_parallel_rank_are_bit_identical_after_every_ste
         for ep_rank, per_step in by_expert_rank.items():
             assert len(per_step) == 2 and per_step[0] == per_step[1], (name, ep_rank)
         assert by_expert_rank[0][0][-1] != by_expert_rank[1][0][-1]  # other experts
+
+
+def test_each_expert_parallel_rank_starts_from_experts_of_its_own(runs):
+    # on CPU megatron draws all weights from one seed; the driver draws the experts
+    # per expert-parallel rank, as megatron's expert RNG tracker does on GPUs
+    _, results = runs
+    by_expert_rank = defaultdict(set)
+    for r in results:
+        by_expert_rank[r["moe"]["ep_rank"]].add(r["moe"]["experts_at_start"])
+    assert [len(by_expert_rank[e]) for e in (0, 1)] == [1, 1], by_expert_rank
+    assert by_expert_rank[0] != by_expert_rank[1]
 
 
 def test_every_expert_bucket_group_is_quantized(runs):
