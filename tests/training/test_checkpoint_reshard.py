@@ -188,7 +188,7 @@ def test_layout_differences_are_refused_or_warned_in_one_line():
         (_with(buckets={"0": [[{"dtypes": ["float32", "float32"], "numel_unpadded": [600, 400]}]]},
                bucket_size=600), "without --overlap-grad-reduce"),
         (_with(data_parallel_size=2, tensor_model_parallel_size=2),
-         "resharding is supported with TP = PP = 1 only"),
+         "resharding is supported with TP = PP = EP = 1 only"),
         # 4 -> 2 ranks without --global-batch-size halves its default: refused, not a silent
         # change of the schedule and of where the data resumes (the rule of every data
         # setting, test_resume_data.py; a checkpoint of before the rule recorded it alone)
