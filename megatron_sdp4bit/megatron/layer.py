@@ -197,8 +197,9 @@ def _ddp_init(layer, ddp, *args, **kwargs):
             state.resolve_ranks_per_node()
             check_same_config_on_all_ranks(state.config)
             state.config_checked = True
-    state.name_streams(adapter.ddp_bucket_groups(ddp) + adapter.expert_bucket_groups(ddp))
-    for bucket_group in adapter.ddp_bucket_groups(ddp) + adapter.expert_bucket_groups(ddp):
+    bucket_groups = adapter.ddp_bucket_groups(ddp) + adapter.expert_bucket_groups(ddp)
+    state.name_streams(bucket_groups)
+    for bucket_group in bucket_groups:
         state.refusals_passed[bucket_group] = state.config  # the steps need not check again
         # what a sampled step samples; only an enabled layer samples, and only under the
         # distributed optimizer (which check_ddp_for requires of it) does a bucket group
