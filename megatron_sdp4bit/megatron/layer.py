@@ -228,7 +228,9 @@ def _warm_up_kernels(layer, ddp) -> None:
     will launch (``comm/kernel_specs.py``); nothing to do where the reference serves."""
     state, adapter, config = layer.state, layer.adapter, layer.state.config
     specs, device = [], None
-    for bucket_group in adapter.ddp_bucket_groups(ddp):
+    # the experts' bucket groups too: their expert-data-parallel group has other hops
+    # (and shards) than the dense one, so other variants
+    for bucket_group in adapter.ddp_bucket_groups(ddp) + adapter.expert_bucket_groups(ddp):
         group, size, rank = adapter.collective_group(bucket_group)
         if size == 1:
             continue

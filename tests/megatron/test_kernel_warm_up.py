@@ -1,13 +1,11 @@
 """The first training step compiles nothing: the layer warms up, when DDP is built, the
 kernel variants its collectives will launch.
 
-Triton compiles one variant per cache key (constexprs, argument types, divisibility
-of sizes and strides). Without a GPU, ``launch_record.recording()`` yields the key
-each launch would compile under on sm_90 (Triton's own binder), with nothing run.
 On 4 gloo ranks as 2 emulated nodes x 2 (both hops of TLq-HS), for each layout:
 the layer installed, megatron's DDP and optimizer built (the layer records the specs
 it warmed up), then the collectives the layer makes in a step are recorded on the
-model's own buckets. Every key of those real calls must be among the warm-up's.
+model's own buckets (``harness.warm_up_keys``). Every key of those real calls must be
+among the warm-up's. The experts' bucket groups: ``tests/training/test_experts_warm_up.py``.
 """
 from __future__ import annotations
 
@@ -32,62 +30,17 @@ SPECS = {
 }
 
 
-def _keys(run) -> set:
-    from megatron_sdp4bit.quant.triton_kernels.launch_record import recording
-
-    with recording() as launches:
-        run()
-    return {launch.key for launch in launches}
-
-
-def _real_calls(layer, trainer):
-    """The collectives the layer makes in a step, on the model's own buckets."""
-    import torch
-
-    from megatron_sdp4bit import comm
-
-    state, adapter = layer.state, layer.adapter
-    for bucket_group in adapter.ddp_bucket_groups(trainer.model):
-        group, size, rank = adapter.collective_group(bucket_group)
-        ddp_config = adapter.ddp_config(bucket_group)
-        for bucket in adapter.group_buckets(bucket_group):
-            grads, params = adapter.bucket_grad_data(bucket), adapter.bucket_param_data(bucket)
-            shard = grads.numel() // size
-            handle = comm.quantized_reduce_scatter(
-                grads[rank * shard:(rank + 1) * shard], grads, group=group, config=state.config,
-                async_op=bool(ddp_config.overlap_grad_reduce),
-                generator=state.generator(grads.device, "grads"))
-            if handle is not None:
-                handle.wait()
-            main = torch.zeros(params.numel() // size, dtype=torch.float32)
-            for async_op in {False, bool(ddp_config.overlap_param_gather)}:
-                handle = comm.quantized_all_gather_weights(
-                    params, main, group=group, config=state.config, async_op=async_op,
-                    generator=state.generator(main.device, "weights"))
-                if handle is not None:
-                    handle.wait()
-
-
 def _world(rank, world_size):
     from harness.tiny_gpt import TinyGPTTrainer
-    from megatron_sdp4bit import quant
+    from harness.warm_up_keys import warm_up_coverage
     from megatron_sdp4bit.megatron import patch
-    from megatron_sdp4bit.quant import triton_ops, warmup
 
     results = {}
     for name, (spec, config) in SPECS.items():
         patch.uninstall()
         layer = patch.install(config)
         trainer = TinyGPTTrainer(spec)
-        specs = sorted(layer.state.warmed_up, key=repr)
-        dispatch = quant.backend_for
-        quant.backend_for = lambda t: triton_ops  # CPU tensors to the Triton ops: recorded
-        try:
-            warmed = _keys(lambda: [warmup.run_spec(s, "cpu") for s in specs])
-            real = _keys(lambda: _real_calls(layer, trainer))
-        finally:
-            quant.backend_for = dispatch
-        results[name] = {"specs": len(specs), "real": len(real), "missing": len(real - warmed)}
+        results[name] = warm_up_coverage(layer, layer.adapter.ddp_bucket_groups(trainer.model))
         patch.uninstall()
     return results
 
