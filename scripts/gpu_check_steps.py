@@ -55,7 +55,7 @@ from typing import Callable, Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What a GPU has not shown yet first: the quantized path at DP>1 on CUDA and its overlap,
 # then the kernels' speed and the DP=1 overhead.
-STEPS = ("env", "triton", "large", "nccl", "dp4", "overlap", "bench", "train", "megatron_lm")
+STEPS = ("env", "triton", "large", "nccl", "dp4", "hosts", "overlap", "bench", "train", "megatron_lm")
 OVERLAP_TARGET = 0.8  # share of the quantization kernels' time beside other kernels'
 OVERLAP_PROFILE = dict(after=4, steps=3)
 # zeropp at DP=1 takes the same path as sdp4bit (one rank: nothing is quantized)
@@ -82,6 +82,10 @@ CPU_DP4 = dict(CPU_TRAIN, iters=8, shard=3000, bucket_size=40_000)
 GPU_OVERLAP = dict(GPU_DP4, layers=4, hidden=1024, heads=16, seq=1024, micro_batch=16,
                    bucket_size=10_000_000)
 OVERLAP_FLAGS = ["--overlap-grad-reduce", "--overlap-param-gather"]
+# 2 emulated hosts x 2 ranks (megatron_sdp4bit.emulated_hosts), dp4's model with experts:
+# expert-parallel 2, so each expert-data-parallel group holds one rank of each host
+EXPERT_FLAGS = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2"]
+EXPERT_RATIO_TOLERANCE = 0.05  # issue 27: an MoE run's bytes ratio within 0.05 of the dense run's
 
 
 # --- results -----------------------------------------------------------------------
@@ -394,8 +398,9 @@ def steady_step_time(records: List[dict], warmup_iters: int) -> Optional[float]:
 
 
 def run_training(report: Report, ctx: dict, label: str, cmd: List[str], shape: dict,
-                 run_name: str, timeout: float) -> tuple:
-    """Run the driver, report ``label`` PASS/FAIL; ``(row of figures, its output)``."""
+                 run_name: str, timeout: float, keep_metrics: bool = True) -> tuple:
+    """Run the driver, report ``label`` PASS/FAIL; ``(row of figures, its output)``.
+    ``keep_metrics``: its metrics.jsonl goes to --out (which holds 8 files at most)."""
     start = time.perf_counter()
     rc, output, cut = run_limited(ctx, cmd, timeout, env=python_env())
     seconds = time.perf_counter() - start
@@ -403,14 +408,15 @@ def run_training(report: Report, ctx: dict, label: str, cmd: List[str], shape: d
 
     metrics = os.path.join(ctx["work"], run_name, "metrics.jsonl")
     records = read_metrics(metrics) if os.path.isfile(metrics) else []
-    if records:
+    if records and keep_metrics:
         shutil.copy(metrics, os.path.join(ctx["out"], f"{run_name}.jsonl"))
     train = [r for r in records if r.get("kind") == "train"]
     step = steady_step_time(records, shape["warmup_iters"])
     loss = train[-1]["loss"] if train else math.nan
     row = dict(step_time_s=step, final_loss=loss,
                tokens_per_s=(shape["micro_batch"] * shape["seq"] / step) if step else None,
-               bytes_sent=sum(r.get("bytes_sent") or 0 for r in train))
+               bytes_sent=sum(r.get("bytes_sent") or 0 for r in train),
+               bytes_exact=sum(r.get("bytes_exact") or 0 for r in train))
     if rc != 0:
         report.add(label, *(killed(cut) if rc is None else ("FAIL", f"driver exit {rc}")), seconds,
                    **row)
@@ -554,6 +560,8 @@ def step_dp4(report: Report, ctx: dict) -> None:
                                           f"dp4-{name}", 120 if ctx["smoke"] else 150)
         found = REPLICA_CHECKS.search(output)
         rows[name]["replica_checks"] = int(found.group(1)) if found else 0
+    if rows["sdp4bit"]["bytes_exact"]:  # the hosts step compares its experts' ratio with it
+        ctx["dense_wire_ratio"] = rows["sdp4bit"]["bytes_sent"] / rows["sdp4bit"]["bytes_exact"]
     print(f"\n    DP=4 on one {'CPU' if ctx['smoke'] else 'GPU'} over gloo, 2 emulated nodes x 2 "
           f"(GPT {shape['layers']}x{shape['hidden']}, seq {shape['seq']}, {shape['iters']} iterations, "
           f"overlapped, buckets of {shape['bucket_size']} parameters):")
@@ -581,6 +589,67 @@ def dp4_flags(shape: dict) -> List[str]:
     """The 4 gloo ranks on one device, 2 emulated nodes x 2, overlapped, several buckets."""
     return ["--distributed-backend", "gloo", "--sdp4bit-ranks-per-node", "2", *OVERLAP_FLAGS,
             "--bucket-size", str(shape["bucket_size"])]
+
+
+# --- (e'') 2 emulated hosts, experts: the node layout from the hosts, expert bucket groups
+
+HOSTS_PLAN_LINES = (
+    "sdp4bit nodes: 2 hosts x 2 ranks (from the hosts)",
+    "sdp4bit gradient hops, DP 4: 8-bit inside a node (2 ranks), then 4-bit across nodes (2 ranks)",
+    "sdp4bit gradient hops, expert DP 2: 4-bit across nodes (2 ranks)",
+)
+
+
+def hosts_verdict(output: str, row: dict, iters: int, dense_ratio: Optional[float]) -> tuple:
+    """(status, detail) of the hosts step's driver run from its output: the nodes learned
+    from the hosts (no --sdp4bit-ranks-per-node given), both hops for the dense group and
+    the across-nodes hop for the experts', the replica check of both of megatron's
+    optimizers every step, and the bytes ratio within 0.05 of dp4's dense run's."""
+    problems = []
+    for line in HOSTS_PLAN_LINES:
+        if line not in output:
+            problems.append(f"no line {line!r}")
+    found = REPLICA_CHECKS.search(output)
+    checks = int(found.group(1)) if found else 0
+    if checks != 2 * iters:
+        problems.append(f"replica checks {checks}, expected {2 * iters} (dense and expert optimizer, every step)")
+    ratio = row["bytes_sent"] / row["bytes_exact"] if row.get("bytes_exact") else None
+    if ratio is None:
+        problems.append("no bytes counted")
+    elif dense_ratio is not None and abs(ratio - dense_ratio) > EXPERT_RATIO_TOLERANCE:
+        problems.append(f"bytes ratio {ratio:.3f} vs the dense run's {dense_ratio:.3f} "
+                        f"(tolerance {EXPERT_RATIO_TOLERANCE})")
+    if problems:
+        return "FAIL", "; ".join(problems)
+    versus = (f" (dense dp4 run {dense_ratio:.3f})" if dense_ratio is not None
+              else " (dp4's dense run did not run: not compared)")
+    return "PASS", (f"2 nodes learned from the hosts, dense DP 4 in two hops, expert DP 2 across "
+                    f"nodes; {checks} replica checks; {ratio:.3f}x of the exact bytes{versus}")
+
+
+def step_hosts(report: Report, ctx: dict) -> None:
+    """dp4's SDP4Bit run with experts, launched as 2 hosts of 2 ranks: each host a torchrun
+    node with its own SDP4BIT_HOST_ID (``python -m megatron_sdp4bit.emulated_hosts``), no
+    --sdp4bit-ranks-per-node, overlapped, replica check every step."""
+    shape = CPU_DP4 if ctx["smoke"] else GPU_DP4
+    if not ctx["env"]["megatron_core"]["present"]:
+        report.add("hosts.moe", "SKIP", "megatron-core is missing")
+        return
+    corpus = corpus_or_fail(report, ctx, "hosts.moe")
+    if corpus is None:
+        return
+    driver = train_command("sdp4bit", shape, corpus, ctx["work"], dp=4, run_name="hosts-moe")
+    entry = driver[driver.index("-m"):]
+    cmd = [sys.executable, "-m", "megatron_sdp4bit.emulated_hosts", "--hosts", "2",
+           "--ranks-per-host", "2", "--", *entry, "--distributed-backend", "gloo", *OVERLAP_FLAGS,
+           "--bucket-size", str(shape["bucket_size"]), *EXPERT_FLAGS, "--sdp4bit-check-interval", "1"]
+    row, output = run_training(report, ctx, "hosts.moe.train", cmd, shape, "hosts-moe",
+                               120 if ctx["smoke"] else 150, keep_metrics=False)
+    if not math.isfinite(row["final_loss"]):
+        report.add("hosts.moe", "SKIP", "the run did not finish (hosts.moe.train)")
+        return
+    status, detail = hosts_verdict(output, row, shape["iters"], ctx.get("dense_wire_ratio"))
+    report.add("hosts.moe", status, detail)
 
 
 def overlap_ranks(ctx: dict) -> tuple:
@@ -741,7 +810,7 @@ def step_megatron_lm(report: Report, ctx: dict) -> None:
 
 RUNNERS: Dict[str, Callable[[Report, dict], None]] = {
     "env": step_env, "triton": step_triton, "bench": step_bench, "train": step_train,
-    "nccl": step_nccl, "dp4": step_dp4, "overlap": step_overlap, "megatron_lm": step_megatron_lm,
+    "nccl": step_nccl, "dp4": step_dp4, "hosts": step_hosts, "overlap": step_overlap, "megatron_lm": step_megatron_lm,
 }
 
 

@@ -151,6 +151,13 @@ def default_ranks_per_node(ranks_per_node: Optional[int] = None) -> int:
     return value
 
 
+def world_hosts() -> Optional[tuple]:
+    """Every global rank's host identity, once ``default_ranks_per_node`` has gathered
+    them (None before)."""
+    with _LOCK:
+        return _HOSTS.get("world")
+
+
 def _resolve_ranks_per_node(ranks_per_node: Optional[int]) -> int:
     """The value to plan with: as given (checked by ``plan_node_layout``, its one rule), or
     when None the layout the hosts report (``default_ranks_per_node``)."""

@@ -32,7 +32,7 @@ __all__ = ["install", "uninstall", "is_installed", "current_config", "adapter_mi
            "get_iteration", "set_metrics_interval", "quantization_errors",
            "gradient_group_shape", "wire_stats",
            "replica_checks_passed", "kernel_warm_up", "memory", "state_dict", "load_state_dict",
-           "optimizer_group", "after_optimizer_load", "drain"]
+           "optimizer_group", "after_optimizer_load", "drain", "collective_plan"]
 
 
 def install(config: SDP4BitConfig, force_version: bool = False) -> SDP4BitLayer:
@@ -154,6 +154,16 @@ def kernel_warm_up() -> tuple:
     where the torch reference serves the device (nothing to compile)."""
     layer = INSTALLED.layer
     return (0, 0.0) if layer is None else (len(layer.state.warmed_up), layer.state.warm_up_seconds)
+
+
+def collective_plan(model_chunks) -> list:
+    """Lines saying where the ranks run (from the hosts) and each data-parallel group's
+    reduce-scatter hops on this rank (``hop_plan.py``); empty without a layer. Not
+    collective: read after the model's DDP is built."""
+    from megatron_sdp4bit.megatron.hop_plan import plan_lines
+
+    layer = INSTALLED.layer
+    return [] if layer is None or not layer.state.config.enabled else plan_lines(layer, model_chunks)
 
 
 def memory(optimizer, params: int):

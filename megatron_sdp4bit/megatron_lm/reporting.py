@@ -6,7 +6,8 @@ two of Megatron-LM's training functions (``RouteSites``):
 
 - ``train``: when it starts (the model is built and the layer installed by then,
   whichever route installed it, even from inside the model provider, the 0.16/0.17
-  patch), rank 0 prints one line with the config, and the layer samples its
+  patch), rank 0 prints one line with the config and the lines of the layer's plan
+  (the nodes learned from the hosts, each data-parallel group's hops), and the layer samples its
   quantization errors on the last step of every ``--log-interval``; when it returns,
   the last rank prints a summary like the driver's;
 - ``training_log``: while it runs, the iteration line it prints (``print_rank_last``,
@@ -130,9 +131,10 @@ def _is_last_rank() -> bool:
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
-def _start(sites: RouteSites, figures: LayerFigures) -> None:
+def _start(sites: RouteSites, figures: LayerFigures, model) -> None:
     """Once, when training starts: the error sampling interval, the counters' origin,
-    rank 0's install line."""
+    rank 0's install line and its plan (the nodes found, each data-parallel group's
+    hops: ``patch.collective_plan``) for ``model``, Megatron-LM's list of DDP chunks."""
     if not patch.is_installed() or figures.start_iteration is not None:
         return
     patch.set_metrics_interval(int(sites.get_args().log_interval))
@@ -141,6 +143,8 @@ def _start(sites: RouteSites, figures: LayerFigures) -> None:
         print(f"SDP4Bit installed (megatron-core {patch.adapter_minor()} adapter, "
               f"{torch.distributed.get_world_size()} ranks): {patch.current_config().describe()}; "
               f"{patch.current_config().to_dict()}", flush=True)
+        for line in patch.collective_plan(model or []):
+            print(f"sdp4bit {line}", flush=True)
         if getattr(sites.get_args(), "data_parallel_size", None) == 1:
             # Before: the run said it was installed and quantized nothing, without a word.
             print("sdp4bit: data-parallel size 1: nothing to quantize (SDP4Bit quantizes the data-parallel "
@@ -179,8 +183,10 @@ def _wrap_train(sites: RouteSites, figures: LayerFigures, original):
             figures.window()  # the steps after the last log line
             print("\n".join(summary_lines(figures, patch.current_config(), patch.get_iteration())), flush=True)
 
+    signature = inspect.signature(original)
+
     def train(*args, **kwargs):
-        _start(sites, figures)
+        _start(sites, figures, signature.bind_partial(*args, **kwargs).arguments.get("model"))
         try:
             result = original(*args, **kwargs)
         except SystemExit as stop:  # --exit-interval, --exit-duration-in-mins, a signal

@@ -209,6 +209,8 @@ def set_up(args) -> RunParts:
         if quantized:  # collective (plans the node layout), logged by rank 0 for its own stage
             footprint = patch.memory(optimizer, sum(p.numel() for p in ddp.parameters()))
             log0(f"sdp4bit memory on rank 0: {footprint.describe()}")
+            for line in patch.collective_plan(model):
+                log0(f"sdp4bit {line}")
             kinds, seconds = patch.kernel_warm_up()
             if seconds:  # nothing to compile where the torch reference serves (CPU)
                 log0(f"sdp4bit kernels: {kinds} kinds of call compiled in {seconds:.1f} s on rank 0, "

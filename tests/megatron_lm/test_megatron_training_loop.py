@@ -363,6 +363,12 @@ def test_pretrain_moe_expert_dp_across_emulated_nodes(tmp_path, dense_dp4, overl
     losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.Ee+-]+) \|", output)]
     reports = [json.loads((tmp_path / "reports" / f"rank{r}.json").read_text()) for r in range(4)]
     _check_run(losses, reports, tp_size=1, sub_optimizers=2)
+    # rank 0 says what the layer planned: 2 nodes emulated on the one host, both hops
+    # for the dense group, the expert-DP group (one rank per node) across the nodes
+    assert "sdp4bit nodes: 1 host x 4 ranks (from the hosts), planned as 2 nodes of 2" in output
+    assert ("sdp4bit gradient hops, DP 4: 8-bit inside a node (2 ranks), "
+            "then 4-bit across nodes (2 ranks)") in output
+    assert "sdp4bit gradient hops, expert DP 2: 4-bit across nodes (2 ranks)" in output
     dense = _bytes_ratio(dense_dp4[1][0])
     for report in reports:
         assert abs(_bytes_ratio(report) - dense) < 0.05, (_bytes_ratio(report), dense)
@@ -398,6 +404,8 @@ def test_pretrain_moe_8_ranks_expert_dp_on_both_levels(tmp_path):
     output = result.stdout + result.stderr
     losses = [float(x) for x in re.findall(r"\| lm loss: ([0-9.Ee+-]+) \|", output)]
     assert len(losses) == ITERS and losses[-1] < 0.9 * losses[0], losses
+    assert ("sdp4bit gradient hops, expert DP 4: 8-bit inside a node (2 ranks), "
+            "then 4-bit across nodes (2 ranks)") in output
     reports = [json.loads((tmp_path / "reports" / f"rank{r}.json").read_text()) for r in range(8)]
     by_expert_rank = {}
     for report in reports:

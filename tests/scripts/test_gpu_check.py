@@ -56,11 +56,15 @@ def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
     expected = {name: "PASS" for name in (
         "env", "triton.compile", "triton.tests", "triton.dispatch", "large", "bench",
         "dp4.collectives", "dp4.train.sdp4bit", "dp4.train.baseline", "dp4.loss",
-        "train.sdp4bit", "train.baseline")}
+        "hosts.moe.train", "hosts.moe", "train.sdp4bit", "train.baseline")}
     expected.update({"train.ratio": "SKIP", "megatron_lm": "SKIP", "overlap": "SKIP",
                      "nccl.collectives": "SKIP"})
     assert got == expected, result.stdout[-6000:]
-    assert "SUMMARY: 12 PASS, 0 FAIL, 4 SKIP -> PASS" in result.stdout
+    assert "SUMMARY: 14 PASS, 0 FAIL, 4 SKIP -> PASS" in result.stdout
+    # the hosts step: 2 emulated hosts learned without --sdp4bit-ranks-per-node, experts
+    assert "-m megatron_sdp4bit.emulated_hosts --hosts 2 --ranks-per-host 2" in result.stdout
+    assert re.search(r"\[PASS\] hosts\.moe \(\d+ s\): 2 nodes learned from the hosts.*"
+                     r"\d\.\d{3}x of the exact bytes \(dense dp4 run \d\.\d{3}\)", result.stdout)
     # the overlap step's machinery ran: a profile, a share (the target is a GPU's)
     assert re.search(r"\[SKIP\] overlap \(\d+ s\): \d+\.\d% of the quantization cpu threads time",
                      result.stdout), result.stdout[-6000:]
@@ -149,9 +153,25 @@ def test_without_megatron_core_the_training_step_skips(tmp_path):
                out=str(tmp_path))
     steps.step_train(report, ctx)
     steps.step_dp4(report, ctx)
+    steps.step_hosts(report, ctx)
     assert {r["name"]: r["status"] for r in report.results} == {
         "train.sdp4bit": "SKIP", "train.baseline": "SKIP", "dp4.collectives": "SKIP",
-        "dp4.train.sdp4bit": "SKIP", "dp4.train.baseline": "SKIP"}
+        "dp4.train.sdp4bit": "SKIP", "dp4.train.baseline": "SKIP", "hosts.moe": "SKIP"}
+
+
+def test_the_hosts_verdict_wants_the_plan_lines_both_optimizers_checked_and_dense_bytes():
+    output = "\n".join(steps.HOSTS_PLAN_LINES) + "\nreplica checks      8 passed (every 1 steps)\n"
+    row = dict(bytes_sent=24, bytes_exact=100)
+    status, detail = steps.hosts_verdict(output, row, 4, dense_ratio=0.22)
+    assert status == "PASS" and "0.240x of the exact bytes (dense dp4 run 0.220)" in detail
+    assert steps.hosts_verdict(output, row, 4, dense_ratio=None)[0] == "PASS"
+    status, detail = steps.hosts_verdict(output, row, 4, dense_ratio=0.18)
+    assert status == "FAIL" and "bytes ratio 0.240 vs the dense run's 0.180" in detail
+    status, detail = steps.hosts_verdict(output.replace("8 passed", "4 passed"), row, 4, 0.22)
+    assert status == "FAIL" and "replica checks 4, expected 8" in detail
+    one_host = output.replace("2 hosts x 2 ranks", "1 host x 4 ranks")
+    status, detail = steps.hosts_verdict(one_host, row, 4, 0.22)
+    assert status == "FAIL" and "no line 'sdp4bit nodes: 2 hosts x 2 ranks (from the hosts)'" in detail
 
 
 def test_the_nccl_step_runs_only_with_two_or_more_gpus(tmp_path, monkeypatch):

@@ -1,0 +1,61 @@
+"""What the layer planned for this rank's collectives, in words: where the ranks run
+and the hops of each data-parallel group's quantized reduce-scatter.
+
+The node layout comes from the hosts themselves (``comm/hosts.py``, gathered once at
+install), so a run launched by srun, mpirun or torchrun says how many nodes it found;
+a job taken for one node, or a group served by one flat level, shows in this line
+rather than only in the bytes. Read at set-up, after megatron's DDP is built (every
+topology is planned and cached by then: nothing here is collective).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+from megatron_sdp4bit import comm
+from megatron_sdp4bit.comm.host_layout import host_blocks
+from megatron_sdp4bit.comm.topology import world_hosts
+
+HOP_PLACES = {"intra": "inside a node", "inter": "across nodes"}
+
+
+def describe_nodes(hosts: Sequence[str], ranks_per_node: int) -> str:
+    """``2 hosts x 4 ranks (from the hosts)``, and the nodes planned inside them when
+    ``ranks_per_node`` emulates smaller ones."""
+    blocks = host_blocks(hosts)
+    per_host = len(blocks[0][1])
+    text = f"{len(blocks)} host{'s' if len(blocks) != 1 else ''} x {per_host} ranks (from the hosts)"
+    if ranks_per_node != per_host:
+        text += (f", planned as {len(hosts) // ranks_per_node} nodes of {ranks_per_node} "
+                 "(--sdp4bit-ranks-per-node emulates nodes inside a host)")
+    return text
+
+
+def describe_hops(topology, config) -> str:
+    """``8-bit inside a node (4 ranks), then 4-bit across nodes (2 ranks)``."""
+    hops = [f"{config.grad_hop_format(level.name)[0]}-bit {HOP_PLACES[level.name]} ({level.size} ranks)"
+            for level in topology.levels]
+    text = ", then ".join(hops) or "one rank, nothing sent"
+    if topology.fallback_reason:
+        text += f" (one level: {topology.fallback_reason})"
+    return text
+
+
+def plan_lines(layer, model_chunks) -> List[str]:
+    """This rank's plan: the nodes, then each distinct data-parallel group's hops
+    (dense, then expert), for a layer that quantizes the gradients."""
+    state, adapter, config = layer.state, layer.adapter, layer.state.config
+    hosts = world_hosts()
+    lines = [f"nodes: {describe_nodes(hosts, config.ranks_per_node)}"] if hosts else []
+    if not config.quantize_grads:
+        return lines
+    seen = []
+    for kind, groups_of in (("DP", adapter.ddp_bucket_groups), ("expert DP", adapter.expert_bucket_groups)):
+        for chunk in model_chunks:
+            for bucket_group in groups_of(chunk):
+                group, size, _rank = adapter.collective_group(bucket_group)
+                if size == 1 or any(group is known for known in seen):
+                    continue
+                seen.append(group)
+                topology = comm.get_topology(state.runner.group_for(group), config.ranks_per_node)
+                lines.append(f"gradient hops, {kind} {size}: {describe_hops(topology, config)}")
+    return lines

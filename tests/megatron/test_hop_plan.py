@@ -1,0 +1,31 @@
+"""The driver's plan lines (``megatron/hop_plan.py``): what they say for the layouts a
+user meets. The lines of a real run (2 hosts, experts): ``tests/test_emulated_hosts.py``."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from megatron_sdp4bit.comm.topology import Level
+from megatron_sdp4bit.config import preset
+from megatron_sdp4bit.megatron.hop_plan import describe_hops, describe_nodes
+
+
+def _topology(*levels, fallback=None):
+    return SimpleNamespace(levels=tuple(Level(name, None, size) for name, size in levels),
+                           fallback_reason=fallback)
+
+
+def test_nodes_from_the_hosts_and_emulated_inside_them():
+    assert describe_nodes(["a"] * 8 + ["b"] * 8, 8) == "2 hosts x 8 ranks (from the hosts)"
+    assert describe_nodes(["a"] * 4, 2) == ("1 host x 4 ranks (from the hosts), planned as 2 nodes of 2 "
+                                            "(--sdp4bit-ranks-per-node emulates nodes inside a host)")
+
+
+def test_hops_name_their_bits_places_and_members():
+    config = preset("sdp4bit")
+    assert describe_hops(_topology(("intra", 8), ("inter", 4)), config) == \
+        "8-bit inside a node (8 ranks), then 4-bit across nodes (4 ranks)"
+    assert describe_hops(_topology(("inter", 2)), config) == "4-bit across nodes (2 ranks)"
+    assert describe_hops(_topology(("inter", 6), fallback="DP members per node differ"), config) == \
+        "4-bit across nodes (6 ranks) (one level: DP members per node differ)"
+    assert describe_hops(_topology(), config) == "one rank, nothing sent"
+    assert describe_hops(_topology(("intra", 4), ("inter", 2)), preset("zeropp")).startswith("4-bit inside")
