@@ -170,7 +170,9 @@ def _own_exact_param_sync(layer, bucket_group, async_op: bool, force_sync: bool)
             all_gather_flat(flat, flat[rank * shard:(rank + 1) * shard], group, False)
 
         handles.append(run_or_submit(runner, gather, async_op, (flat,)))
-    adapter.set_param_gather_handle(bucket_group, Handles(handles) if async_op else None, force_sync)
+    adapter.set_param_gather_handle(
+        bucket_group, Handles(handles, clock=layer.state.waits, kind="all_gather") if async_op else None,
+        force_sync)
 
 
 def _another_optimizers_group(state, bucket_group, force_sync: bool) -> bool:
@@ -238,4 +240,4 @@ def _quantized_gather(layer, bucket_group, async_op: bool) -> Handles:
         shard = adapter.param_shard(first_bucket, size, rank)
         state.metrics.record({"weight": quant_metrics.relative_error(shard[:n], first.main_shard[:n])})
 
-    return Handles(handles, on_done=record_weight_error)
+    return Handles(handles, on_done=record_weight_error, clock=state.waits, kind="all_gather")

@@ -25,6 +25,7 @@ from megatron_sdp4bit.comm.accounting import WireStats
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import adapters
 from megatron_sdp4bit.megatron.config_refusals import check_same_config_on_all_ranks
+from megatron_sdp4bit.megatron.group_handle import WaitClock
 from megatron_sdp4bit.megatron.installed import INSTALLED
 from megatron_sdp4bit.megatron.layer import SDP4BitLayer
 
@@ -32,7 +33,7 @@ __all__ = ["install", "uninstall", "is_installed", "current_config", "adapter_mi
            "get_iteration", "set_metrics_interval", "quantization_errors",
            "gradient_group_shape", "wire_stats",
            "replica_checks_passed", "kernel_warm_up", "memory", "state_dict", "load_state_dict",
-           "optimizer_group", "after_optimizer_load", "drain", "collective_plan"]
+           "optimizer_group", "after_optimizer_load", "drain", "collective_plan", "collective_waits"]
 
 
 def install(config: SDP4BitConfig, force_version: bool = False) -> SDP4BitLayer:
@@ -154,6 +155,15 @@ def kernel_warm_up() -> tuple:
     where the torch reference serves the device (nothing to compile)."""
     layer = INSTALLED.layer
     return (0, 0.0) if layer is None else (len(layer.state.warmed_up), layer.state.warm_up_seconds)
+
+
+def collective_waits() -> Dict[str, float]:
+    """Seconds this rank's training thread has waited so far on the layer's overlapped
+    collectives, per collective (``reduce_scatter``, ``all_gather``): the communication
+    megatron's overlap left exposed (``group_handle.WaitClock``; host time: about zero
+    on a side stream). Only grows; zeros without a layer."""
+    layer = INSTALLED.layer
+    return WaitClock().snapshot() if layer is None else layer.state.waits.snapshot()
 
 
 def collective_plan(model_chunks) -> list:

@@ -19,6 +19,7 @@ from megatron_sdp4bit.comm.topology import default_ranks_per_node
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron.config_refusals import check_ddp_for, check_optimizer_config
+from megatron_sdp4bit.megatron.group_handle import WaitClock
 from megatron_sdp4bit.megatron.quant_metrics import QuantErrorMetrics
 
 
@@ -78,6 +79,8 @@ class LayerState:
     stream when megatron overlaps them, else the caller (``megatron/background.py``)."""
     runner_chosen: bool = False
     """``runner`` was chosen (at the first DDP construction that overlaps)."""
+    waits: WaitClock = field(default_factory=WaitClock)
+    """How long megatron's thread waited on the layer's overlapped collectives."""
     grad_workspace: Workspace = field(default_factory=Workspace)
     """The reduce-scatters' buffers, shared: the runner runs one collective at a time."""
     weight_workspace: Workspace = field(default_factory=Workspace)

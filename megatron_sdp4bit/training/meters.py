@@ -37,6 +37,22 @@ class WireMeter:
         return window
 
 
+class WaitMeter:
+    """Seconds this rank's training thread waited on the layer's overlapped collectives
+    (``patch.collective_waits``) since the last read: with Megatron's overlap flags, the
+    communication left exposed, per collective. Windows of growing counters, as
+    ``WireMeter``."""
+
+    def __init__(self):
+        self._seen = patch.collective_waits()
+
+    def read(self) -> dict:
+        now = patch.collective_waits()
+        window = {kind: now[kind] - self._seen.get(kind, 0.0) for kind in now}
+        self._seen = now
+        return window
+
+
 class TrainingWindow:
     """Loss, step count, skipped steps and wall time of the steps since the last log.
 

@@ -19,6 +19,7 @@ from megatron_sdp4bit.training.figures import axis_labels, pyplot, save_figure
 TRAIN_FIELDS = (
     "iteration", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
     "bytes_sent", "bytes_exact", "bytes_sent_intra", "bytes_sent_inter", "wire_ratio",
+    "wait_reduce_scatter_s", "wait_all_gather_s",
     "weight_quant_rel_error",
     "grad_quant_rel_error", *(f"grad_{name}" for name in (
         "crest_median", "crest_p99", "crest_max", "crest_share_above_8",
@@ -27,7 +28,10 @@ TRAIN_FIELDS = (
 )
 """What a ``train`` record holds. The ``grad_crest_*`` and ``grad_4bit_error_*`` fields
 are the gradients' 4-bit group shape on the window's sampled step
-(``patch.gradient_group_shape``): null where no gradient was quantized."""
+(``patch.gradient_group_shape``): null where no gradient was quantized. ``wait_*_s``:
+seconds per step the logging rank's training thread waited on the layer's overlapped
+reduce-scatters and all-gathers (``patch.collective_waits``: the communication the
+overlap left exposed; 0 without overlap, where no handle is waited on)."""
 
 
 def default_run_dir() -> str:
@@ -171,6 +175,9 @@ class MetricsLogger:
             line = (f"iter {r['iteration']:>6}/{self.total_iters} | loss {r['loss']:.4f} | "
                     f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | "
                     f"{r['step_time_s'] * 1000:.0f} ms/step | {r['tokens_per_s']:.0f} tok/s | {wire}")
+            waited = (r.get("wait_reduce_scatter_s") or 0.0, r.get("wait_all_gather_s") or 0.0)
+            if any(waited):
+                line += f" | waited {waited[0] * 1000:.0f}+{waited[1] * 1000:.0f} ms/step (RS+AG)"
             if r.get("skipped"):
                 line += f" | skipped {r['skipped']} (Inf/NaN)"
         else:

@@ -22,7 +22,7 @@ from megatron_sdp4bit.training import checkpoint
 from megatron_sdp4bit.training.console import is_rank0, log0
 from megatron_sdp4bit.training.datasets import data_iterators
 from megatron_sdp4bit.training.distributed import all_reduce_mean, is_loss_rank, parallel_ranks
-from megatron_sdp4bit.training.meters import TrainingWindow, WireMeter
+from megatron_sdp4bit.training.meters import TrainingWindow, WaitMeter, WireMeter
 from megatron_sdp4bit.training.metrics import MetricsLogger, default_run_dir, plot_losses
 from megatron_sdp4bit.training.out_of_memory import lower_the_micro_batch, says_out_of_memory
 from megatron_sdp4bit.training.policy import Actions, StepPolicy
@@ -50,6 +50,7 @@ class TrainingRun:
                                     progress_bar=not args.no_progress_bar,
                                     tensorboard_dir=args.tensorboard_dir, start_iteration=self.iteration)
         self.meter = WireMeter()
+        self.waits = WaitMeter()
         self.train_iter = data_iterators(parts.train_ds, args, parts.layout,
                                          self.iteration * args.global_batch_size)
         self.window = TrainingWindow(parts.device)
@@ -171,6 +172,7 @@ class TrainingRun:
         self.time_total += elapsed
         self.tokens_total += self.tokens_per_step * window_steps
         wire = self.meter.read()
+        waits = self.waits.read()
         errors = patch.quantization_errors()
         shape = patch.gradient_group_shape()
         quantized = self.parts.quantized
@@ -183,6 +185,8 @@ class TrainingRun:
             "bytes_sent": wire["sent"], "bytes_exact": wire["exact"],
             "bytes_sent_intra": wire["sent_intra"], "bytes_sent_inter": wire["sent_inter"],
             "wire_ratio": wire["sent"] / wire["exact"] if wire["exact"] else None,
+            "wait_reduce_scatter_s": waits["reduce_scatter"] / window_steps,
+            "wait_all_gather_s": waits["all_gather"] / window_steps,
             # sampled on the window's last step: none (null) when that step was
             # skipped or quantized nothing; 0 with quantization off
             "weight_quant_rel_error": errors.get("weight") if quantized else 0.0,

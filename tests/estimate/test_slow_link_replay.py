@@ -55,7 +55,8 @@ def test_replay_uses_the_probed_latency_and_reads_older_files(tmp_path):
 def test_the_overlap_study_shows_the_link_wait_each_preset_leaves_exposed(tmp_path):
     """L (no limit), S_R and O_R of a preset with and without overlap: the link wait is
     S_R - L, of which O_R - L stays exposed; the estimator's prediction stands beside it."""
-    run = lambda step: RunResult([step], 5.0e6, 2.0e6, 1.0e7, 3.0, 0.4)  # noqa: E731
+    run = lambda step: RunResult([step], 5.0e6, 2.0e6, 1.0e7, 3.0, 0.4,  # noqa: E731
+                                 waited_rs_per_step=0.05, waited_ag_per_step=0.15)
     cells = {(rate, preset): Cell([run(step)]) for (rate, preset), step in {
         (None, "baseline-a2a"): 1.5, (100.0, "baseline-a2a"): 5.0,
         (None, "sdp4bit"): 1.0, (100.0, "sdp4bit"): 2.0,
@@ -73,8 +74,9 @@ def test_the_overlap_study_shows_the_link_wait_each_preset_leaves_exposed(tmp_pa
     fields = [f.strip() for f in row.split("|")[1:-1]]
     # L 1.0, S_R 2.0, O_R 1.3: wait 1.0 s, 0.3 s of it exposed (30%), 0.2 s against L_O
     assert fields[2:9] == ["1.000", "2.000", "1.300", "1.000", "0.300", "30%", "0.200"]
-    assert fields[9] == "1.54x" and len(fields) == 12  # and the two predicted columns
-    assert float(fields[11]) < float(fields[10])  # the estimator hides part of the wait too
+    assert fields[9] == "1.54x" and len(fields) == 13  # and the two predicted columns
+    assert fields[10] == "0.050 + 0.150"  # what rank 0's training thread waited on, per direction
+    assert float(fields[12]) < float(fields[11])  # the estimator hides part of the wait too
 
 
 def test_estimating_needs_a_first_preset_without_overlap():

@@ -84,6 +84,7 @@ def _train(spec, config, inline: bool) -> dict:
         params = sum(p.numel() for p in trainer.model.parameters())
         reported = patch.memory(trainer.optimizer, params).buffer_bytes
         buffers = layer.state.buffer_bytes()
+        waits = patch.collective_waits()
     finally:
         background.runner_kind, param_sync.prefetch_gathers = real_kind, real_prefetch
         for (module, name), original in originals.items():
@@ -92,7 +93,7 @@ def _train(spec, config, inline: bool) -> dict:
     return {"losses": [r.loss for r in records], "hashes": [r.weights_sha256 for r in records],
             "buckets": trainer.num_buckets, "kind": kind, "threads": sorted(threads),
             "main": threading.current_thread().name, "buffers": (buffers, reported),
-            "prefetched": prefetched}
+            "prefetched": prefetched, "waits": waits}
 
 
 def _world(rank, world_size, cases):
@@ -144,6 +145,16 @@ def test_with_overlapped_gathers_every_step_submits_them_all_after_the_optimizer
                 assert all(left == 0 and now > 1 for left, now in run["prefetched"]), run["prefetched"]
             else:
                 assert run["prefetched"] == []
+
+
+def test_megatrons_waits_on_the_overlapped_collectives_are_timed_per_direction(runs):
+    """patch.collective_waits: the handles megatron waits on count their time, under the
+    collective they belong to; a direction that is not overlapped hands megatron no
+    handle, so it counts nothing."""
+    for spec_name, spec in SPECS.items():
+        for run in runs[(spec_name, "sdp4bit", False)]:
+            assert run["waits"]["reduce_scatter"] > 0, run["waits"]
+            assert (run["waits"]["all_gather"] > 0) == spec.overlap_param_gather, run["waits"]
 
 
 def test_the_buffers_stay_one_set_per_direction(runs):

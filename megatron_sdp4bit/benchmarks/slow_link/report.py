@@ -59,7 +59,10 @@ def overlap_rows(args, cells: Dict[tuple, Cell], est: Optional[dict] = None) -> 
     """Per (rate, preset pair): the link wait each exposes. With no limit the preset's
     step is compute plus arithmetic, L; at rate R it is S_R without overlap, O_R with:
     the link wait is S_R - L, of which O_R - L stays exposed with overlap (O_R - L_O,
-    against the overlapped run with no limit, L_O, is shown beside it)."""
+    against the overlapped run with no limit, L_O, is shown beside it). ``waited``: what
+    rank 0's training thread spent blocked on the overlapped reduce-scatters and
+    all-gathers per step (the driver's ``wait_*_s``): the exposed wait's share that is
+    waiting on the link, the rest of O_R - L being the passes' own slow-down."""
     predicted = {}
     if est is not None:
         predicted = {(r["rate"], r["preset"]): r["median"]["predicted_s"] for r in est["rows"]}
@@ -72,7 +75,8 @@ def overlap_rows(args, cells: Dict[tuple, Cell], est: Optional[dict] = None) -> 
             loop, loop_o = cells[(None, preset)].median_step(), cells[(None, both)].median_step()
             s, o = cells[(rate, preset)].median_step(), cells[(rate, both)].median_step()
             row = {"rate": rate, "preset": preset, "L": loop, "L_O": loop_o, "S": s, "O": o,
-                   "wait": s - loop, "exposed": o - loop, "exposed_vs_L_O": o - loop_o}
+                   "wait": s - loop, "exposed": o - loop, "exposed_vs_L_O": o - loop_o,
+                   "waited": cells[(rate, both)].waited()}
             row["exposed_share"] = row["exposed"] / row["wait"] if row["wait"] > 0 else None
             if predicted:
                 row["predicted_wait"] = predicted[(rate, preset)] - predicted[(None, preset)]
@@ -88,8 +92,8 @@ def overlap_table(args, cells: Dict[tuple, Cell], est: Optional[dict] = None) ->
         return ""
     head = ("| link | collectives | L s (no limit) | S_R s | O_R s (overlapped) "
             "| link wait S_R - L s | exposed O_R - L s | exposed share | O_R - L_O s "
-            "| overlapped vs not |")
-    lines = [head, "|---|---|" + "---:|" * 8]
+            "| overlapped vs not | rank 0 waited RS + AG s |")
+    lines = [head, "|---|---|" + "---:|" * 9]
     if est is not None:
         lines[0] += " predicted wait s | predicted exposed s |"
         lines[1] += "---:|---:|"
@@ -97,7 +101,8 @@ def overlap_table(args, cells: Dict[tuple, Cell], est: Optional[dict] = None) ->
         share = "-" if r["exposed_share"] is None else f"{100 * r['exposed_share']:.0f}%"
         line = (f"| {rate_label(r['rate'])} | {PRESET_LABELS[r['preset']]} | {r['L']:.3f} "
                 f"| {r['S']:.3f} | {r['O']:.3f} | {r['wait']:.3f} | {r['exposed']:.3f} | {share} "
-                f"| {r['exposed_vs_L_O']:.3f} | {r['S'] / r['O']:.2f}x |")
+                f"| {r['exposed_vs_L_O']:.3f} | {r['S'] / r['O']:.2f}x "
+                f"| {r['waited'][0]:.3f} + {r['waited'][1]:.3f} |")
         if est is not None:
             line += f" {r['predicted_wait']:.3f} | {r['predicted_exposed']:.3f} |"
         lines.append(line)

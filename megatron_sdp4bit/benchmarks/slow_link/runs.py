@@ -37,6 +37,10 @@ class RunResult:
     link_per_step: float        # bytes the veth carried per step, both directions
     load: float                 # 1-minute load average, mean of start and end
     cpu_share: Optional[float] = None  # cores one rank got (probe_cpu), mean of start and end
+    # seconds per step rank 0's training thread waited on the overlapped reduce-scatters
+    # and all-gathers (the driver's wait_*_s: the link wait overlap left exposed); medians
+    waited_rs_per_step: float = 0.0
+    waited_ag_per_step: float = 0.0
 
 
 @dataclass
@@ -56,6 +60,12 @@ class Cell:
 
     def run_medians(self) -> List[float]:
         return [statistics.median(r.step_times) for r in self.runs]
+
+    def waited(self) -> tuple:
+        """(reduce-scatter, all-gather) seconds per step rank 0 waited on the overlapped
+        collectives, medians over the runs."""
+        return (statistics.median(r.waited_rs_per_step for r in self.runs),
+                statistics.median(r.waited_ag_per_step for r in self.runs))
 
 
 def node_command(args, node: int, port: int, preset: str, run_dir: str) -> List[str]:
@@ -172,6 +182,8 @@ def run_once(args, nodes: EmulatedNodes, preset: str, port: int, run_dir: str) -
         sent_inter_per_step=statistics.median(r["bytes_sent_inter"] for r in rows),
         link_per_step=(link_at[args.iters] - link_at[args.warmup]) / measured,
         load=(load_start + os.getloadavg()[0]) / 2,
+        waited_rs_per_step=statistics.median(r.get("wait_reduce_scatter_s") or 0.0 for r in rows),
+        waited_ag_per_step=statistics.median(r.get("wait_all_gather_s") or 0.0 for r in rows),
         cpu_share=(None if share_start is None
                    else (share_start + probe_cpu(args.python, NUM_NODES, RANKS_PER_NODE)) / 2),
     )
