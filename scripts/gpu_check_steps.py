@@ -371,6 +371,15 @@ def corpus_or_fail(report: Report, ctx: dict, step: str) -> Optional[str]:
     return corpus
 
 
+def driver_corpus(report: Report, ctx: dict, step: str) -> Optional[str]:
+    """The corpus folder for a step that runs the driver, or None with ``step`` reported:
+    SKIP without megatron-core, FAIL without a corpus."""
+    if not ctx["env"]["megatron_core"]["present"]:
+        report.add(step, "SKIP", "megatron-core is missing")
+        return None
+    return corpus_or_fail(report, ctx, step)
+
+
 def train_command(preset_name: str, shape: dict, corpus: str, work: str,
                   launcher: Optional[List[str]] = None, dp: int = 1, run_name: str = "") -> List[str]:
     """The driver on ``shape`` (``recipes.gpu_check_recipe``); ``launcher`` (torchrun) for
@@ -632,10 +641,7 @@ def step_hosts(report: Report, ctx: dict) -> None:
     node with its own SDP4BIT_HOST_ID (``python -m megatron_sdp4bit.emulated_hosts``), no
     --sdp4bit-ranks-per-node, overlapped, replica check every step."""
     shape = CPU_DP4 if ctx["smoke"] else GPU_DP4
-    if not ctx["env"]["megatron_core"]["present"]:
-        report.add("hosts.moe", "SKIP", "megatron-core is missing")
-        return
-    corpus = corpus_or_fail(report, ctx, "hosts.moe")
+    corpus = driver_corpus(report, ctx, "hosts.moe")
     if corpus is None:
         return
     driver = train_command("sdp4bit", shape, corpus, ctx["work"], dp=4, run_name="hosts-moe")
@@ -691,10 +697,7 @@ def step_overlap(report: Report, ctx: dict) -> None:
     """3 overlapped SDP4Bit steps profiled: the quantization kernels' share beside others'."""
     shape = dict(CPU_DP4 if ctx["smoke"] else GPU_OVERLAP)
     shape["iters"] = OVERLAP_PROFILE["after"] + OVERLAP_PROFILE["steps"] + 1
-    if not ctx["env"]["megatron_core"]["present"]:
-        report.add("overlap", "SKIP", "megatron-core is missing")
-        return
-    corpus = corpus_or_fail(report, ctx, "overlap")
+    corpus = driver_corpus(report, ctx, "overlap")
     if corpus is None:
         return
     ranks, flags = overlap_ranks(ctx)
