@@ -15,7 +15,9 @@ two of Megatron-LM's training functions (``RouteSites``):
   rank sent against the exact collectives (``patch.wire_stats()``), the replica checks
   passed so far (``--sdp4bit-check-interval``), the sampled relative quantization
   errors and the gradients' 4-bit group shape (crest factors; the error without and
-  with the Hadamard rotation: what TLq-HS buys on this run); the same figures go to Megatron-LM's TensorBoard and W&B writers when they
+  with the Hadamard rotation: what TLq-HS buys on this run), and under Megatron's overlap
+  flags how long the training thread waited on the overlapped collectives per
+  iteration (``patch.collective_waits``); the same figures go to Megatron-LM's TensorBoard and W&B writers when they
   are configured (they live on that rank), under ``sdp4bit/``.
 
 All figures are per rank (the last rank's, the one that prints), taken from what the
@@ -48,6 +50,8 @@ class LayerFigures:
     def __init__(self) -> None:
         self.start_iteration = None
         self._seen = WireStats()
+        self._waited = patch.collective_waits()
+        self._iteration = 0
         self.totals = {"sent": 0, "exact": 0}
         self.errors: Dict[str, float] = {}
         """The latest sampled errors (kept for the summary)."""
@@ -55,8 +59,9 @@ class LayerFigures:
     def start(self) -> None:
         """Count from now (the model is built; its construction sent nothing through the layer)."""
         self._seen = patch.wire_stats()
+        self._waited = patch.collective_waits()
         self.totals = {"sent": 0, "exact": 0}
-        self.start_iteration = patch.get_iteration()
+        self.start_iteration = self._iteration = patch.get_iteration()
 
     def window(self) -> dict:
         now = patch.wire_stats()
@@ -67,8 +72,15 @@ class LayerFigures:
         errors = patch.quantization_errors()
         self.errors.update(errors)
         shape = patch.gradient_group_shape()
+        waited, before = patch.collective_waits(), self._waited
+        iteration = patch.get_iteration()
+        steps = max(iteration - self._iteration, 1)
+        self._waited, self._iteration = waited, iteration
         return {"bytes-sent": window["sent"], "bytes-exact": window["exact"],
                 "replica-checks-passed": patch.replica_checks_passed(),
+                # seconds per iteration the training thread waited on the overlapped collectives
+                **{f"waited-{kind.replace('_', '-')}": (waited[kind] - before.get(kind, 0.0)) / steps
+                   for kind in waited},
                 **{f"quant-error-{name}": value for name, value in errors.items()},
                 **{f"grad-groups-{name.replace('_', '-')}": value for name, value in shape.items()}}
 
@@ -80,6 +92,9 @@ def iteration_line_fields(figures: dict) -> str:
         line += (f" sdp4bit bytes sent/exact: {figures['bytes-sent'] / figures['bytes-exact']:.3f} "
                  f"({figures['bytes-sent'] / MIB:.2f}/{figures['bytes-exact'] / MIB:.2f} MiB) |")
     line += f" sdp4bit replica checks passed: {figures['replica-checks-passed']} |"
+    waited = (figures.get("waited-reduce-scatter", 0.0), figures.get("waited-all-gather", 0.0))
+    if any(waited):  # overlapped: what the training thread still waited for
+        line += f" sdp4bit waited RS+AG: {waited[0] * 1e3:.0f}+{waited[1] * 1e3:.0f} ms/iter |"
     for name, value in figures.items():
         if name.startswith("quant-error-"):
             line += f" sdp4bit {name[len('quant-error-'):]} error: {value:.3E} |"

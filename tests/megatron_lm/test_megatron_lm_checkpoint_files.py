@@ -170,6 +170,14 @@ def test_figures_go_to_the_iteration_line_and_both_writers():
     reporting.write_figures((lambda: None, lambda: None), figures, 11)  # not configured: nothing to do
 
 
+def test_the_overlapped_collectives_waits_go_to_the_iteration_line_when_there_were_any():
+    figures = {"bytes-sent": 0, "bytes-exact": 0, "replica-checks-passed": 0,
+               "waited-reduce-scatter": 0.0191, "waited-all-gather": 0.046}
+    assert reporting.iteration_line_fields(figures).endswith(" sdp4bit waited RS+AG: 19+46 ms/iter |")
+    figures.update({"waited-reduce-scatter": 0.0, "waited-all-gather": 0.0})  # no overlap flag
+    assert "waited" not in reporting.iteration_line_fields(figures)
+
+
 def test_the_gradient_group_shape_goes_to_the_iteration_line():
     figures = {"bytes-sent": 0, "bytes-exact": 0, "replica-checks-passed": 0,
                "grad-groups-crest-p99": 9.5, "grad-groups-crest-share-above-8": 0.0213,
