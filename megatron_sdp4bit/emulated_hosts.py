@@ -27,7 +27,9 @@ from megatron_sdp4bit.comm.hosts import HOST_ID_VARIABLE
 from megatron_sdp4bit.jobs import NodeRendezvous, free_port, job_env, torchrun_command
 
 HOST_NAME = "emulated-host-{}"
-STOP_GRACE_S = 20.0  # how long a stopped node's torchrun gets to end its ranks before SIGKILL
+# How long a stopped node's torchrun gets to end its ranks before SIGKILL: more than its
+# own 30 s grace for them, or a rank stuck in a collective outlives a killed torchrun.
+STOP_GRACE_S = 40.0
 
 
 def node_commands(hosts: int, ranks_per_host: int, entry: Sequence[str], port: int,
@@ -54,10 +56,15 @@ def _stop(procs: Sequence[subprocess.Popen]) -> None:
             proc.wait()
 
 
+def _exit_status(returncode: int) -> int:
+    """A shell's exit status: 128 + N for a node killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def run(hosts: int, ranks_per_host: int, entry: Sequence[str], port: Optional[int] = None,
         poll_s: float = 0.2) -> int:
-    """Start the nodes, wait for all; the first non-zero exit status (the others stopped),
-    else 0."""
+    """Start the nodes, wait for all; the first failing node's exit status (torchrun's:
+    1 when a rank failed; the others stopped), else 0."""
     commands = node_commands(hosts, ranks_per_host, entry, port or free_port())
     procs: List[subprocess.Popen] = []
 
@@ -67,14 +74,18 @@ def run(hosts: int, ranks_per_host: int, entry: Sequence[str], port: Optional[in
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for host, argv in commands:
-            procs.append(subprocess.Popen(argv, env=job_env(**{HOST_ID_VARIABLE: host})))
+        try:
+            for host, argv in commands:
+                procs.append(subprocess.Popen(argv, env=job_env(**{HOST_ID_VARIABLE: host})))
+        except BaseException:  # a node that cannot start: the started ones would wait for it
+            _stop(procs)
+            raise
         while True:
             codes = [proc.poll() for proc in procs]
             failed = [code for code in codes if code not in (None, 0)]
             if failed:
                 _stop(procs)
-                return failed[0]
+                return _exit_status(failed[0])
             if all(code == 0 for code in codes):
                 return 0
             time.sleep(poll_s)

@@ -87,3 +87,7 @@ def test_the_driver_learns_two_nodes_from_the_hosts_with_experts(tmp_path):
             "then 4-bit across nodes (2 ranks)") in output
     assert "sdp4bit gradient hops, expert DP 2: 4-bit across nodes (2 ranks)" in output
     assert "replica checks      4 passed" in output  # the dense and the expert optimizer, 2 steps
+
+
+def test_a_node_killed_by_a_signal_exits_as_a_shell_would_say():
+    assert emulated_hosts._exit_status(-9) == 137 and emulated_hosts._exit_status(1) == 1

@@ -289,6 +289,14 @@ def get_topology(group=None, ranks_per_node: Optional[int] = None,
         return _TOPOLOGIES[key]
 
 
+def planned_topology(group, ranks_per_node: int, strict: bool = False) -> Optional[Topology]:
+    """``get_topology``'s cached answer for ``group``, or None when it was never asked:
+    never collective, so a reader on one rank (a log line) cannot make a collective
+    the other ranks do not."""
+    with _LOCK:
+        return _TOPOLOGIES.get((group, ranks_per_node, strict))
+
+
 def _make_topology(group, rpn: int, strict: bool) -> Topology:
     ranks = tuple(dist.get_process_group_ranks(group))
     me = dist.get_rank()

@@ -14,15 +14,27 @@ class WaitClock:
     before the optimizer step, the forward pre-hooks), so this is the communication
     the overlap left exposed on this rank. Only grows; readers take differences.
 
-    On a thread runner (gloo) the host blocks until the collective is done; on a side
-    stream (NCCL) ``wait`` only orders the compute stream after it, so the host time is
-    about zero and the device's waiting is the overlap profile's to measure."""
+    Kept only where that host time means something: on a thread runner (gloo) the host
+    blocks until the collective is done. On a side stream (NCCL) ``wait`` only orders
+    the compute stream after it and on the inline runner the call ran at submission,
+    so there the layer times nothing (``LayerState.wait_clock``) and the device's
+    waiting is the overlap profile's to measure. ``waits`` counts the timed waits, so
+    a direction nothing was timed for reads as "not measured", not as 0."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(WAIT_KINDS, 0.0)
+        self.waits = dict.fromkeys(WAIT_KINDS, 0)
 
     def snapshot(self) -> dict:
-        return dict(self.seconds)
+        """``{kind: (seconds, timed waits)}`` so far."""
+        return {kind: (self.seconds[kind], self.waits[kind]) for kind in WAIT_KINDS}
+
+
+def waited_text(reduce_scatter: Optional[float], all_gather: Optional[float], per: str) -> str:
+    """`` | waited RS 19 + AG 46 ms/step``: the timed directions only; empty when none."""
+    parts = [f"{name} {seconds * 1000:.0f}" for name, seconds in (("RS", reduce_scatter), ("AG", all_gather))
+             if seconds is not None]
+    return f" | waited {' + '.join(parts)} ms/{per}" if parts else ""
 
 
 class Handles:
@@ -43,6 +55,7 @@ class Handles:
             handle.wait()
         if self.clock is not None and self.handles:
             self.clock.seconds[self.kind] += time.perf_counter() - started
+            self.clock.waits[self.kind] += 1
         self.handles = []
         if self.on_done is not None:
             on_done, self.on_done = self.on_done, None

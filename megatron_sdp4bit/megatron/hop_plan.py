@@ -4,16 +4,16 @@ and the hops of each data-parallel group's quantized reduce-scatter.
 The node layout comes from the hosts themselves (``comm/hosts.py``, gathered once at
 install), so a run launched by srun, mpirun or torchrun says how many nodes it found;
 a job taken for one node, or a group served by one flat level, shows in this line
-rather than only in the bytes. Read at set-up, after megatron's DDP is built (every
-topology is planned and cached by then: nothing here is collective).
+rather than only in the bytes. Read at set-up, after megatron's DDP is built: every
+topology is planned and cached by then, and only the cache is read (nothing here is
+collective, so one rank may print it).
 """
 from __future__ import annotations
 
 from typing import List, Sequence
 
-from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm.host_layout import host_blocks
-from megatron_sdp4bit.comm.topology import world_hosts
+from megatron_sdp4bit.comm.topology import planned_topology, world_hosts
 
 HOP_PLACES = {"intra": "inside a node", "inter": "across nodes"}
 
@@ -45,17 +45,22 @@ def plan_lines(layer, model_chunks) -> List[str]:
     (dense, then expert), for a layer that quantizes the gradients."""
     state, adapter, config = layer.state, layer.adapter, layer.state.config
     hosts = world_hosts()
-    lines = [f"nodes: {describe_nodes(hosts, config.ranks_per_node)}"] if hosts else []
+    lines = []
+    if hosts and config.ranks_per_node:
+        lines.append(f"nodes: {describe_nodes(hosts, config.ranks_per_node)}")
     if not config.quantize_grads:
         return lines
     seen = []
     for kind, groups_of in (("DP", adapter.ddp_bucket_groups), ("expert DP", adapter.expert_bucket_groups)):
         for chunk in model_chunks:
+            if not hasattr(chunk, "bucket_groups"):  # not megatron's DDP: the layer does not serve it
+                continue
             for bucket_group in groups_of(chunk):
                 group, size, _rank = adapter.collective_group(bucket_group)
                 if size == 1 or any(group is known for known in seen):
                     continue
                 seen.append(group)
-                topology = comm.get_topology(state.runner.group_for(group), config.ranks_per_node)
-                lines.append(f"gradient hops, {kind} {size}: {describe_hops(topology, config)}")
+                topology = planned_topology(state.runner.group_for(group), config.ranks_per_node)
+                hops = "not planned yet" if topology is None else describe_hops(topology, config)
+                lines.append(f"gradient hops, {kind} {size}: {hops}")
     return lines

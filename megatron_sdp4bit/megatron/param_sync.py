@@ -171,7 +171,7 @@ def _own_exact_param_sync(layer, bucket_group, async_op: bool, force_sync: bool)
 
         handles.append(run_or_submit(runner, gather, async_op, (flat,)))
     adapter.set_param_gather_handle(
-        bucket_group, Handles(handles, clock=layer.state.waits, kind="all_gather") if async_op else None,
+        bucket_group, Handles(handles, clock=layer.state.wait_clock(), kind="all_gather") if async_op else None,
         force_sync)
 
 
@@ -240,4 +240,4 @@ def _quantized_gather(layer, bucket_group, async_op: bool) -> Handles:
         shard = adapter.param_shard(first_bucket, size, rank)
         state.metrics.record({"weight": quant_metrics.relative_error(shard[:n], first.main_shard[:n])})
 
-    return Handles(handles, on_done=record_weight_error, clock=state.waits, kind="all_gather")
+    return Handles(handles, on_done=record_weight_error, clock=state.wait_clock(), kind="all_gather")

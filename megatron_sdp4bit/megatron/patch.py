@@ -157,11 +157,11 @@ def kernel_warm_up() -> tuple:
     return (0, 0.0) if layer is None else (len(layer.state.warmed_up), layer.state.warm_up_seconds)
 
 
-def collective_waits() -> Dict[str, float]:
-    """Seconds this rank's training thread has waited so far on the layer's overlapped
-    collectives, per collective (``reduce_scatter``, ``all_gather``): the communication
-    megatron's overlap left exposed (``group_handle.WaitClock``; host time: about zero
-    on a side stream). Only grows; zeros without a layer."""
+def collective_waits() -> Dict[str, tuple]:
+    """``{collective: (seconds, timed waits)}`` this rank's training thread has spent so
+    far waiting on the layer's overlapped ``reduce_scatter`` and ``all_gather``: the
+    communication megatron's overlap left exposed (``group_handle.WaitClock``; timed on
+    gloo's worker thread only, 0 waits elsewhere). Only grows; zeros without a layer."""
     layer = INSTALLED.layer
     return WaitClock().snapshot() if layer is None else layer.state.waits.snapshot()
 

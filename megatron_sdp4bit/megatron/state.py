@@ -80,7 +80,8 @@ class LayerState:
     runner_chosen: bool = False
     """``runner`` was chosen (at the first DDP construction that overlaps)."""
     waits: WaitClock = field(default_factory=WaitClock)
-    """How long megatron's thread waited on the layer's overlapped collectives."""
+    """How long megatron's thread waited on the layer's overlapped collectives
+    (``wait_clock``: where that is the host's time)."""
     grad_workspace: Workspace = field(default_factory=Workspace)
     """The reduce-scatters' buffers, shared: the runner runs one collective at a time."""
     weight_workspace: Workspace = field(default_factory=Workspace)
@@ -163,6 +164,11 @@ class LayerState:
         if torch.distributed.is_initialized():
             self.config = self.config.replace(
                 ranks_per_node=default_ranks_per_node(self.config.ranks_per_node))
+
+    def wait_clock(self) -> Optional[WaitClock]:
+        """The clock a handle megatron waits on reports to: only on a thread runner, where
+        the wait blocks the host until the collective is done (``WaitClock``)."""
+        return self.waits if self.runner.kind == "thread" else None
 
     def buffer_bytes(self) -> int:
         """Bytes of every reused collective buffer the layer holds now."""

@@ -29,12 +29,13 @@ window is the difference of two snapshots, as for every reader of ``patch.wire_s
 from __future__ import annotations
 
 import inspect
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
 from megatron_sdp4bit.comm.accounting import WireStats
 from megatron_sdp4bit.megatron import patch
+from megatron_sdp4bit.megatron.group_handle import waited_text
 from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
 from megatron_sdp4bit.patching import Patches
 
@@ -51,19 +52,25 @@ class LayerFigures:
         self.start_iteration = None
         self._seen = WireStats()
         self._waited = patch.collective_waits()
-        self._iteration = 0
+        self._iteration = 0  # Megatron-LM's iteration at the last window
         self.totals = {"sent": 0, "exact": 0}
         self.errors: Dict[str, float] = {}
         """The latest sampled errors (kept for the summary)."""
 
-    def start(self) -> None:
-        """Count from now (the model is built; its construction sent nothing through the layer)."""
+    def start(self, iteration: int) -> None:
+        """Count from now, Megatron-LM's ``iteration`` (the model is built; its construction
+        sent nothing through the layer)."""
         self._seen = patch.wire_stats()
         self._waited = patch.collective_waits()
         self.totals = {"sent": 0, "exact": 0}
-        self.start_iteration = self._iteration = patch.get_iteration()
+        self.start_iteration = patch.get_iteration()
+        self._iteration = iteration
 
-    def window(self) -> dict:
+    def window(self, iteration: Optional[int] = None) -> dict:
+        """The figures since the last window, up to Megatron-LM's ``iteration`` (its own
+        count: skipped steps included, as in its time per iteration; None: the same as
+        the last window's, for a reader of the totals only)."""
+        iteration = self._iteration if iteration is None else iteration
         now = patch.wire_stats()
         stats, self._seen = now.since(self._seen), now
         window = {"sent": stats.sent_bytes(), "exact": stats.exact_bytes()}
@@ -73,14 +80,14 @@ class LayerFigures:
         self.errors.update(errors)
         shape = patch.gradient_group_shape()
         waited, before = patch.collective_waits(), self._waited
-        iteration = patch.get_iteration()
         steps = max(iteration - self._iteration, 1)
         self._waited, self._iteration = waited, iteration
         return {"bytes-sent": window["sent"], "bytes-exact": window["exact"],
                 "replica-checks-passed": patch.replica_checks_passed(),
-                # seconds per iteration the training thread waited on the overlapped collectives
-                **{f"waited-{kind.replace('_', '-')}": (waited[kind] - before.get(kind, 0.0)) / steps
-                   for kind in waited},
+                # seconds per iteration the training thread waited on the overlapped
+                # collectives, for the directions a wait was timed for
+                **{f"waited-{kind.replace('_', '-')}": (seconds - before[kind][0]) / steps
+                   for kind, (seconds, waits) in waited.items() if waits > before[kind][1]},
                 **{f"quant-error-{name}": value for name, value in errors.items()},
                 **{f"grad-groups-{name.replace('_', '-')}": value for name, value in shape.items()}}
 
@@ -92,9 +99,9 @@ def iteration_line_fields(figures: dict) -> str:
         line += (f" sdp4bit bytes sent/exact: {figures['bytes-sent'] / figures['bytes-exact']:.3f} "
                  f"({figures['bytes-sent'] / MIB:.2f}/{figures['bytes-exact'] / MIB:.2f} MiB) |")
     line += f" sdp4bit replica checks passed: {figures['replica-checks-passed']} |"
-    waited = (figures.get("waited-reduce-scatter", 0.0), figures.get("waited-all-gather", 0.0))
-    if any(waited):  # overlapped: what the training thread still waited for
-        line += f" sdp4bit waited RS+AG: {waited[0] * 1e3:.0f}+{waited[1] * 1e3:.0f} ms/iter |"
+    waited = waited_text(figures.get("waited-reduce-scatter"), figures.get("waited-all-gather"), "iter")
+    if waited:  # overlapped on gloo: what the training thread still waited for
+        line += f" sdp4bit{waited[2:]} |"
     for name, value in figures.items():
         if name.startswith("quant-error-"):
             line += f" sdp4bit {name[len('quant-error-'):]} error: {value:.3E} |"
@@ -153,7 +160,7 @@ def _start(sites: RouteSites, figures: LayerFigures, model) -> None:
     if not patch.is_installed() or figures.start_iteration is not None:
         return
     patch.set_metrics_interval(int(sites.get_args().log_interval))
-    figures.start()
+    figures.start(int(getattr(sites.get_args(), "iteration", 0) or 0))  # 0, or where it resumed
     if torch.distributed.get_rank() == 0:
         print(f"SDP4Bit installed (megatron-core {patch.adapter_minor()} adapter, "
               f"{torch.distributed.get_world_size()} ranks): {patch.current_config().describe()}; "
@@ -175,10 +182,11 @@ def _wrap_training_log(sites: RouteSites, figures: LayerFigures, original):
         if not patch.is_installed() or not _is_last_rank():
             return original(*args, **kwargs)
         added = {}
+        iteration = signature.bind_partial(*args, **kwargs).arguments["iteration"]
 
         def print_with_layer(message):
             if not added and " iteration " in str(message) and "consumed samples" in str(message):
-                added.update(figures.window())
+                added.update(figures.window(iteration))
                 message = str(message) + iteration_line_fields(added)
             printer(message)
 
@@ -186,7 +194,7 @@ def _wrap_training_log(sites: RouteSites, figures: LayerFigures, original):
             during_log.set(sites.training, sites.log_printer, print_with_layer)
             result = original(*args, **kwargs)
         if added:
-            write_figures(sites.writers, added, signature.bind_partial(*args, **kwargs).arguments["iteration"])
+            write_figures(sites.writers, added, iteration)
         return result
 
     return training_log

@@ -40,17 +40,18 @@ class WireMeter:
 class WaitMeter:
     """Seconds this rank's training thread waited on the layer's overlapped collectives
     (``patch.collective_waits``) since the last read: with Megatron's overlap flags, the
-    communication left exposed, per collective. Windows of growing counters, as
-    ``WireMeter``."""
+    communication left exposed, per collective; None for a collective no wait was timed
+    for (not overlapped, or not on gloo's worker thread). Windows of growing counters,
+    as ``WireMeter``."""
 
     def __init__(self):
         self._seen = patch.collective_waits()
 
     def read(self) -> dict:
-        now = patch.collective_waits()
-        window = {kind: now[kind] - self._seen.get(kind, 0.0) for kind in now}
+        now, seen = patch.collective_waits(), self._seen
         self._seen = now
-        return window
+        return {kind: (seconds - seen[kind][0] if waits > seen[kind][1] else None)
+                for kind, (seconds, waits) in now.items()}
 
 
 class TrainingWindow:

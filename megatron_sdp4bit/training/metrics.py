@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Optional
 
+from megatron_sdp4bit.megatron.group_handle import waited_text
 from megatron_sdp4bit.training.figures import axis_labels, pyplot, save_figure
 
 TRAIN_FIELDS = (
@@ -31,7 +32,8 @@ are the gradients' 4-bit group shape on the window's sampled step
 (``patch.gradient_group_shape``): null where no gradient was quantized. ``wait_*_s``:
 seconds per step the logging rank's training thread waited on the layer's overlapped
 reduce-scatters and all-gathers (``patch.collective_waits``: the communication the
-overlap left exposed; 0 without overlap, where no handle is waited on)."""
+overlap left exposed); null where none was timed (that direction not overlapped, or
+not on gloo's worker thread: on NCCL's side stream the host does not wait)."""
 
 
 def default_run_dir() -> str:
@@ -175,9 +177,7 @@ class MetricsLogger:
             line = (f"iter {r['iteration']:>6}/{self.total_iters} | loss {r['loss']:.4f} | "
                     f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | "
                     f"{r['step_time_s'] * 1000:.0f} ms/step | {r['tokens_per_s']:.0f} tok/s | {wire}")
-            waited = (r.get("wait_reduce_scatter_s") or 0.0, r.get("wait_all_gather_s") or 0.0)
-            if any(waited):
-                line += f" | waited {waited[0] * 1000:.0f}+{waited[1] * 1000:.0f} ms/step (RS+AG)"
+            line += waited_text(r.get("wait_reduce_scatter_s"), r.get("wait_all_gather_s"), "step")
             if r.get("skipped"):
                 line += f" | skipped {r['skipped']} (Inf/NaN)"
         else:

@@ -185,8 +185,8 @@ class TrainingRun:
             "bytes_sent": wire["sent"], "bytes_exact": wire["exact"],
             "bytes_sent_intra": wire["sent_intra"], "bytes_sent_inter": wire["sent_inter"],
             "wire_ratio": wire["sent"] / wire["exact"] if wire["exact"] else None,
-            "wait_reduce_scatter_s": waits["reduce_scatter"] / window_steps,
-            "wait_all_gather_s": waits["all_gather"] / window_steps,
+            **{f"wait_{kind}_s": None if seconds is None else seconds / window_steps
+               for kind, seconds in waits.items()},
             # sampled on the window's last step: none (null) when that step was
             # skipped or quantized nothing; 0 with quantization off
             "weight_quant_rel_error": errors.get("weight") if quantized else 0.0,

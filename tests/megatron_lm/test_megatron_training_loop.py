@@ -371,8 +371,8 @@ def test_pretrain_moe_expert_dp_across_emulated_nodes(tmp_path, dense_dp4, overl
     assert "sdp4bit gradient hops, expert DP 2: 4-bit across nodes (2 ranks)" in output
     # the overlapped collectives' waits on the iteration line (the gradients are always
     # overlapped here; the weights with --overlap-param-gather)
-    waited = [tuple(map(int, pair)) for pair in re.findall(r"sdp4bit waited RS\+AG: (\d+)\+(\d+) ms/iter", output)]
-    assert waited, output[-3000:]
+    gathers = r" \+ AG \d+" if overlap_param_gather else ""
+    assert re.search(rf"sdp4bit waited RS \d+{gathers} ms/iter \|", output), output[-3000:]
     dense = _bytes_ratio(dense_dp4[1][0])
     for report in reports:
         assert abs(_bytes_ratio(report) - dense) < 0.05, (_bytes_ratio(report), dense)

@@ -82,8 +82,8 @@ def test_metrics_file_has_every_field(runs):
     exact = read_metrics(os.path.join(root, "exact", "metrics.jsonl"))
     assert exact[0]["wire_ratio"] == 1.0
     assert exact[0]["grad_crest_p99"] is None  # no gradient quantized: nothing sampled
-    # no overlap flag: megatron waits on no handle of the layer's
-    assert last["wait_reduce_scatter_s"] == 0 and last["wait_all_gather_s"] == 0
+    # no overlap flag: megatron waits on no handle of the layer's, so nothing was timed
+    assert last["wait_reduce_scatter_s"] is None and last["wait_all_gather_s"] is None
 
 
 def test_resume_continues_the_same_curve_bit_for_bit(runs):
