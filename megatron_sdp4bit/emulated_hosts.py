@@ -107,9 +107,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     entry = args.entry[1:] if args.entry[:1] == ["--"] else args.entry
     if not entry:
         parser.error("nothing to run: give the ranks' command after --, e.g. -- -m megatron_sdp4bit.pretrain")
-    if args.hosts < 1 or args.ranks_per_host < 1:
-        parser.error(f"--hosts ({args.hosts}) and --ranks-per-host ({args.ranks_per_host}) must be >= 1")
-    return run(args.hosts, args.ranks_per_host, entry, args.port)
+    try:
+        return run(args.hosts, args.ranks_per_host, entry, args.port)
+    except ValueError as error:  # node_commands' one rule for the sizes, checked before any start
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

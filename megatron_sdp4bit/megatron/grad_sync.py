@@ -91,4 +91,5 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
             local_view, grad_data, op=op, group=group, config=config, async_op=async_op,
             generator=state.generator(grad_data.device, "grads", bucket_group) if quantize else None,
             workspace=state.grad_workspace, recorder=state.wire, runner=runner))
-    adapter.set_grad_reduce_handle(bucket_group, Handles(handles, clock=state.wait_clock(), kind="reduce_scatter") if async_op else None)
+    handle = Handles(handles, clock=state.wait_clock(), kind="reduce_scatter") if async_op else None
+    adapter.set_grad_reduce_handle(bucket_group, handle)
