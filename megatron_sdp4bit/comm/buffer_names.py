@@ -29,3 +29,15 @@ def weights_send(slice_index: int) -> str:
 def weights_gather(slice_index: int) -> str:
     """Every rank's segments of the weight slice at ``slice_index``, gathered."""
     return f"weights gather {slice_index % SLOTS}"
+
+
+def weights_across_nodes(slice_index: int) -> str:
+    """Two levels: the segments of this rank's counterparts on every node, gathered first
+    (``comm/gather_hops.py``)."""
+    return f"weights across nodes {slice_index % SLOTS}"
+
+
+def weights_by_local_rank(slice_index: int) -> str:
+    """Two levels: every rank's segments as the hop inside the node leaves them, by local
+    index then node, before the copy into DP-rank order."""
+    return f"weights by local rank {slice_index % SLOTS}"

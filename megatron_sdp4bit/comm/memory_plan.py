@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, Sequence
 
-from megatron_sdp4bit.comm.buffer_names import (GRADS_SUM, SLOTS, grads_hop, weights_gather,
-                                                weights_send)
+from megatron_sdp4bit.comm.buffer_names import (GRADS_SUM, SLOTS, grads_hop, weights_across_nodes,
+                                                weights_by_local_rank, weights_gather, weights_send)
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, weight_slices
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant.types import QuantizedTensor, num_groups
@@ -120,9 +120,13 @@ def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
     return _merge_max(demands)
 
 
-def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig) -> Dict[str, int]:
+def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
+                         node_members: int = 0) -> Dict[str, int]:
     """Bytes per workspace buffer name of one bucket's qW/qWD all-gather, slice by slice in
-    two slots: this rank's segment and every rank's. (Exact gathers add nothing.)"""
+    two slots: this rank's segment and every rank's; on two levels (``node_members`` DP
+    ranks per node, as ``grad_buffer_demand``) also its counterparts' on every node and
+    every rank's before the copy into DP order (``comm/gather_hops.py``). (Exact gathers
+    add nothing.)"""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_weights:
         return {}
@@ -133,8 +137,11 @@ def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig) -> D
     for first in range(SLOTS):
         for index, (_, n) in enumerate(slices):
             own = segment_nbytes(n, config.weight_bits, config.weight_group_size)
-            demands.append({weights_send(first + index): own,
-                            weights_gather(first + index): dp * own})
+            demand = {weights_send(first + index): own, weights_gather(first + index): dp * own}
+            if len(_grad_levels(dp, node_members)) == 2:  # the same two levels
+                demand[weights_across_nodes(first + index)] = dp // node_members * own
+                demand[weights_by_local_rank(first + index)] = dp * own
+            demands.append(demand)
     return _merge_max(demands)
 
 
@@ -159,7 +166,8 @@ def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *
     buckets = [int(n) for n in bucket_numels]
     grad_buffers = sum(_merge_max(grad_buffer_demand(n, dp, config, node_members)
                                   for n in buckets).values())
-    weight_buffers = sum(_merge_max(weight_buffer_demand(n, dp, config) for n in buckets).values())
+    weight_buffers = sum(_merge_max(weight_buffer_demand(n, dp, config, node_members)
+                                    for n in buckets).values())
     scratch = max([weight_gather_scratch(n, dp, config) for n in buckets], default=0)
     return LayerMemory(params=params, held_bytes=held_bytes(buckets, dp, config, fp32_params),
                        buffer_bytes=grad_buffers + weight_buffers, scratch_bytes=scratch)

@@ -26,12 +26,13 @@ import torch.distributed as dist
 from megatron_sdp4bit.comm.buffer_names import weights_gather, weights_send
 from megatron_sdp4bit.comm.accounting import WireRecorder, recorder_or_default
 from megatron_sdp4bit.comm.argument_checks import check_float_tensors
+from megatron_sdp4bit.comm.gather_hops import GatherHops
 from megatron_sdp4bit.comm.handles import finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_gather_flat
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, weight_slices
 from megatron_sdp4bit.comm.rounding_streams import pick_generator
 from megatron_sdp4bit.comm.runner import Completion, StagedJob, run_or_submit
-from megatron_sdp4bit.comm.topology import peer_split
+from megatron_sdp4bit.comm.topology import get_topology, peer_split
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant import (
@@ -96,6 +97,8 @@ def quantized_all_gather_weights(
     targets = flat.view(dp_size, shard)  # row r: rank r's shard
     add = config.weight_mode == "diff"
     space = workspace if workspace is not None else Workspace()
+    # two hops on a two-level topology (less on the nodes' links), else one flat gather
+    hops = GatherHops(group, get_topology(group, config.ranks_per_node))
 
     def gather(start: int, stop: int, index: int) -> _Gather:
         """Quantize this rank's ``[start, stop)`` into its segment, start gathering every rank's."""
@@ -111,13 +114,13 @@ def quantized_all_gather_weights(
         else:
             quantize(main, **fmt)
         incoming = space.buffer(weights_gather(index), dp_size * layout.nbytes, flat.device)
-        work = all_gather_flat(incoming, outgoing, group, True)
+        flight = hops.start(incoming, outgoing, space, index)
         scales = 4 * layout.groups
-        wire.peer_sends(_COLLECTIVE, same, other, codes=layout.codes_nbytes, scales=scales,
+        hops.peer_sends(wire, _COLLECTIVE, same, other, codes=layout.codes_nbytes, scales=scales,
                         padding=layout.nbytes - layout.codes_nbytes - scales,
                         elements=layout.groups * config.weight_group_size)
         everyone = wire_view(incoming, dp_size, n, config.weight_bits, config.weight_group_size)
-        return _Gather(targets[:, start:stop], everyone, work)
+        return _Gather(targets[:, start:stop], everyone, flight)
 
     # Slice by slice (``_SliceGathers``), so a bucket of every parameter (megatron's
     # without overlap) needs a few slices' codes at a time, not the whole bucket's.
@@ -158,7 +161,9 @@ class _SliceGathers:
     ``rest`` runs every other slice and returns the last slice's apply (the tail: a
     wait and a dequantize, no rounding draws), which a thread runner runs after the
     next call's head. That head takes the slot after this call's last one, and the
-    next call's second slice (this call's last slot again) comes after the tail."""
+    next call's second slice (this call's last slot again) comes after the tail. The
+    tail issues no collective: ``rest`` issues the last slice's (``InFlight.exchange``),
+    so every rank issues them in the same order whenever its tail runs."""
 
     def __init__(self, gather: Callable[[int, int, int], "_Gather"], slices, first_slot: int,
                  add: bool):
@@ -174,6 +179,7 @@ class _SliceGathers:
             self.previous.apply(self.add)
             self.previous = current
         last, self.previous = self.previous, None
+        last.flight.exchange()
         return lambda: last.apply(self.add)
 
     def _gather(self, index: int) -> "_Gather":
@@ -183,14 +189,14 @@ class _SliceGathers:
 
 class _Gather:
     """One slice's gather in flight: where it goes ([P, n] rows of the model buffer),
-    every rank's quantized slice (one segment each, in the gather buffer), the work."""
+    every rank's quantized slice (one segment each, in the gather buffer), its hops."""
 
-    def __init__(self, targets: torch.Tensor, everyone: QuantizedTensor, work):
-        self.targets, self.everyone, self.work = targets, everyone, work
+    def __init__(self, targets: torch.Tensor, everyone: QuantizedTensor, flight):
+        self.targets, self.everyone, self.flight = targets, everyone, flight
 
     def apply(self, add: bool) -> None:
         """Wait, then add (``add``) or write every rank's dequantized slice: one launch."""
-        self.work.wait()
+        self.flight.wait()
         if add:
             dequantize_add_(self.targets, self.everyone)
         else:

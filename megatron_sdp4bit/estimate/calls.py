@@ -65,6 +65,10 @@ def all_gather_calls(shard: int, layout: NodeLayout, config: SDP4BitConfig,
     if not config.quantize_weights:
         return _ring(layout)
     slices = weight_slices(shard, layout, config, impl)
+    if volume.two_level_gather(layout, config, impl):  # across nodes, then inside the node
+        calls = slices * impl.messages_per_peer
+        return (ring_calls(layout.num_nodes, layout.num_nodes, calls)
+                + ring_calls(layout.members_per_node, 1, calls))
     return _ring(layout, calls=slices * impl.messages_per_peer)
 
 

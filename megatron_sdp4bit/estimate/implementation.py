@@ -4,8 +4,9 @@ The byte counts (``volume.py``) do not depend on this; the latency and the
 staging copy do. Two implementations are described:
 
 - ``THIS_PROJECT``: ``megatron_sdp4bit.comm``: each quantized hop and each
-  weight all-gather sends its codes and scales in one buffer, and the first
-  hop's quantize reads the rows in send order itself. The two lines to change
+  weight all-gather sends its codes and scales in one buffer, the first
+  hop's quantize reads the rows in send order itself, and the quantized weight
+  all-gather takes the reduce-scatter's two levels. The two lines to change
   when that changes are ``MESSAGES_PER_PEER`` and ``STAGING_COPY`` below.
 - ``PAPER_REFERENCE``: the SDP4Bit paper's reference code (a Megatron-LM fork,
   January 2024), for ``--check-paper``: codes and scales in two calls per hop
@@ -49,11 +50,16 @@ class Implementation:
     (``comm.layout.chunk_count``); 1 for none."""
     min_slice_elements: int = MIN_SLICE_ELEMENTS
     """A synchronous all-gather's slices hold at least this many elements per rank."""
+    two_level_weight_gather: bool = False
+    """On a two-level layout the quantized all-gather runs in two hops, across nodes among
+    one local index's ranks, then inside the node (comm/gather_hops.py); False: one ring
+    over the DP group."""
 
 
 THIS_PROJECT = Implementation(
     name="megatron_sdp4bit.comm", messages_per_peer=MESSAGES_PER_PEER,
-    max_chunk_elements=MAX_CHUNK_ELEMENTS, sliced_weight_gather=True, staging_copy=STAGING_COPY)
+    max_chunk_elements=MAX_CHUNK_ELEMENTS, sliced_weight_gather=True, staging_copy=STAGING_COPY,
+    two_level_weight_gather=True)
 
 PAPER_REFERENCE = Implementation(
     name="the paper's reference code", messages_per_peer=2, max_chunk_elements=None,

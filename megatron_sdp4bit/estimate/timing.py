@@ -400,7 +400,7 @@ def _traffic(config, cluster, workload, kernels, layouts, buckets) -> _Traffic:
                 group[i].merge(links, concurrent=False)
             phases, pipelined = max(phases, len(rs.phases)), max(pipelined, rs.pipelined)
             for _, links in volume.all_gather_links(shard, workload.param_element_size, layout,
-                                                    config).phases:
+                                                    config, impl).phases:
                 group[2].merge(links, concurrent=False)
         for total, links in zip(grad + [weight], group):
             total.merge(links)
@@ -422,7 +422,8 @@ def _rank_work(config, layout, stage_buckets, workload, kernels):
     for numel in stage_buckets:
         shard = numel // p
         g = g + volume.reduce_scatter_sent(shard, GRAD_ELEMENT_SIZE, layout, rank, config, impl)
-        w = w + volume.all_gather_sent(shard, workload.param_element_size, layout, rank, config)
+        w = w + volume.all_gather_sent(shard, workload.param_element_size, layout, rank, config,
+                                       impl)
         gc = gc + calls.reduce_scatter_calls(shard, layout, config,
                                              workload.exact_reduce_scatter, impl)
         wc = wc + calls.all_gather_calls(shard, layout, config, impl)

@@ -162,15 +162,26 @@ def all_gather_chunk(shard: int, element_size: int, config: SDP4BitConfig, dp: i
     return sum(_segment_nbytes(n, config.weight_bits, config.weight_group_size) for _, n in slices)
 
 
+def two_level_gather(layout: NodeLayout, config: SDP4BitConfig, impl: Implementation) -> bool:
+    """Whether the weight all-gather runs in two hops (``comm/gather_hops.py``)."""
+    return (impl.two_level_weight_gather and config.quantize_weights
+            and len(hop_levels(layout)) == 2)
+
+
 def all_gather_sent(shard: int, element_size: int, layout: NodeLayout, rank: int,
-                    config: SDP4BitConfig) -> Sent:
+                    config: SDP4BitConfig, impl: Implementation = THIS_PROJECT) -> Sent:
     """What ``comm.quantized_all_gather_weights`` records for ``rank`` (``element_size``:
-    the model buffer's)."""
+    the model buffer's): flat, its segments to every peer; two levels, to its counterpart
+    on each other node, then its node's segments to each peer on its node."""
     same, other = _peers(layout, rank)
     exact = Sent(exact_intra=same * shard * element_size, exact_inter=other * shard * element_size)
     if layout.dp_size == 1 or shard == 0:
         return exact
     chunk = all_gather_chunk(shard, element_size, config, layout.dp_size)
+    if two_level_gather(layout, config, impl):
+        nodes = layout.num_nodes
+        return exact + Sent(intra=(layout.members_per_node - 1) * nodes * chunk,
+                            inter=(nodes - 1) * chunk)
     return exact + Sent(intra=same * chunk, inter=other * chunk)
 
 
@@ -295,12 +306,25 @@ def reduce_scatter_links(shard: int, element_size: int, layout: NodeLayout,
 
 
 def all_gather_links(shard: int, element_size: int, layout: NodeLayout,
-                     config: SDP4BitConfig) -> PhaseLinks:
-    """Link bytes of one weight all-gather (a ring, as NCCL's and gloo's all-gather)."""
+                     config: SDP4BitConfig, impl: Implementation = THIS_PROJECT) -> PhaseLinks:
+    """Link bytes of one weight all-gather: a ring, as NCCL's and gloo's all-gather; two
+    levels, a ring across nodes in each local index's group (all at once), then a ring
+    of the node's segments inside each node."""
     if layout.dp_size == 1 or shard == 0:
         return PhaseLinks([])
     chunk = all_gather_chunk(shard, element_size, config, layout.dp_size)
-    return PhaseLinks([("ring all-gather", ring_links(layout, layout.ranks, chunk))])
+    if not two_level_gather(layout, config, impl):
+        return PhaseLinks([("ring all-gather", ring_links(layout, layout.ranks, chunk))])
+    phases = []
+    for name, groups, per_step in (
+            ("ring all-gather across nodes", layout.inter_members(), chunk),
+            ("ring all-gather inside the node", layout.intra_members(),
+             layout.num_nodes * chunk)):
+        links = Links.empty()
+        for members in groups:
+            links.merge(ring_links(layout, members, per_step))
+        phases.append((name, links))
+    return PhaseLinks(phases)
 
 
 def embedding_allreduce_links(first_last: Sequence[Tuple[int, int]], numel: int,

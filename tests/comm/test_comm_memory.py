@@ -51,6 +51,20 @@ def test_weight_buffers_are_this_ranks_segment_and_every_ranks():
     assert weight_gather_scratch(dp * shard, dp, preset("zeropp")) == 4 * dp * shard  # qW's values
 
 
+def test_two_level_weight_gathers_add_the_counterparts_and_the_reordered_segments():
+    """2 nodes x 4 ranks (comm/gather_hops.py): besides its segment and every rank's, a
+    slot holds the counterparts' segments of the 2 nodes and every rank's again, before
+    the copy into DP order; one node, or one rank a node, keeps the flat gather's."""
+    dp, shard = 8, 4096
+    own = segment_nbytes(shard, 4, 2048)
+    two_levels = weight_buffer_demand(dp * shard, dp, SDP, node_members=4)
+    assert two_levels == {**weight_buffer_demand(dp * shard, dp, SDP),
+                          **{f"weights across nodes {slot}": 2 * own for slot in (0, 1)},
+                          **{f"weights by local rank {slot}": dp * own for slot in (0, 1)}}
+    for flat in (0, 1, dp):
+        assert weight_buffer_demand(dp * shard, dp, SDP, flat) == weight_buffer_demand(dp * shard, dp, SDP)
+
+
 def test_reduce_scatter_buffers_do_not_grow_with_the_bucket():
     """Without --overlap-grad-reduce megatron makes one bucket of everything, with it
     buckets of 40M elements or more; chunks taking turns on two slots keep the buffers
@@ -95,7 +109,7 @@ def test_layer_memory_shares_buffers_because_one_collective_runs_at_a_time():
     one = layer_memory([n, n, n], dp, SDP, **kwargs)
     assert one.held_bytes == 3 * 4 * n // dp
     grads = sum(grad_buffer_demand(n, dp, SDP, 4).values())
-    sliced = sum(weight_buffer_demand(n, dp, SDP).values())
+    sliced = sum(weight_buffer_demand(n, dp, SDP, 4).values())
     assert one.buffer_bytes == grads + sliced  # one set for every bucket
     assert one.scratch_bytes == 0  # qWD adds in place
     assert layer_memory([n], dp, preset("zeropp"), **kwargs).scratch_bytes == \

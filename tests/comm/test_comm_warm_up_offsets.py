@@ -25,7 +25,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("recording needs the compiled kernels (not the interpreter)", allow_module_level=True)
 
 from megatron_sdp4bit import comm, quant  # noqa: E402
-from megatron_sdp4bit.comm import gradients, weights  # noqa: E402
+from megatron_sdp4bit.comm import gather_hops, gradients, weights  # noqa: E402
 from megatron_sdp4bit.comm.kernel_specs import (  # noqa: E402
     alignment_offset, all_gather_specs, reduce_scatter_specs)
 from megatron_sdp4bit.comm.topology import Level  # noqa: E402
@@ -48,14 +48,18 @@ def rank_of_dp_128(monkeypatch):
     rank = SimpleNamespace(value=0)
     order = torch.arange(DP).view(PER_NODE, -1).t().reshape(-1)  # a two-level send order
     topology = SimpleNamespace(levels=LEVELS, dp_size=DP, global_rank=0,
-                               send_order_index=lambda device: order)
+                               send_order_index=lambda device: order, is_two_level=True,
+                               num_nodes=DP // PER_NODE, ranks_per_node=PER_NODE,
+                               intra_group=None, inter_group=None)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: DP)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: rank.value)
-    monkeypatch.setattr(gradients, "get_topology", lambda group, ranks_per_node: topology)
+    for module in (gradients, weights):
+        monkeypatch.setattr(module, "get_topology", lambda group, ranks_per_node: topology)
     for module in (gradients, weights):
         monkeypatch.setattr(module, "peer_split", lambda group, ranks_per_node: (7, 120))
     monkeypatch.setattr(gradients, "all_to_all_equal", lambda output, input, group, async_op=True: DONE)
-    monkeypatch.setattr(weights, "all_gather_flat", lambda output, input, group, async_op: DONE)
+    for module in (weights, gather_hops):
+        monkeypatch.setattr(module, "all_gather_flat", lambda output, input, group, async_op: DONE)
     monkeypatch.setattr(quant, "backend_for", lambda t: triton_ops)
     return rank
 

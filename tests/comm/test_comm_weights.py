@@ -134,6 +134,49 @@ def test_sliced_gather_equals_the_whole_gather(world):
             assert value == {"same_as_whole": True, "identical": True}, f"rank {rank} {key}: {value}"
 
 
+@battery.case(*WORLDS)
+def two_levels_and_flat(rank: int, world: int) -> dict:
+    """The same gather flat (one rank a node) and in two hops (comm/gather_hops.py): the
+    segments are the same bytes, moved another way, so the buffers must be equal bit for
+    bit; stochastic rounding, 1 and 3 slices, bf16 and fp32, qWD and qW."""
+    from megatron_sdp4bit.comm import weights
+
+    out = {}
+    caps = weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS
+    for rpn in [r for r in ranks_per_node_choices(world) if 1 < r < world]:
+        for mode in ("diff", "direct"):
+            for dtype, shard, sliced in ((torch.bfloat16, 5000, True), (torch.float32, 3000, False)):
+                results = []
+                for layout in (1, rpn):
+                    config = SDP4BitConfig(weight_mode=mode, ranks_per_node=layout)
+                    model = initial_weights(world, shard, dtype)
+                    own = model[rank * shard:(rank + 1) * shard]
+                    main = own.float() + 0.01 * torch.randn(
+                        shard, generator=torch.Generator().manual_seed(80 + rank))
+                    if sliced:  # one group of 2048 a slice: 3 slices, the last padded
+                        weights.MAX_CHUNK_ELEMENTS = world * config.weight_group_size
+                        weights.MIN_SLICE_ELEMENTS = config.weight_group_size
+                    try:
+                        quantized_all_gather_weights(
+                            model, main, config=config,
+                            generator=torch.Generator().manual_seed(90 + rank))
+                    finally:
+                        weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS = caps
+                    results.append(model)
+                out[(rpn, mode, str(dtype))] = {"equal": torch.equal(*results),
+                                                "identical": identical_on_all_ranks(results[1])}
+    return out
+
+
+def test_two_level_gather_equals_the_flat_one_bit_for_bit(world):
+    if world == 2:
+        pytest.skip("2 ranks make no two-level layout; runs at 4 and 8 ranks")
+    for rank, per_case in enumerate(battery.results(two_levels_and_flat, world)):
+        assert per_case
+        for key, value in per_case.items():
+            assert value == {"equal": True, "identical": True}, f"rank {rank} {key}: {value}"
+
+
 # --- error feedback over many steps (2 ranks per node) -----------------------------------
 
 @battery.case(*STATISTICS_WORLDS)
@@ -198,11 +241,16 @@ def wire_bytes(rank: int, world: int) -> dict:
 
 
 def test_weight_wire_bytes_match_analytic_volume(world):
-    """4 + 32/2048 bits per element; exact = bf16 shards; split by where peers live."""
+    """4 + 32/2048 bits per element; exact = bf16 shards; split by where peers live.
+    On two levels a rank sends its segment across nodes once per other node, and its
+    node's segments (one per node) to each peer on its node (comm/gather_hops.py)."""
     shard, group = 4096, 2048
     per_rank = battery.results(wire_bytes, world)
     for rpn in ranks_per_node_choices(world):
         peers = {"intra": min(rpn, world) - 1, "inter": world - min(rpn, world)}
+        nodes = world // min(rpn, world)
+        two_level = 1 < rpn < world
+        segments = ({"intra": (rpn - 1) * nodes, "inter": nodes - 1} if two_level else peers)
         for mode in ("diff", "direct", "off"):
             for rank, recorded in enumerate(per_rank):
                 stats = recorded[(rpn, mode)]
@@ -213,6 +261,7 @@ def test_weight_wire_bytes_match_analytic_volume(world):
                     if mode == "off":
                         assert got["values"] == count * shard * 2
                         continue
+                    count = segments[level]
                     assert got["codes"] == count * shard // 2
                     assert got["scales"] == count * shard // group * 4
                     if count:

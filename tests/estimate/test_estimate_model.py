@@ -221,4 +221,6 @@ def test_bytes_of_the_slow_link_model_match_the_drivers_accounting():
         got = {n: round(v.sent.total / 2**20, 2) for n, v in e.variants.items()}
         assert got == expected
         inter = {n: round(v.sent.inter / 2**20, 2) for n, v in e.variants.items()}
-        assert inter["sdp4bit"] == inter["zeropp"] == 1.94
+        # the quantized gathers in two hops: 1.30 across nodes (the flat gathers of the
+        # tables before 2026-12-06 logged 1.94), the same total
+        assert inter["sdp4bit"] == inter["zeropp"] == 1.30

@@ -9,6 +9,7 @@ from harness import spawn_ranks
 from megatron_sdp4bit.comm.layout import plan_node_layout
 from megatron_sdp4bit.config import preset
 from megatron_sdp4bit.estimate import volume
+from megatron_sdp4bit.estimate.implementation import PAPER_REFERENCE
 
 WORLD = 4
 
@@ -65,10 +66,28 @@ def test_ring_volumes_of_the_exact_collectives():
     assert allreduce.node_inter == {n: 2 * b for n, b in ring.node_inter.items()}
     a2a = volume.reduce_scatter_links(shard, 4, layout, config, "alltoall").phases[0][1]
     assert a2a.node_inter == {0: 4 * 4 * shard * 4, 1: 4 * 4 * shard * 4}  # 4 ranks x 4 remote peers
-    gather = volume.all_gather_links(shard, 2, layout, preset("sdp4bit")).phases[0][1]
+    gather = volume.all_gather_links(shard, 2, layout, preset("sdp4bit"), PAPER_REFERENCE)
     chunk = volume.all_gather_chunk(shard, 2, preset("sdp4bit"), 8)  # one group of 2048, padded
     # one segment: 1024 bytes of codes, then one fp32 scale, padded to 16 bytes
-    assert chunk == 2048 // 2 + 16 and gather.node_inter == {0: 7 * chunk, 1: 7 * chunk}
+    assert chunk == 2048 // 2 + 16 and gather.phases[0][1].node_inter == {0: 7 * chunk, 1: 7 * chunk}
+
+
+def test_two_level_gathers_carry_one_node_share_across_nodes():
+    """This project's quantized gather on 2 nodes x 4 (comm/gather_hops.py): each rank's
+    segment crosses to its counterpart once (4 segments a node, not a ring's 7), then
+    each node's 2 segments go round the node; and what the ranks account is that."""
+    layout = plan_node_layout(range(8), 4)
+    config, shard = preset("sdp4bit"), 1000
+    chunk = volume.all_gather_chunk(shard, 2, config, 8)
+    (across_name, across), (inside_name, inside) = volume.all_gather_links(
+        shard, 2, layout, config).phases
+    assert across.node_inter == {0: 4 * chunk, 1: 4 * chunk} and not across.gpu_intra
+    assert inside.gpu_intra == {rank: 3 * 2 * chunk for rank in range(8)} and not inside.node_inter
+    sent = volume.all_gather_sent(shard, 2, layout, 0, config)
+    assert (sent.inter, sent.intra) == (chunk, 3 * 2 * chunk)
+    flat = volume.all_gather_sent(shard, 2, layout, 0, config, PAPER_REFERENCE)
+    assert (flat.inter, flat.intra) == (4 * chunk, 3 * chunk)
+    assert sent.exact_inter == flat.exact_inter  # the exact gather it replaces is the same
 
 
 def test_megatron_dp_groups_follow_tp_dp_pp_order():

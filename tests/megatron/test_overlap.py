@@ -43,7 +43,7 @@ def _train(spec, config, inline: bool) -> dict:
     import threading
 
     from megatron_sdp4bit import comm
-    from megatron_sdp4bit.comm import gradients, weights
+    from megatron_sdp4bit.comm import gather_hops, gradients, weights
     from megatron_sdp4bit.megatron import background, patch
     from harness.tiny_gpt import TinyGPTTrainer
 
@@ -75,7 +75,8 @@ def _train(spec, config, inline: bool) -> dict:
     if inline:
         background.runner_kind = lambda group, device: "inline"
     spy(gradients, "all_to_all_equal")  # the reduce-scatter's hops
-    spy(weights, "all_gather_flat")  # the weight gathers
+    spy(weights, "all_gather_flat")  # the exact weight gathers
+    spy(gather_hops, "all_gather_flat")  # the quantized ones' hops
     try:
         layer = patch.install(config)
         trainer = TinyGPTTrainer(spec)
