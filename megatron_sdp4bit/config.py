@@ -27,6 +27,7 @@ MODE_ALIASES = {
                   "two-level-uniform": "ulq", "exact": "off"},
 }
 EXACT_REDUCE_SCATTERS = ("native", "alltoall")
+WEIGHT_GATHERS = ("two-level", "flat")
 
 
 def _is_bool(value) -> bool:
@@ -64,6 +65,7 @@ ALLOWED = {
     "grad_start_iter": "an integer >= 0",
     "check_interval": "an integer >= 0 (0 = never)",
     "exact_reduce_scatter": f"one of {', '.join(EXACT_REDUCE_SCATTERS)}",
+    "weight_gather": f"one of {', '.join(WEIGHT_GATHERS)}",
 }
 """What each field may be, in words: for error messages and ``--help``. The rules
 themselves are in ``SDP4BitConfig.__post_init__``."""
@@ -138,6 +140,13 @@ class SDP4BitConfig:
     like-for-like exact baseline on gloo (``scripts/bench_slow_link.py``'s
     ``baseline-a2a``). Needs the distributed optimizer."""
 
+    weight_gather: str = "two-level"
+    """How a quantized weight all-gather (qWD, qW) moves its segments where the nodes hold
+    several ranks each: ``two-level`` = across nodes among the ranks of one local index,
+    then inside the node (``comm/gather_hops.py``: (N-1)/N of the gather on each node's
+    link), ``flat`` = one all-gather over the DP group (a ring: (P-1)/P of it). The
+    weights come out bit-identical either way; one node, or one rank a node, is flat."""
+
     def __post_init__(self) -> None:
         """Every rule about a field lives here, and only here: a bad value fails where
         the config is made, with the field's name and what it may be."""
@@ -149,6 +158,7 @@ class SDP4BitConfig:
         self._check_choice("grad_mode", GRAD_MODES)
         self._check_choice("rounding", ROUNDINGS)
         self._check_choice("exact_reduce_scatter", EXACT_REDUCE_SCATTERS)
+        self._check_choice("weight_gather", WEIGHT_GATHERS)
         for name in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
             value = getattr(self, name)
             if _is_bool(value) or value not in SUPPORTED_BITS:

@@ -138,7 +138,7 @@ def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
         for index, (_, n) in enumerate(slices):
             own = segment_nbytes(n, config.weight_bits, config.weight_group_size)
             demand = {weights_send(first + index): own, weights_gather(first + index): dp * own}
-            if len(_grad_levels(dp, node_members)) == 2:  # the same two levels
+            if config.weight_gather == "two-level" and len(_grad_levels(dp, node_members)) == 2:
                 demand[weights_across_nodes(first + index)] = dp // node_members * own
                 demand[weights_by_local_rank(first + index)] = dp * own
             demands.append(demand)

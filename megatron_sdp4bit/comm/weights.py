@@ -98,7 +98,8 @@ def quantized_all_gather_weights(
     add = config.weight_mode == "diff"
     space = workspace if workspace is not None else Workspace()
     # two hops on a two-level topology (less on the nodes' links), else one flat gather
-    hops = GatherHops(group, get_topology(group, config.ranks_per_node))
+    two_level = config.weight_gather == "two-level"
+    hops = GatherHops(group, get_topology(group, config.ranks_per_node) if two_level else None)
 
     def gather(start: int, stop: int, index: int) -> _Gather:
         """Quantize this rank's ``[start, stop)`` into its segment, start gathering every rank's."""

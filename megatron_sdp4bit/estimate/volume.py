@@ -165,7 +165,7 @@ def all_gather_chunk(shard: int, element_size: int, config: SDP4BitConfig, dp: i
 def two_level_gather(layout: NodeLayout, config: SDP4BitConfig, impl: Implementation) -> bool:
     """Whether the weight all-gather runs in two hops (``comm/gather_hops.py``)."""
     return (impl.two_level_weight_gather and config.quantize_weights
-            and len(hop_levels(layout)) == 2)
+            and config.weight_gather == "two-level" and len(hop_levels(layout)) == 2)
 
 
 def all_gather_sent(shard: int, element_size: int, layout: NodeLayout, rank: int,

@@ -63,6 +63,8 @@ def test_two_level_weight_gathers_add_the_counterparts_and_the_reordered_segment
                           **{f"weights by local rank {slot}": dp * own for slot in (0, 1)}}
     for flat in (0, 1, dp):
         assert weight_buffer_demand(dp * shard, dp, SDP, flat) == weight_buffer_demand(dp * shard, dp, SDP)
+    flat_gather = preset("sdp4bit", weight_gather="flat")
+    assert weight_buffer_demand(dp * shard, dp, flat_gather, 4) == weight_buffer_demand(dp * shard, dp, SDP)
 
 
 def test_reduce_scatter_buffers_do_not_grow_with_the_bucket():

@@ -136,7 +136,8 @@ def test_sliced_gather_equals_the_whole_gather(world):
 
 @battery.case(*WORLDS)
 def two_levels_and_flat(rank: int, world: int) -> dict:
-    """The same gather flat (one rank a node) and in two hops (comm/gather_hops.py): the
+    """The same gather flat (one rank a node, or ``weight_gather="flat"``) and in two hops
+    (comm/gather_hops.py): the
     segments are the same bytes, moved another way, so the buffers must be equal bit for
     bit; stochastic rounding, 1 and 3 slices, bf16 and fp32, qWD and qW."""
     from megatron_sdp4bit.comm import weights
@@ -147,8 +148,9 @@ def two_levels_and_flat(rank: int, world: int) -> dict:
         for mode in ("diff", "direct"):
             for dtype, shard, sliced in ((torch.bfloat16, 5000, True), (torch.float32, 3000, False)):
                 results = []
-                for layout in (1, rpn):
-                    config = SDP4BitConfig(weight_mode=mode, ranks_per_node=layout)
+                for layout, hops in ((1, "two-level"), (rpn, "flat"), (rpn, "two-level")):
+                    config = SDP4BitConfig(weight_mode=mode, ranks_per_node=layout,
+                                           weight_gather=hops)
                     model = initial_weights(world, shard, dtype)
                     own = model[rank * shard:(rank + 1) * shard]
                     main = own.float() + 0.01 * torch.randn(
@@ -163,8 +165,9 @@ def two_levels_and_flat(rank: int, world: int) -> dict:
                     finally:
                         weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS = caps
                     results.append(model)
-                out[(rpn, mode, str(dtype))] = {"equal": torch.equal(*results),
-                                                "identical": identical_on_all_ranks(results[1])}
+                out[(rpn, mode, str(dtype))] = {
+                    "equal": all(torch.equal(results[0], other) for other in results[1:]),
+                    "identical": identical_on_all_ranks(results[-1])}
     return out
 
 

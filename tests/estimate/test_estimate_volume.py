@@ -87,6 +87,10 @@ def test_two_level_gathers_carry_one_node_share_across_nodes():
     assert (sent.inter, sent.intra) == (chunk, 3 * 2 * chunk)
     flat = volume.all_gather_sent(shard, 2, layout, 0, config, PAPER_REFERENCE)
     assert (flat.inter, flat.intra) == (4 * chunk, 3 * chunk)
+    asked_flat = preset("sdp4bit", weight_gather="flat")
+    assert volume.all_gather_sent(shard, 2, layout, 0, asked_flat) == flat
+    assert [name for name, _ in volume.all_gather_links(shard, 2, layout, asked_flat).phases] == [
+        "ring all-gather"]
     assert sent.exact_inter == flat.exact_inter  # the exact gather it replaces is the same
 
 

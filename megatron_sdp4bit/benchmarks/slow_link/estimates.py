@@ -84,11 +84,11 @@ def estimate_rows(args, cells: Dict[tuple, Cell], probed_links: Probed) -> dict:
         return (probed(cell) or nominal) if args.cpu_correction else nominal
 
     def step(rate, preset, cores, compute_s) -> float:  # the predicted step
-        variant, exact = PRESET_ESTIMATE[base_preset(preset)]
+        variant, exact, implementation = PRESET_ESTIMATE[base_preset(preset)]
         overlap = dict(overlap="full", bucket_size=OVERLAP_BUCKET_SIZE) if overlapped(preset) else {}
         work = Workload(shape=shape, global_batch=GLOBAL_BATCH, micro_batch=shape.micro_batch_size,
                         compute_s=compute_s, exact_reduce_scatter=exact,
-                        param_element_size=param_bytes, **overlap)
+                        param_element_size=param_bytes, implementation=implementation, **overlap)
         return estimate(probed_links.cluster(rate), work, KernelModel("cpu", cores_per_rank=cores),
                         ["baseline", variant] if variant != "baseline" else ["baseline"]
                         ).variants[variant].step_s
