@@ -607,6 +607,7 @@ HOSTS_PLAN_LINES = (
     "sdp4bit nodes: 2 hosts x 2 ranks (from the hosts)",
     "sdp4bit gradient hops, DP 4: 8-bit inside a node (2 ranks), then 4-bit across nodes (2 ranks)",
     "sdp4bit gradient hops, expert DP 2: 4-bit across nodes (2 ranks)",
+    "sdp4bit weight gather, DP 4: 4-bit across nodes (2 ranks), then inside a node (2 ranks)",
 )
 
 

@@ -86,6 +86,9 @@ def test_the_driver_learns_two_nodes_from_the_hosts_with_experts(tmp_path):
     assert ("sdp4bit gradient hops, DP 4: 8-bit inside a node (2 ranks), "
             "then 4-bit across nodes (2 ranks)") in output
     assert "sdp4bit gradient hops, expert DP 2: 4-bit across nodes (2 ranks)" in output
+    assert ("sdp4bit weight gather, DP 4: 4-bit across nodes (2 ranks), "
+            "then inside a node (2 ranks)") in output
+    assert "sdp4bit weight gather, expert DP 2: 4-bit, one all-gather over 2 ranks" in output
     assert "replica checks      4 passed" in output  # the dense and the expert optimizer, 2 steps
 
 

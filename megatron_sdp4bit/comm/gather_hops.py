@@ -21,7 +21,10 @@ A gather is started (``start``: the hop across nodes, asynchronous), then exchan
 (``exchange``: wait for it, start the hop inside the node) and applied (``wait``).
 Collectives are issued only in ``start`` and ``exchange``: a thread runner may run a
 job's last ``wait`` after the next job's first collectives (``comm/runner.py``), and
-every rank must issue each group's collectives in the same order.
+every rank must issue each group's collectives in the same order. So a call's last
+slice is exchanged in the call's body: on a thread runner the next job's first
+quantization then waits for that slice's hop across nodes (on gloo the wait blocks
+the worker; on a side stream it blocks nothing), where a flat gather's would overlap it.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ how an implementation (``implementation.py``) splits a bucket: the quantized
 reduce-scatter into pipeline chunks (``volume.grad_chunks``), each hop into
 ``messages_per_peer`` all-to-alls; the quantized all-gather into slices (a
 synchronous gather in ``comm/weights.py``) of ``messages_per_peer`` ring
-all-gathers each. The exact collectives are one NCCL call each.
+all-gathers each, or two on a two-level layout (``comm/gather_hops.py``: across
+nodes, then inside the node). The exact collectives are one NCCL call each.
 """
 from __future__ import annotations
 

@@ -49,7 +49,9 @@ def format_report(e: Estimate) -> str:
             f"stage {stage}: {len(b)} of {', '.join(f'{n:,}' for n in b[:4])}"
             + (" ..." if len(b) > 4 else "") + " elements" for stage, b in e.buckets.items()),
         f"exact reduce-scatter modelled as: {EXACT_REDUCE_SCATTERS[w.exact_reduce_scatter]}; "
-        "all-gathers as rings; quantized hops as direct sends",
+        "all-gathers as rings (" + ("the quantized ones in two, across nodes then inside the "
+        "node, on two-level layouts" if w.implementation.two_level_weight_gather else "one over "
+        "the DP group") + "); quantized hops as direct sends",
         f"overlap: {OVERLAP_TEXT[w.overlap]}",
         f"kernels: {e.kernels.describe()}",
         "",

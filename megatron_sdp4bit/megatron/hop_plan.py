@@ -1,5 +1,5 @@
 """What the layer planned for this rank's collectives, in words: where the ranks run
-and the hops of each data-parallel group's quantized reduce-scatter.
+and the hops of each data-parallel group's quantized reduce-scatter and weight gather.
 
 The node layout comes from the hosts themselves (``comm/hosts.py``, gathered once at
 install), so a run launched by srun, mpirun or torchrun says how many nodes it found;
@@ -40,15 +40,25 @@ def describe_hops(topology, config) -> str:
     return text
 
 
+def describe_gather(topology, config) -> str:
+    """``4-bit across nodes (2 ranks), then inside a node (4 ranks)`` (``comm/gather_hops.py``),
+    or ``4-bit, one all-gather over 8 ranks``."""
+    bits = f"{config.weight_bits}-bit"
+    if topology.is_two_level and config.weight_gather == "two-level":
+        return (f"{bits} across nodes ({topology.num_nodes} ranks), "
+                f"then inside a node ({topology.ranks_per_node} ranks)")
+    return f"{bits}, one all-gather over {topology.dp_size} ranks"
+
+
 def plan_lines(layer, model_chunks) -> List[str]:
     """This rank's plan: the nodes, then each distinct data-parallel group's hops
-    (dense, then expert), for a layer that quantizes the gradients."""
+    (dense, then expert) of what the layer quantizes."""
     state, adapter, config = layer.state, layer.adapter, layer.state.config
     hosts = world_hosts()
     lines = []
     if hosts and config.ranks_per_node:
         lines.append(f"nodes: {describe_nodes(hosts, config.ranks_per_node)}")
-    if not config.quantize_grads:
+    if not (config.quantize_grads or config.quantize_weights):
         return lines
     seen = []
     for kind, groups_of in (("DP", adapter.ddp_bucket_groups), ("expert DP", adapter.expert_bucket_groups)):
@@ -61,6 +71,9 @@ def plan_lines(layer, model_chunks) -> List[str]:
                     continue
                 seen.append(group)
                 topology = planned_topology(state.runner.group_for(group), config.ranks_per_node)
-                hops = "not planned yet" if topology is None else describe_hops(topology, config)
-                lines.append(f"gradient hops, {kind} {size}: {hops}")
+                for quantized, what, describe in ((config.quantize_grads, "gradient hops", describe_hops),
+                                                  (config.quantize_weights, "weight gather", describe_gather)):
+                    if quantized:
+                        text = "not planned yet" if topology is None else describe(topology, config)
+                        lines.append(f"{what}, {kind} {size}: {text}")
     return lines

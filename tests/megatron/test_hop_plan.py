@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from megatron_sdp4bit.comm.topology import Level
 from megatron_sdp4bit.config import preset
-from megatron_sdp4bit.megatron.hop_plan import describe_hops, describe_nodes
+from megatron_sdp4bit.megatron.hop_plan import describe_gather, describe_hops, describe_nodes
 
 
 def _topology(*levels, fallback=None):
@@ -29,3 +29,16 @@ def test_hops_name_their_bits_places_and_members():
         "4-bit across nodes (6 ranks) (one level: DP members per node differ)"
     assert describe_hops(_topology(), config) == "one rank, nothing sent"
     assert describe_hops(_topology(("intra", 4), ("inter", 2)), preset("zeropp")).startswith("4-bit inside")
+
+
+def test_the_weight_gather_names_its_hops_or_its_one_all_gather():
+    def layout(nodes, per_node):
+        return SimpleNamespace(is_two_level=nodes > 1 and per_node > 1, num_nodes=nodes,
+                               ranks_per_node=per_node, dp_size=nodes * per_node)
+
+    config = preset("sdp4bit")
+    assert describe_gather(layout(2, 4), config) == \
+        "4-bit across nodes (2 ranks), then inside a node (4 ranks)"
+    assert describe_gather(layout(1, 8), config) == "4-bit, one all-gather over 8 ranks"
+    assert describe_gather(layout(2, 4), preset("sdp4bit", weight_gather="flat")) == \
+        "4-bit, one all-gather over 8 ranks"

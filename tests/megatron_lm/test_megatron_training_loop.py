@@ -369,6 +369,8 @@ def test_pretrain_moe_expert_dp_across_emulated_nodes(tmp_path, dense_dp4, overl
     assert ("sdp4bit gradient hops, DP 4: 8-bit inside a node (2 ranks), "
             "then 4-bit across nodes (2 ranks)") in output
     assert "sdp4bit gradient hops, expert DP 2: 4-bit across nodes (2 ranks)" in output
+    assert ("sdp4bit weight gather, DP 4: 4-bit across nodes (2 ranks), "
+            "then inside a node (2 ranks)") in output
     # the overlapped collectives' waits on the iteration line (the gradients are always
     # overlapped here; the weights with --overlap-param-gather)
     gathers = r" \+ AG \d+" if overlap_param_gather else ""
