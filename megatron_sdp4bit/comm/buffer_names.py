@@ -31,13 +31,8 @@ def weights_gather(slice_index: int) -> str:
     return f"weights gather {slice_index % SLOTS}"
 
 
-def weights_across_nodes(slice_index: int) -> str:
-    """Two levels: the segments of this rank's counterparts on every node, gathered first
-    (``comm/gather_hops.py``)."""
-    return f"weights across nodes {slice_index % SLOTS}"
-
-
 def weights_by_local_rank(slice_index: int) -> str:
     """Two levels: every rank's segments as the hop inside the node leaves them, by local
-    index then node, before the copy into DP-rank order."""
+    index then node, before the copy into DP-rank order; this rank's row is written by
+    the hop across nodes first (``comm/gather_hops.py``)."""
     return f"weights by local rank {slice_index % SLOTS}"

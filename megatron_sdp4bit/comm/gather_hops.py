@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from megatron_sdp4bit.comm.buffer_names import weights_across_nodes, weights_by_local_rank
+from megatron_sdp4bit.comm.buffer_names import weights_by_local_rank
 from megatron_sdp4bit.comm.primitives import all_gather_flat
 from megatron_sdp4bit.comm.topology import Topology
 from megatron_sdp4bit.comm.workspace import Workspace
@@ -68,9 +68,12 @@ class GatherHops:
         if self.topology is None:
             return InFlight(all_gather_flat(incoming, outgoing, self.group, True))
         topology, nbytes = self.topology, outgoing.numel()
-        across = space.buffer(weights_across_nodes(slot), topology.num_nodes * nbytes,
-                              outgoing.device)
         by_local = space.buffer(weights_by_local_rank(slot), incoming.numel(), outgoing.device)
+        # The hop across nodes writes this rank's row of the hop inside the node (rows by
+        # local index, N segments each), so that hop runs in place (input = output's own
+        # row, as NCCL and gloo allow) and needs no buffer of its own.
+        row = topology.num_nodes * nbytes
+        across = by_local[topology.local_rank * row:(topology.local_rank + 1) * row]
         work = all_gather_flat(across, outgoing, topology.inter_group, True)
         return InFlight(work, _InsideNode(topology, across, by_local, incoming))
 

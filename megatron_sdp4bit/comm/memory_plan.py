@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Iterable, Sequence
 
-from megatron_sdp4bit.comm.buffer_names import (GRADS_SUM, SLOTS, grads_hop, weights_across_nodes,
-                                                weights_by_local_rank, weights_gather, weights_send)
+from megatron_sdp4bit.comm.buffer_names import (GRADS_SUM, SLOTS, grads_hop, weights_by_local_rank,
+                                                weights_gather, weights_send)
 from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, weight_slices
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant.types import QuantizedTensor, num_groups
@@ -124,8 +124,8 @@ def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
                          node_members: int = 0) -> Dict[str, int]:
     """Bytes per workspace buffer name of one bucket's qW/qWD all-gather, slice by slice in
     two slots: this rank's segment and every rank's; on two levels (``node_members`` DP
-    ranks per node, as ``grad_buffer_demand``) also its counterparts' on every node and
-    every rank's before the copy into DP order (``comm/gather_hops.py``). (Exact gathers
+    ranks per node, as ``grad_buffer_demand``) every rank's before the copy into DP order,
+    which the hop across nodes writes its part of (``comm/gather_hops.py``). (Exact gathers
     add nothing.)"""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_weights:
@@ -139,7 +139,6 @@ def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
             own = segment_nbytes(n, config.weight_bits, config.weight_group_size)
             demand = {weights_send(first + index): own, weights_gather(first + index): dp * own}
             if config.weight_gather == "two-level" and len(_grad_levels(dp, node_members)) == 2:
-                demand[weights_across_nodes(first + index)] = dp // node_members * own
                 demand[weights_by_local_rank(first + index)] = dp * own
             demands.append(demand)
     return _merge_max(demands)

@@ -51,15 +51,15 @@ def test_weight_buffers_are_this_ranks_segment_and_every_ranks():
     assert weight_gather_scratch(dp * shard, dp, preset("zeropp")) == 4 * dp * shard  # qW's values
 
 
-def test_two_level_weight_gathers_add_the_counterparts_and_the_reordered_segments():
+def test_two_level_weight_gathers_add_only_the_reordered_segments():
     """2 nodes x 4 ranks (comm/gather_hops.py): besides its segment and every rank's, a
-    slot holds the counterparts' segments of the 2 nodes and every rank's again, before
-    the copy into DP order; one node, or one rank a node, keeps the flat gather's."""
+    slot holds every rank's again, before the copy into DP order (the hop across nodes
+    writes into it, no buffer of its own); one node, or one rank a node, keeps the flat
+    gather's."""
     dp, shard = 8, 4096
     own = segment_nbytes(shard, 4, 2048)
     two_levels = weight_buffer_demand(dp * shard, dp, SDP, node_members=4)
     assert two_levels == {**weight_buffer_demand(dp * shard, dp, SDP),
-                          **{f"weights across nodes {slot}": 2 * own for slot in (0, 1)},
                           **{f"weights by local rank {slot}": dp * own for slot in (0, 1)}}
     for flat in (0, 1, dp):
         assert weight_buffer_demand(dp * shard, dp, SDP, flat) == weight_buffer_demand(dp * shard, dp, SDP)

@@ -49,7 +49,7 @@ def rank_of_dp_128(monkeypatch):
     order = torch.arange(DP).view(PER_NODE, -1).t().reshape(-1)  # a two-level send order
     topology = SimpleNamespace(levels=LEVELS, dp_size=DP, global_rank=0,
                                send_order_index=lambda device: order, is_two_level=True,
-                               num_nodes=DP // PER_NODE, ranks_per_node=PER_NODE,
+                               num_nodes=DP // PER_NODE, ranks_per_node=PER_NODE, local_rank=0,
                                intra_group=None, inter_group=None)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: DP)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: rank.value)
