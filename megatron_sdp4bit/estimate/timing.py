@@ -54,7 +54,7 @@ The model, stated once (docs/performance.md, "Estimator"):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from megatron_sdp4bit.comm.memory_plan import LayerMemory, layer_memory
@@ -479,6 +479,8 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
 def _stage_memory(stage, layout, stage_buckets, config, cluster, workload) -> LayerMemory:
     """What the layer adds on a GPU of this stage's DP group (comm/memory_plan.py)."""
     params = stage_params(workload.shape, cluster.tp, cluster.pp, stage).numel
+    if not workload.implementation.two_level_weight_gather:  # gathers flat: no reordered copy
+        config = replace(config, weight_gather="flat")
     return layer_memory(stage_buckets, layout.dp_size, config, params=params,
                         node_members=len(layout.nodes[0]) if layout.is_two_level else 0,
                         fp32_params=workload.param_element_size == 4)

@@ -224,3 +224,23 @@ def test_bytes_of_the_slow_link_model_match_the_drivers_accounting():
         # the quantized gathers in two hops: 1.30 across nodes (the flat gathers of the
         # tables before 2026-12-06 logged 1.94), the same total
         assert inter["sdp4bit"] == inter["zeropp"] == 1.30
+
+
+def test_memory_follows_the_gather_the_implementation_makes():
+    """On 2 nodes x 4 the two-hop weight gather adds a reordered copy of the gathered
+    segments (comm/gather_hops.py); an implementation that gathers flat (the paper's
+    code, the slow-link bench's flat-gather preset) is counted without it, as the
+    config that asks for the flat gather is."""
+    from dataclasses import replace
+    from megatron_sdp4bit.comm.memory_plan import layer_memory
+    from megatron_sdp4bit.estimate.implementation import THIS_PROJECT
+    e = _estimate()
+    config, two_hops = e.variants["sdp4bit"].config, e.variants["sdp4bit"].memory
+    flat_impl = _estimate(implementation=replace(THIS_PROJECT, two_level_weight_gather=False))
+
+    def counted(weight_gather):
+        return layer_memory(e.buckets[0], 8, replace(config, weight_gather=weight_gather),
+                            params=two_hops.params, node_members=4, fp32_params=False)
+    assert two_hops == counted("two-level")
+    assert flat_impl.variants["sdp4bit"].memory == counted("flat")
+    assert counted("flat").buffer_bytes < two_hops.buffer_bytes
