@@ -479,8 +479,8 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
 def _stage_memory(stage, layout, stage_buckets, config, cluster, workload) -> LayerMemory:
     """What the layer adds on a GPU of this stage's DP group (comm/memory_plan.py)."""
     params = stage_params(workload.shape, cluster.tp, cluster.pp, stage).numel
-    if not workload.implementation.two_level_weight_gather:  # gathers flat: no reordered copy
-        config = replace(config, weight_gather="flat")
+    if not volume.two_level_gather(layout, config, workload.implementation):
+        config = replace(config, weight_gather="flat")  # as the byte count gathers: no reordered copy
     return layer_memory(stage_buckets, layout.dp_size, config, params=params,
                         node_members=len(layout.nodes[0]) if layout.is_two_level else 0,
                         fp32_params=workload.param_element_size == 4)
