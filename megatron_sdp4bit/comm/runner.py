@@ -18,6 +18,9 @@ the returned handle's ``wait()`` joins the caller with it.
   kernels and collectives go to a side stream that first waits for the caller's
   stream; waiting on NCCL blocks no host thread, so nothing is left for a thread.
 
+Side streams outrank the compute stream (``side_stream``): a collective's kernels
+start before the pass's queued ones, so its hops are not held up behind a pass.
+
 A job may come in stages (``StagedJob``): its ``head`` may run before the previous
 job's deferred ``tail``. The thread runner then overlaps bucket i's last hop (on
 the wire) with bucket i + 1's quantization (on the cores): the chain of a step's
@@ -54,6 +57,26 @@ from megatron_sdp4bit.comm.topology import private_group
 logger = logging.getLogger(__name__)
 
 Job = Callable[[], None]
+
+SIDE_STREAM_PRIORITY = -1
+"""CUDA stream priority of the runners' side streams (lower is higher; the compute
+stream's default is 0; -1 exists on every GPU torch supports, which maps a value past
+the device's range to its nearest end)."""
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """A stream for the collectives' kernels that outranks the passes' (``SIDE_STREAM_PRIORITY``).
+
+    Why: when a backward (forward) kernel and a collective's quantization kernel are
+    both ready, the block scheduler starts the higher-priority stream's blocks first.
+    At the default priority a collective's short kernels queue behind the pass's
+    waves, and the next hop's input, hence the wire, waits for them; at high priority
+    they slip in between, and the chain of hops keeps the link busy (FSDP2's
+    collective streams are high priority for the same reason). NCCL's own kernels
+    run on its process group's internal stream, ordered after this one; that
+    stream's priority is the group's (``ProcessGroupNCCL.Options``), not set here.
+    """
+    return torch.cuda.Stream(device=device, priority=SIDE_STREAM_PRIORITY)
 
 
 class StagedJob:
@@ -135,7 +158,7 @@ class StreamRunner:
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(device=self.device)
+        self.stream = side_stream(self.device)
 
     def submit(self, job: Job, tensors: Sequence[torch.Tensor] = ()) -> Completion:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -175,9 +198,14 @@ class ThreadRunner:
         self._failure: Optional[BaseException] = None
         self._pid = os.getpid()
         self._closed = False
-        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._stream = side_stream(self.device) if self.device.type == "cuda" else None
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def stream(self) -> Optional["torch.cuda.Stream"]:
+        """The worker's side stream on CUDA tensors (None on CPU tensors)."""
+        return self._stream
 
     def group_for(self, group):
         """The private twin of ``group``, which only this runner's jobs use (raises when

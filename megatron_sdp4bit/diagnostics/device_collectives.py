@@ -28,7 +28,9 @@ twin of the world group; on CUDA with its own side stream), on NCCL a side strea
   and noise, bit for bit (both roundings: the noise streams restart for each run);
 - stochastic rounding: every element within the error bound the collectives state
   (``comm/error_bounds.py``), and after a weight all-gather every rank holds the same
-  bytes.
+  bytes;
+- on CUDA, one more case: the runner's side stream outranks the compute stream, as
+  the device reports the two priorities (``comm.runner.side_stream``).
 
 ``--levels``: the reduce-scatter with the world as one node (8-bit only), with
 nodes of ``--ranks-per-node`` (two levels; needs fewer ranks per node than ranks),
@@ -71,6 +73,7 @@ CHECKS = {  # what must hold besides the error bound, as the table says it
     "identical_to_reference": "bit-identical to the CPU reference",
     "async_identical_to_sync": "async bit-identical to sync",
     "replicas_identical": "replicas identical",
+    "side_stream_outranks_compute": "side stream outranks the compute stream",
 }
 
 
@@ -160,8 +163,22 @@ def all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed, runner)
     return result
 
 
+def runner_case(runner, device: torch.device) -> Optional[dict]:
+    """On CUDA, the runner's side stream outranks the compute stream, as the device reports
+    it (``comm.runner.side_stream``): a priority the device did not take would hold the
+    collectives' kernels behind the passes' without any error. None without a side stream."""
+    stream = getattr(runner, "stream", None)
+    if device.type != "cuda" or stream is None:
+        return None
+    compute = torch.cuda.current_stream(device).priority
+    return {"collective": "runner", "bound_ratio": None,
+            "case": f"{runner.kind} side stream priority {stream.priority} (compute {compute})",
+            "side_stream_outranks_compute": stream.priority < compute}
+
+
 def passed(result: dict) -> bool:
-    return result["bound_ratio"] <= 1.0 and all(result.get(key, True) for key in CHECKS)
+    return ((result["bound_ratio"] is None or result["bound_ratio"] <= 1.0)
+            and all(result.get(key, True) for key in CHECKS))
 
 
 def level_counts(choice: str, world: int, ranks_per_node: int) -> List[int]:
@@ -192,7 +209,7 @@ def run_cases(device: torch.device, shards, rpns: List[int], runner) -> List[dic
 
 
 def _describe(case: dict) -> str:
-    parts = [f"bound ratio {case['bound_ratio']:.3f}"]
+    parts = [] if case["bound_ratio"] is None else [f"bound ratio {case['bound_ratio']:.3f}"]
     for key, words in CHECKS.items():
         if key in case:
             parts.append(words if case[key] else "NOT " + words)
@@ -209,7 +226,7 @@ def summary_table(cases: List[dict]) -> str:
     lines = [f"{'collective':14s} {'levels':8s} {'cases':>5s} {'failed':>6s} {'worst bound':>11s}  result"]
     for (collective, levels), group in rows.items():
         failed = sum(not c["passed"] for c in group)
-        worst = max(c["bound_ratio"] for c in group)
+        worst = max(c["bound_ratio"] or 0.0 for c in group)
         lines.append(f"{collective:14s} {levels:8s} {len(group):5d} {failed:6d} {worst:11.3f}  "
                      f"{'FAIL' if failed else 'PASS'}")
     return "\n".join(lines)
@@ -263,6 +280,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         runner = make_runner(runner_kind(dist.group.WORLD, device), device)
         try:
             cases = run_cases(device, (4101, args.shard), rpns, runner)
+            priority = runner_case(runner, device)
+            if priority is not None:
+                priority["passed"] = passed(priority)
+                cases.append(priority)
         finally:
             runner.close()
         everyone: List[Optional[list]] = [None] * world
@@ -274,7 +295,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     merged = []
     for index, case in enumerate(cases):
         per_rank = [rank_cases[index] for rank_cases in everyone]
-        worst = max(per_rank, key=lambda c: (not c["passed"], c["bound_ratio"]))
+        worst = max(per_rank, key=lambda c: (not c["passed"], c["bound_ratio"] or 0.0))
         merged.append(dict(worst, passed=all(c["passed"] for c in per_rank)))
     if int(os.environ.get("RANK", "0")) == 0:
         levels = " and ".join("1 level" if rpn == world else f"2 levels ({world // rpn} nodes x {rpn})"

@@ -27,12 +27,15 @@ class FakeCuda:
         self.current = self.Stream(name="compute")
         self.active = threading.local()
 
-    def Stream(self, device=None, name=None):  # noqa: N802  (torch.cuda's name)
+    def Stream(self, device=None, priority=0, name=None):  # noqa: N802  (torch.cuda's name)
         cuda = self
         name = name or f"side{sum(1 for e in cuda.log if e[0] == 'new stream' and e[1] != 'compute')}"
         cuda.log.append(("new stream", name))
 
         class S:
+            def __init__(self):
+                self.priority = priority
+
             def __repr__(self):
                 return name
 
@@ -129,6 +132,17 @@ def test_a_worker_thread_on_cuda_runs_its_jobs_on_a_side_stream_after_the_submit
     assert log.index(("record_stream", "grads", "side0")) > job
     done = log.index(("record", "event1", "side0"))
     assert done > job and log[-1] == ("wait_event", "compute", "event1")
+
+
+@pytest.mark.parametrize("make", [StreamRunner, ThreadRunner])
+def test_side_streams_outrank_the_compute_stream(cuda, make):
+    # lower is higher on CUDA: the collectives' kernels start before the pass's queued ones
+    runner = make(torch.device("cuda", 0))
+    try:
+        side = runner.stream if make is StreamRunner else runner._stream
+        assert side.priority < cuda.current.priority == 0
+    finally:
+        runner.close()
 
 
 def test_drain_and_close_order_the_caller_after_the_side_stream(cuda):

@@ -81,3 +81,13 @@ def test_the_collectives_on_four_ranks_sharing_the_gpu_hold(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     failed = [case for case in json.loads(out.read_text())["cases"] if not case["passed"]]
     assert not failed, failed[:3]
+
+
+def test_the_runners_side_stream_outranks_the_compute_stream():
+    from megatron_sdp4bit.comm.runner import StreamRunner
+
+    runner = StreamRunner(torch.device("cuda", torch.cuda.current_device()))
+    try:
+        assert runner.stream.priority < torch.cuda.current_stream().priority
+    finally:
+        runner.close()

@@ -1,0 +1,38 @@
+"""device_collectives' runner case: on CUDA it reads back the side stream's priority and
+fails when the stream does not outrank the compute stream (a priority the device did not
+take raises nothing; only this case would show it). The GPU run is gpu_check's dp4
+collectives step; here the priorities come from stand-in streams."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_sdp4bit.comm.runner import ThreadRunner
+from megatron_sdp4bit.diagnostics import device_collectives
+
+
+def test_there_is_no_runner_case_without_a_side_stream():
+    worker = ThreadRunner(torch.device("cpu"))
+    try:
+        assert worker.stream is None
+        assert device_collectives.runner_case(worker, torch.device("cpu")) is None
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("side, holds", [(-1, True), (0, False)])
+def test_the_runner_case_fails_unless_the_side_stream_outranks_the_compute_stream(
+        monkeypatch, side, holds):
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(priority=0))
+    runner = SimpleNamespace(kind="stream", stream=SimpleNamespace(priority=side))
+    case = device_collectives.runner_case(runner, torch.device("cuda", 0))
+    case["passed"] = device_collectives.passed(case)
+    assert case["passed"] is holds
+    line = device_collectives._describe(case)
+    assert line.startswith("[PASS]" if holds else "[FAIL]")
+    assert "bound ratio" not in line and f"priority {side} (compute 0)" in line
+    assert ("NOT side stream" in line) is not holds
+    table = device_collectives.summary_table([case])
+    assert table.splitlines()[1].endswith("PASS" if holds else "FAIL")
