@@ -22,6 +22,7 @@ import logging
 import torch
 
 from megatron_sdp4bit import comm, quant
+from megatron_sdp4bit.comm.connect import connect
 from megatron_sdp4bit.comm.kernel_specs import alignment_offset, all_gather_specs, reduce_scatter_specs
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import grad_sync, param_sync
@@ -220,7 +221,22 @@ def _ddp_init(layer, ddp, *args, **kwargs):
             comm.build_topologies(lists, state.config.ranks_per_node, strict=True)
     set_up_runner(state, adapter, ddp, groups, rank_lists)
     if state.config.enabled:
+        _connect_groups(layer, ddp)
         _warm_up_kernels(layer, ddp)
+
+
+def _connect_groups(layer, ddp) -> None:
+    """The first collectives of the groups this model chunk's quantized collectives use
+    (a thread runner's private twins), here on every rank in bucket-group order, not
+    inside the first backward pass, where NCCL would set them up (``comm/connect.py``)."""
+    state, adapter = layer.state, layer.adapter
+    for bucket_group in adapter.ddp_bucket_groups(ddp) + adapter.expert_bucket_groups(ddp):
+        group, size, _rank = adapter.collective_group(bucket_group)
+        buckets = adapter.group_buckets(bucket_group)
+        if size == 1 or not buckets:
+            continue
+        topology = comm.get_topology(state.runner.group_for(group), state.config.ranks_per_node)
+        connect(topology, adapter.bucket_grad_data(buckets[0]).device, state.connected_groups)
 
 
 def _warm_up_kernels(layer, ddp) -> None:

@@ -89,6 +89,9 @@ class LayerState:
     warmed_up: set = field(default_factory=set)
     """The ``quant.KernelSpec``s compiled when DDP was built (``layer._warm_up_kernels``)."""
     warm_up_seconds: float = 0.0
+    connected_groups: list = field(default_factory=list)
+    """The process groups ``comm.connect`` opened at DDP construction (NCCL's lazy set-up
+    done there, not in the first backward pass)."""
     """Time those compilations took (0 where the reference serves the device)."""
     buckets: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
     grad_elements: "weakref.WeakKeyDictionary" = field(default_factory=weakref.WeakKeyDictionary)
