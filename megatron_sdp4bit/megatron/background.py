@@ -9,7 +9,9 @@ is built and kept for the run:
 - gloo: a worker thread (``ThreadRunner``) on private twins of the data-parallel
   groups, made here on every rank in the same order, so its collectives never
   pair with megatron's own on the same group;
-- NCCL on CUDA: a side stream (``StreamRunner``) ordered after the compute stream;
+- NCCL on CUDA: a side stream (``StreamRunner``) ordered after the compute stream
+  (with ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which megatron asks for under tensor or
+  context parallelism, one INFO line says its waits on each hop hold up the passes);
 - any other backend, or no overlap flag: the caller (``InlineRunner``); with an
   overlap flag one INFO line says the quantized collectives are not overlapped.
 
@@ -20,6 +22,7 @@ cannot deadlock.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -54,6 +57,15 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
                         backend_of(group, device))
             return
         state.runner = make_runner(kind, device)
+        if kind == "stream" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+            # One hardware queue for every stream: the side stream's wait for a hop's
+            # NCCL kernel blocks the queue, and the pass's kernels issued after it with it.
+            logger.info("SDP4Bit: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream in one "
+                        "hardware queue, where the side stream's wait for each NCCL hop holds up "
+                        "the backward and forward kernels queued after it: the quantized "
+                        "collectives are not overlapped with the passes. Unset it where "
+                        "megatron allows (tensor and context parallel size 1, or Blackwell "
+                        "GPUs) to overlap them")
     if getattr(state.runner, "kind", None) != "thread":
         return
     for lists in rank_lists:

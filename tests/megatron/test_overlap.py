@@ -194,3 +194,41 @@ def test_a_backend_that_cannot_overlap_says_so_in_one_info_line(monkeypatch, cap
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "mpi backend" in lines[0] and "not overlapped" in lines[0]
     assert isinstance(state.runner, InlineRunner) and state.runner_chosen
+
+
+@pytest.mark.parametrize("connections, says", [("1", True), ("8", False), (None, False)])
+def test_one_hardware_queue_on_the_stream_runner_says_what_it_costs(monkeypatch, caplog,
+                                                                     connections, says):
+    """With CUDA_DEVICE_MAX_CONNECTIONS=1 every stream shares one hardware queue, where a
+    wait for an NCCL hop blocks the kernels behind it: one INFO line says the quantized
+    collectives are not overlapped, and the side stream is kept (no worse than the caller)."""
+    import logging
+    import types
+
+    import torch
+
+    from megatron_sdp4bit.megatron import background
+    from megatron_sdp4bit.megatron.state import LayerState
+
+    if connections is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
+    monkeypatch.setattr(background, "runner_kind", lambda group, device: "stream")
+    monkeypatch.setattr(background, "make_runner",
+                        lambda kind, device: types.SimpleNamespace(kind=kind))
+    ddp_config = types.SimpleNamespace(overlap_grad_reduce=True, overlap_param_gather=True)
+    adapter = types.SimpleNamespace(
+        ddp_config=lambda ddp: ddp_config, ddp_bucket_groups=lambda ddp: ["bucket group"],
+        grad_buffers=lambda bucket_group: [torch.zeros(4)])
+    state = LayerState(config=preset("sdp4bit"))
+    with caplog.at_level(logging.INFO, logger=background.__name__):
+        background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])
+        background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])  # a 2nd chunk
+    lines = [r.getMessage() for r in caplog.records]
+    assert state.runner.kind == "stream"
+    if says:
+        assert len(lines) == 1 and "CUDA_DEVICE_MAX_CONNECTIONS=1" in lines[0]
+        assert "not overlapped" in lines[0]
+    else:
+        assert lines == []
