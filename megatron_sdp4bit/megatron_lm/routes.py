@@ -13,7 +13,8 @@ patched tree run through the launcher reaches each twice; each acts once):
 - ``after_parse(args, config)``, from ``install_from_args``, before the model is built:
   what would fail later is refused (``refusals.py``), then the layer's hooks in
   Megatron-LM's own checkpoint and log are installed (with or without ``--sdp4bit``: a
-  run without it that resumes a checkpoint saved with it says so).
+  run without it that resumes a checkpoint saved with it says so), and its
+  ``--log-params-norm`` waits for the weight gathers (``weight_readers.py``).
 
 Every refusal is one line from rank 0 and exit code 2, before the first iteration.
 What is replaced in Megatron-LM is marked (``ROUTE_MARK``) and carries its ``Patches``,
@@ -28,7 +29,7 @@ from typing import Optional
 
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.cpu_backend import ENV_VAR, cpu_training_requested, is_cpu_training_enabled
-from megatron_sdp4bit.megatron_lm import checkpoint, dataset_helpers, reporting
+from megatron_sdp4bit.megatron_lm import checkpoint, dataset_helpers, reporting, weight_readers
 from megatron_sdp4bit.megatron_lm.refusals import megatron_lm_refusal, refuse, refuse_before_training
 from megatron_sdp4bit.patching import Patches
 
@@ -111,6 +112,7 @@ def after_parse(args: argparse.Namespace, config: Optional[SDP4BitConfig]) -> No
     patches = Patches("megatron_sdp4bit.megatron_lm", hint="a checkpoint or log site moved in this release")
     checkpoint.install_checkpointing(sites, patches)
     reporting.install_reporting(sites, patches)
+    weight_readers.install_weight_readers(sites, patches)
     setattr(getattr(*log_site), ROUTE_MARK, patches)
 
 

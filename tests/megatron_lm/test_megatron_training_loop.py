@@ -218,6 +218,8 @@ SCRIPT = textwrap.dedent('''
         stats = patch.wire_stats()
         report = {
             "installed": patch.is_installed(), "weight_mode": config and config.weight_mode,
+            # --log-params-norm reads the weights after the step: the layer drains first
+            "params_norm_drains": hasattr(training.calc_params_l2_norm, "__wrapped__"),
             "grad_mode": config and config.grad_mode, "ranks_per_node": config and config.ranks_per_node,
             "iteration": patch.get_iteration(), "replica_checks": len(REPLICA_CHECKS),
             "wire": {c: [stats.sent_bytes(c), stats.exact_bytes(c)]
@@ -252,6 +254,7 @@ MEGATRON_LM_ARGS = [
     "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
     "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
     "--no-rope-fusion", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+    "--log-params-norm",
 ]  # no --distributed-backend: the CPU mode turns megatron's default, nccl, into gloo
 SDP4BIT_ARGS = ["--sdp4bit", "--sdp4bit-ranks-per-node", "2", "--sdp4bit-check-interval", "1"]
 
@@ -310,6 +313,7 @@ def _check_run(losses, reports, tp_size, sub_optimizers=1, ranks_per_node=2):
         # put megatron's own functions and torch.cuda back.
         assert report["enabled_by_launcher"] and report["second_enable_idempotent"], report
         assert report["restored"], report
+        assert report["params_norm_drains"], report
         # Both collectives went through the quantized path, with fewer bytes than exact.
         for collective, (sent, exact) in report["wire"].items():
             assert 0 < sent < exact, (rank, collective, sent, exact)

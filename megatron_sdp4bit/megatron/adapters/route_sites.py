@@ -47,6 +47,9 @@ class RouteSites:
     """The name ``training_log`` prints its iteration line with (``print_rank_last``)."""
     train: str
     """The training loop; returns (or exits) after the last iteration."""
+    params_norm: str
+    """The name ``train`` computes ``--log-params-norm`` with (``calc_params_l2_norm``),
+    right after the optimizer step, reading the weights."""
     validate_args: Callable
     """``training/arguments.py`` ``validate_args``: Megatron-LM's checks of its arguments (bare
     ``assert``\ s), rebound wherever ``megatron.training`` binds it."""

@@ -82,6 +82,7 @@ SEAMS = (
     Seam(f"{_TRAINING}.training:train", "wraps", "megatron_lm/reporting.py"),
     Seam(f"{_TRAINING}.training:training_log", "wraps", "megatron_lm/reporting.py"),
     Seam(f"{_TRAINING}.utils:print_rank_last", "wraps", "megatron_lm/reporting.py"),
+    Seam(f"{_TRAINING}.utils:calc_params_l2_norm", "wraps", "megatron_lm/weight_readers.py"),
 )
 """Every megatron function of 0.16 the package wraps, replaces or copies (fingerprinted
 per release in ``tests/megatron/megatron_fingerprints.json``)."""
@@ -375,6 +376,7 @@ class Adapter(MegatronAdapter):
             checkpoint_formats=("torch", "torch_dist"),
             training=training,
             training_log="training_log", log_printer="print_rank_last", train="train",
+            params_norm="calc_params_l2_norm",
             validate_args=arguments.validate_args,
             get_args=global_vars.get_args,
             writers=(global_vars.get_tensorboard_writer, global_vars.get_wandb_writer),

@@ -22,13 +22,18 @@ from __future__ import annotations
 from megatron_sdp4bit.megatron.adapters.fingerprints import Seam
 from megatron_sdp4bit.megatron.adapters.v0_17 import Adapter as Adapter017
 
+_MOVED = ("megatron.training.utils:print_rank_last", "megatron.training.utils:calc_params_l2_norm")
+"""Seams of 0.17 whose functions moved to ``megatron/training/utils/common_utils.py``."""
+
 
 class Adapter(Adapter017):
     minor = "0.18"
     tested_versions = ("0.18.2",)
     # megatron/training/utils.py became a package (utils/common_utils.py).
-    seams = tuple(seam for seam in Adapter017.seams if seam.name != "megatron.training.utils:print_rank_last") + (
+    seams = tuple(seam for seam in Adapter017.seams if seam.name not in _MOVED) + (
         Seam("megatron.training.utils.common_utils:print_rank_last", "wraps", "megatron_lm/reporting.py"),
+        Seam("megatron.training.utils.common_utils:calc_params_l2_norm", "wraps",
+             "megatron_lm/weight_readers.py"),
         Seam("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup._post_param_sync",
              "mirrors", "megatron/adapters/v0_18.py"),
     )
