@@ -18,6 +18,14 @@ the returned handle's ``wait()`` joins the caller with it.
   kernels and collectives go to a side stream that first waits for the caller's
   stream; waiting on NCCL blocks no host thread, so nothing is left for a thread.
 
+- ``DeferringRunner`` (NCCL with ``CUDA_DEVICE_MAX_CONNECTIONS=1``): every stream
+  then feeds one hardware queue, where a wait for a hop still in flight blocks the
+  pass's kernels queued after it. So a staged job's stages are issued at the caller's
+  later calls instead: at each submission every earlier job runs its next stage
+  (whose hop was issued one call ago) before the new job's head, and ``wait()``
+  issues what is left. The caller's calls are the same on every rank, so the order
+  of issue is too. Without a GPU it runs the stages on the caller (tests).
+
 Side streams outrank the compute stream (``side_stream``): a collective's kernels
 start before the pass's queued ones, so its hops are not held up behind a pass.
 
@@ -47,6 +55,7 @@ import logging
 import os
 import queue
 import threading
+from collections import deque
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -104,15 +113,19 @@ class Completion:
 
     def __init__(self, done: Optional[threading.Event] = None,
                  device_done: Optional["torch.cuda.Event"] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None,
+                 issue_rest: Optional[Callable[[], None]] = None) -> None:
         self._done = done  # set by a worker thread when the job's host part is over
         self._device_done = device_done  # recorded on the side stream after the job
         self._device = device
+        self._issue_rest = issue_rest  # a deferring runner's: issue every stage left
         self.error: Optional[BaseException] = None
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002  (torch's Work.wait takes one too)
         """Join the caller with the job: the host waits for a thread's job, the caller's
         current stream for the side stream's work. Raises what the job raised."""
+        if self._issue_rest is not None and not self.is_completed():
+            self._issue_rest()
         if self._done is not None:
             self._done.wait()
         if self.error is not None:
@@ -332,6 +345,102 @@ class ThreadRunner:
             handle._done.set()
 
 
+class DeferringRunner:
+    """One hardware queue (NCCL with ``CUDA_DEVICE_MAX_CONNECTIONS=1``): a staged job's
+    stages are issued at the caller's later calls, each once its hop has had a call's
+    worth of the pass to finish.
+
+    ``submit`` first gives every parked job its next stage, oldest first (a tail, then
+    a body, whose waits are for hops issued one call ago), then runs the new job's
+    head and parks its body. ``wait()`` on a handle, ``drain`` and ``close`` issue
+    every stage left. Nothing is issued anywhere else, so every rank, calling in the
+    same order, issues the same sequence; and the stages of neighbouring jobs keep
+    the order the thread runner allows them (a job's tail before the next job's body,
+    its body before the next job's head, its head before its body): the same buffers
+    and rounding draws (``StagedJob``). On CUDA the stages run on a side stream,
+    ordered after the caller's stream at submission; on the CPU, on the caller.
+    """
+
+    kind = "deferred"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.stream = side_stream(self.device) if self.device.type == "cuda" else None
+        self._parked: "deque" = deque()  # (next stage, tensors, handle), oldest first
+        self._failure: Optional[BaseException] = None
+
+    def submit(self, job: Job, tensors: Sequence[torch.Tensor] = ()) -> Completion:
+        if self._failure is not None:
+            raise _failed_before(self._failure)
+        self._advance()
+        handle = Completion(done=threading.Event(), device=self.device,
+                            device_done=torch.cuda.Event() if self.stream is not None else None,
+                            issue_rest=self.issue_all)
+        head, body = (job.head, job.body) if isinstance(job, StagedJob) else (job, None)
+        self._run(head, handle, after_caller=True)
+        if body is None:
+            self._complete(tensors, handle)
+        else:
+            self._parked.append((body, tuple(tensors), handle))
+        return handle
+
+    def issue_all(self) -> None:
+        """Issue every parked stage (the rounds of ``_advance`` until none is left)."""
+        while self._parked:
+            self._advance()
+
+    def drain(self) -> None:
+        self.issue_all()
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def close(self) -> None:
+        self.drain()
+
+    def group_for(self, group):
+        return group  # the caller issues everything, in its own order
+
+    def _advance(self) -> None:
+        """Every parked job's next stage, oldest first; a finished job is completed."""
+        for _ in range(len(self._parked)):
+            stage, tensors, handle = self._parked.popleft()
+            after = self._run(stage, handle)
+            if after is None:
+                self._complete(tensors, handle)
+            else:
+                self._parked.append((after, tensors, handle))
+
+    def _run(self, stage: Callable, handle: Completion, after_caller: bool = False):
+        """``stage()`` on the side stream. If it raises, its job and every parked one
+        fail (their handles raise), so does every later submission, and the error goes
+        on to the caller: the collectives those jobs left in flight are in an unknown
+        state."""
+        try:
+            with torch.no_grad():
+                if self.stream is None:
+                    return stage()
+                if after_caller:  # a new job reads what the caller's stream has made
+                    self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    return stage()
+        except BaseException as error:
+            self._failure = error
+            handle.error = error
+            handle._done.set()
+            for _stage, _tensors, parked in self._parked:
+                parked.error = _failed_before(error)
+                parked._done.set()
+            self._parked.clear()
+            raise
+
+    def _complete(self, tensors, handle: Completion) -> None:
+        if self.stream is not None:
+            for tensor in tensors:  # the caller may free them before the side stream is done
+                tensor.record_stream(self.stream)
+            handle._device_done.record(self.stream)
+        handle._done.set()
+
+
 def _failed_before(error: BaseException) -> RuntimeError:
     failure = RuntimeError(f"an earlier collective of this runner failed ({type(error).__name__}: "
                            f"{error}); later ones are not run")
@@ -358,7 +467,10 @@ def make_runner(kind: str, device: torch.device):
         return ThreadRunner(device)
     if kind == "inline":
         return InlineRunner()
-    raise ValueError(f"unknown runner kind {kind!r}; use 'inline', 'thread' or 'stream'")
+    if kind == "deferred":
+        return DeferringRunner(device)
+    raise ValueError(f"unknown runner kind {kind!r}; use 'inline', 'thread', 'stream' or "
+                     "'deferred'")
 
 
 def run_or_submit(runner, job: Job, async_op: bool, tensors: Sequence[torch.Tensor] = ()):

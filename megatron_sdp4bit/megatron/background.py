@@ -9,9 +9,10 @@ is built and kept for the run:
 - gloo: a worker thread (``ThreadRunner``) on private twins of the data-parallel
   groups, made here on every rank in the same order, so its collectives never
   pair with megatron's own on the same group;
-- NCCL on CUDA: a side stream (``StreamRunner``) ordered after the compute stream
-  (with ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which megatron asks for under tensor or
-  context parallelism, one INFO line says its waits on each hop hold up the passes);
+- NCCL on CUDA: a side stream (``StreamRunner``) ordered after the compute stream;
+  with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (megatron asks for it under tensor or context
+  parallelism) a side stream whose stages are issued at megatron's later calls
+  (``DeferringRunner``), said in one INFO line;
 - any other backend, or no overlap flag: the caller (``InlineRunner``); with an
   overlap flag one INFO line says the quantized collectives are not overlapped.
 
@@ -56,16 +57,18 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
                         "not overlapped with the backward and forward passes",
                         backend_of(group, device))
             return
-        state.runner = make_runner(kind, device)
         if kind == "stream" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-            # One hardware queue for every stream: the side stream's wait for a hop's
-            # NCCL kernel blocks the queue, and the pass's kernels issued after it with it.
+            # One hardware queue for every stream: a wait for a hop still in flight blocks
+            # the queue, and the pass's kernels issued after it with it.
+            kind = "deferred"
             logger.info("SDP4Bit: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream in one "
-                        "hardware queue, where the side stream's wait for each NCCL hop holds up "
-                        "the backward and forward kernels queued after it: the quantized "
-                        "collectives are not overlapped with the passes. Unset it where "
-                        "megatron allows (tensor and context parallel size 1, or Blackwell "
-                        "GPUs) to overlap them")
+                        "hardware queue, where a wait for an NCCL hop in flight holds up the "
+                        "kernels queued after it; each stage of a quantized collective is "
+                        "issued at megatron's next start or wait instead, and the weight "
+                        "gathers start one bucket group ahead, as megatron starts them. "
+                        "Unset it where megatron allows (tensor and context parallel size 1, "
+                        "or Blackwell GPUs) to issue every stage at once")
+        state.runner = make_runner(kind, device)
     if getattr(state.runner, "kind", None) != "thread":
         return
     for lists in rank_lists:

@@ -91,8 +91,11 @@ def step_with_ready_grads(layer, optimizer) -> bool:
         state.stepping_groups = frozenset()
     if not state.chain_depth:  # a chain counts its iteration itself, once
         state.iteration += 1
+    # (not on a deferring runner: the gathers' stages would all be issued here, before the
+    # forward pass's kernels, in the one hardware queue they share)
     if success and _weights_quantized(layer, optimizer) \
-            and adapter.ddp_config(optimizer).overlap_param_gather:
+            and adapter.ddp_config(optimizer).overlap_param_gather \
+            and state.runner.kind != "deferred":
         prefetch_gathers(layer, optimizer)
     return success
 

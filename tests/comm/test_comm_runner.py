@@ -12,7 +12,9 @@ Properties checked against the synchronous call and the exact collective:
   bucket's first quantization before the previous one's last write), give the
   synchronous results of the same calls one after another, on one workspace and
   one rounding stream, with a weight gather between them;
-- a job that fails makes its wait raise, and every later job fails without running.
+- a job that fails makes its wait raise, and every later job fails without running;
+- a deferring runner (one hardware queue) issues a job's stages at the later calls, in
+  the order the thread runner allows, and gives the synchronous results bit for bit.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ import torch.distributed as dist
 from comm_worlds import WORLDS, battery, make_input, ranks_per_node_choices
 from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm import quantized_all_gather_weights, quantized_reduce_scatter, reduce_scatter_plan
-from megatron_sdp4bit.comm.runner import InlineRunner, StagedJob, ThreadRunner, run_or_submit
+from megatron_sdp4bit.comm.runner import (DeferringRunner, InlineRunner, StagedJob, ThreadRunner,
+                                          run_or_submit)
 from megatron_sdp4bit.comm.topology import build_private_groups
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -106,15 +109,14 @@ def test_a_runner_gives_the_synchronous_result_bit_for_bit(world):
         assert not different, f"rank {rank}: overlapped differs from sync for {different}"
 
 
-@battery.case(*WORLDS)
-def back_to_back_equals_sync(rank: int, world: int) -> list:
+def _back_to_back(rank: int, world: int, runner) -> list:
     """(rpn, dtype, chunks, bit-identical) of three reduce-scatters and two weight
     gathers, each kind after each kind, as the layer issues a step's buckets: one
     workspace per direction, one rounding stream each, every call submitted before any
-    is waited for; 1 or 3 chunks (and weight slices) per call."""
+    is waited for; 1 or 3 chunks (and weight slices) per call. On a thread runner a
+    first job holds the worker until all five are queued, so that they interleave."""
     from megatron_sdp4bit.comm import weights
 
-    runner = _runner(world)
     twin = runner.group_for(dist.group.WORLD)
     caps = reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS
     slice_caps = weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS
@@ -145,9 +147,10 @@ def back_to_back_equals_sync(rank: int, world: int) -> list:
                         outs = [torch.empty(x.numel() // world, dtype=dtype) for x in buckets]
                         gathered = [m.clone() for m in models]
                         handles = []
-                        if use is not None:  # all five queued before the first runs: they
-                            gate = threading.Event()  # interleave (head i+1 before tail i)
-                            handles.append(use.submit(gate.wait))
+                        gate = threading.Event()
+                        if use is not None and use.kind == "thread":  # all five queued before
+                            handles.append(use.submit(gate.wait))  # the first runs: they
+                            # interleave (head i + 1 before tail i)
                         # each kind after each kind: RS RS AG AG RS
                         for kind, index in (("rs", 0), ("rs", 1), ("ag", 0), ("ag", 1), ("rs", 2)):
                             if kind == "rs":
@@ -161,8 +164,7 @@ def back_to_back_equals_sync(rank: int, world: int) -> list:
                                 gathered[index], mains[index], group=twin if use else None,
                                 config=config, async_op=use is not None,
                                 generator=weights_stream, workspace=weights_space, runner=use))
-                        if use is not None:
-                            gate.set()
+                        gate.set()
                         for handle in handles:
                             if handle is not None:
                                 handle.wait()
@@ -176,8 +178,22 @@ def back_to_back_equals_sync(rank: int, world: int) -> list:
     return records
 
 
-def test_buckets_back_to_back_on_a_runner_give_the_synchronous_results(world):
-    for rank, records in enumerate(battery.results(back_to_back_equals_sync, world)):
+@battery.case(*WORLDS)
+def back_to_back_equals_sync(rank: int, world: int) -> list:
+    return _back_to_back(rank, world, _runner(world))
+
+
+@battery.case(*WORLDS)
+def deferred_back_to_back_equals_sync(rank: int, world: int) -> list:
+    """The same on a deferring runner (one hardware queue): each call's stages issued at
+    the next calls, the rest at the first wait."""
+    return _back_to_back(rank, world, DeferringRunner(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("case", [back_to_back_equals_sync, deferred_back_to_back_equals_sync],
+                         ids=["thread", "deferred"])
+def test_buckets_back_to_back_on_a_runner_give_the_synchronous_results(world, case):
+    for rank, records in enumerate(battery.results(case, world)):
         assert len(records) == 2 * 2 * len(ranks_per_node_choices(world))
         different = [r for r in records if not r[-1]]
         assert not different, f"rank {rank}: back-to-back buckets differ from sync for {different}"
@@ -424,3 +440,39 @@ def test_a_staged_job_called_plainly_runs_its_stages_in_order():
     log = []
     assert run_or_submit(InlineRunner(), _staged(log, "x"), async_op=False) is None
     assert log == ["x head", "x body", "x tail"]
+
+
+def test_a_deferring_runner_issues_each_stage_at_the_next_call_in_the_thread_runners_order():
+    """One hardware queue: a job's body at the next submission, its tail at the one after
+    (a tail before the next job's body, a body before the next job's head); a plain job
+    at once; the first wait issues every stage left; nothing runs between calls."""
+    runner = DeferringRunner(torch.device("cpu"))
+    log = []
+    first = runner.submit(_staged(log, "1"))
+    assert log == ["1 head"] and not first.is_completed()
+    second = runner.submit(_staged(log, "2"))
+    assert log == ["1 head", "1 body", "2 head"]
+    plain = runner.submit(lambda: log.append("plain"))
+    assert log[3:] == ["1 tail", "2 body", "plain"] and first.is_completed() and plain.is_completed()
+    third = runner.submit(_staged(log, "3"))
+    assert log[6:] == ["2 tail", "3 head"] and second.is_completed()
+    assert third.wait() and log[8:] == ["3 body", "3 tail"]
+    runner.submit(_staged(log, "4"))
+    runner.drain()
+    assert log[10:] == ["4 head", "4 body", "4 tail"]
+
+
+def test_a_deferring_runner_fails_the_failing_job_and_the_parked_ones_and_later_calls():
+    runner = DeferringRunner(torch.device("cpu"))
+    log = []
+    first = runner.submit(_staged(log, "1", fail_in="tail"))
+    second = runner.submit(_staged(log, "2"))  # runs 1's body
+    with pytest.raises(ValueError, match="1 tail"):  # 1's tail fails at the next call
+        runner.submit(_staged(log, "3"))
+    with pytest.raises(ValueError, match="1 tail"):
+        _wait_within(first, 30)
+    with pytest.raises(RuntimeError, match="earlier collective"):
+        _wait_within(second, 30)
+    with pytest.raises(RuntimeError, match="earlier collective"):
+        runner.submit(lambda: log.append("later"))
+    assert log == ["1 head", "1 body", "2 head"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_sdp4bit.comm import runner as runner_module
-from megatron_sdp4bit.comm.runner import StreamRunner, ThreadRunner
+from megatron_sdp4bit.comm.runner import DeferringRunner, StagedJob, StreamRunner, ThreadRunner
 
 
 class FakeCuda:
@@ -134,12 +134,12 @@ def test_a_worker_thread_on_cuda_runs_its_jobs_on_a_side_stream_after_the_submit
     assert done > job and log[-1] == ("wait_event", "compute", "event1")
 
 
-@pytest.mark.parametrize("make", [StreamRunner, ThreadRunner])
+@pytest.mark.parametrize("make", [StreamRunner, ThreadRunner, DeferringRunner])
 def test_side_streams_outrank_the_compute_stream(cuda, make):
     # lower is higher on CUDA: the collectives' kernels start before the pass's queued ones
     runner = make(torch.device("cuda", 0))
     try:
-        side = runner.stream if make is StreamRunner else runner._stream
+        side = runner.stream
         assert side.priority < cuda.current.priority == 0
     finally:
         runner.close()
@@ -167,3 +167,35 @@ def test_the_runner_kind_follows_the_backend_that_serves_the_device(monkeypatch)
     assert runner_module.runner_kind(mixed, torch.device("cpu")) == "thread"
     assert runner_module.runner_kind(Group({"cpu": "mpi", "cuda": "mpi"}), "cpu") == "inline"
     assert runner_module.runner_kind(Group({"cpu": "gloo", "cuda": "gloo"}), "cuda") == "thread"
+
+
+def _staged_job(cuda, name):
+    def stage(part, after=None):
+        def run():
+            cuda.log.append(("job", f"{name} {part}", repr(cuda.current_stream())))
+            return after
+        return run
+
+    return StagedJob(stage("head"), stage("body", stage("tail")))
+
+
+def test_a_deferring_runner_runs_every_stage_on_its_side_stream_and_orders_only_new_jobs(cuda):
+    """One hardware queue: a new job's head waits for the caller's stream (the gradients);
+    a later stage of an earlier job adds no such wait (its inputs were ready at its own
+    submission); a job's tensors and event are recorded when its last stage is issued,
+    and the caller's stream waits for it only in wait(), after every stage is issued."""
+    runner = DeferringRunner(torch.device("cuda", 0))
+    first = runner.submit(_staged_job(cuda, "1"), (FakeTensor(cuda, "grads1"),))
+    runner.submit(_staged_job(cuda, "2"), (FakeTensor(cuda, "grads2"),))
+    log = [e for e in cuda.log if e[0] not in ("new stream", "enter", "exit")]
+    assert log == [("new event", "event0"),
+                   ("wait_stream", "side0", "compute"), ("job", "1 head", "side0"),
+                   ("job", "1 body", "side0"),  # at the next submission, with no new wait
+                   ("new event", "event1"),
+                   ("wait_stream", "side0", "compute"), ("job", "2 head", "side0")]
+    first.wait()  # issues 1's tail (done: recorded), then 2's body and tail
+    log = [e for e in cuda.log if e[0] not in ("new stream", "enter", "exit")][len(log):]
+    assert log == [("job", "1 tail", "side0"), ("record_stream", "grads1", "side0"),
+                   ("record", "event0", "side0"), ("job", "2 body", "side0"),
+                   ("job", "2 tail", "side0"), ("record_stream", "grads2", "side0"),
+                   ("record", "event1", "side0"), ("wait_event", "compute", "event0")]

@@ -13,7 +13,9 @@ stage of its collectives to a worker thread (``megatron/background.py``,
   in the same job) are issued on the worker thread, never on the thread that runs
   megatron's backward and forward passes;
 - the layer chose a thread runner, made once, and the layer's buffers stay one set
-  per direction (``comm/memory_plan.py``'s bound holds).
+  per direction (``comm/memory_plan.py``'s bound holds);
+- the deferring runner (NCCL under one hardware queue, here forced on gloo: its stages
+  run on the caller) trains bit-identically too, without prefetching the gathers.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ CONFIGS = {
 }
 
 
-def _train(spec, config, inline: bool) -> dict:
+def _train(spec, config, runner: str) -> dict:
     import threading
 
     from megatron_sdp4bit import comm
@@ -72,8 +74,8 @@ def _train(spec, config, inline: bool) -> dict:
         prefetched.append((left, len(layer.state.prefetched)))
 
     param_sync.prefetch_gathers = prefetch
-    if inline:
-        background.runner_kind = lambda group, device: "inline"
+    if runner != "thread":  # the caller's own, or the deferring runner (one hardware queue)
+        background.runner_kind = lambda group, device: runner
     spy(gradients, "all_to_all_equal")  # the reduce-scatter's hops
     spy(weights, "all_gather_flat")  # the exact weight gathers
     spy(gather_hops, "all_gather_flat")  # the quantized ones' hops
@@ -108,9 +110,12 @@ def runs():
         for config_name, config in CONFIGS.items():
             if config_name == "exact-a2a" and spec_name != "bf16-both":
                 continue  # the exact path once is enough
-            for inline in (False, True):
-                cases.append((spec, config, inline))
-                names.append((spec_name, config_name, inline))
+            runners = ["thread", "inline"]
+            if config_name == "sdp4bit" and spec.overlap_param_gather:
+                runners.append("deferred")
+            for runner in runners:
+                cases.append((spec, config, runner))
+                names.append((spec_name, config_name, runner))
     per_rank = spawn_ranks(_world, WORLD, cases, timeout_s=900)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(names)}
 
@@ -119,7 +124,7 @@ def runs():
     ("bf16-grads", "sdp4bit"), ("bf16-both", "sdp4bit"), ("fp32-both", "sdp4bit"),
     ("bf16-both", "exact-a2a")])
 def test_overlapped_training_is_bit_identical_to_the_callers_own(runs, spec_name, config_name):
-    overlapped, inline = runs[(spec_name, config_name, False)], runs[(spec_name, config_name, True)]
+    overlapped, inline = runs[(spec_name, config_name, "thread")], runs[(spec_name, config_name, "inline")]
     for rank, (a, b) in enumerate(zip(overlapped, inline)):
         assert a["kind"] == "thread" and b["kind"] == "inline", (a["kind"], b["kind"])
         assert a["buckets"] > 2, "the model must have several buckets"
@@ -127,12 +132,28 @@ def test_overlapped_training_is_bit_identical_to_the_callers_own(runs, spec_name
         assert a["hashes"] == b["hashes"], f"rank {rank}: weights differ"
 
 
+@pytest.mark.parametrize("spec_name", ["bf16-both", "fp32-both"])
+def test_training_on_the_deferring_runner_is_bit_identical_and_gathers_one_group_ahead(
+        runs, spec_name):
+    """One hardware queue (NCCL with CUDA_DEVICE_MAX_CONNECTIONS=1): every stage issued at
+    megatron's later starts and waits, on the caller, gives the caller's own training
+    bit for bit, and the weight gathers are not submitted at the optimizer step (their
+    stages would all be issued there, ahead of the forward pass's kernels)."""
+    deferred, inline = runs[(spec_name, "sdp4bit", "deferred")], runs[(spec_name, "sdp4bit", "inline")]
+    for rank, (a, b) in enumerate(zip(deferred, inline)):
+        assert a["kind"] == "deferred", a["kind"]
+        assert a["losses"] == b["losses"], f"rank {rank}: losses differ"
+        assert a["hashes"] == b["hashes"], f"rank {rank}: weights differ"
+        assert a["prefetched"] == [], a["prefetched"]
+        assert a["threads"] == [a["main"]]
+
+
 @pytest.mark.parametrize("spec_name", list(SPECS))
 def test_the_collectives_run_on_the_worker_thread(runs, spec_name):
-    for rank, run in enumerate(runs[(spec_name, "sdp4bit", False)]):
+    for rank, run in enumerate(runs[(spec_name, "sdp4bit", "thread")]):
         assert run["threads"] == ["sdp4bit-collectives"], (rank, run["threads"])
         assert run["main"] != "sdp4bit-collectives"
-    for run in runs[(spec_name, "sdp4bit", True)]:
+    for run in runs[(spec_name, "sdp4bit", "inline")]:
         assert run["threads"] == [run["main"]]
 
 
@@ -140,7 +161,7 @@ def test_with_overlapped_gathers_every_step_submits_them_all_after_the_optimizer
     """--overlap-param-gather: each step's gathers are submitted right after the optimizer
     step (param_sync.prefetch_gathers), every bucket group's, and megatron takes them."""
     for spec_name, spec in SPECS.items():
-        for run in runs[(spec_name, "sdp4bit", False)]:
+        for run in runs[(spec_name, "sdp4bit", "thread")]:
             if spec.overlap_param_gather:  # every group's, each taken by megatron's forward
                 assert len(run["prefetched"]) == STEPS, run["prefetched"]
                 assert all(left == 0 and now > 1 for left, now in run["prefetched"]), run["prefetched"]
@@ -154,11 +175,11 @@ def test_megatrons_waits_on_the_overlapped_collectives_are_timed_per_direction(r
     hands megatron no handle, and collectives that ran on the caller (inline) are not
     timed: their wait is not what blocks the host."""
     for spec_name, spec in SPECS.items():
-        for run in runs[(spec_name, "sdp4bit", False)]:
+        for run in runs[(spec_name, "sdp4bit", "thread")]:
             (rs_s, rs_n), (ag_s, ag_n) = run["waits"]["reduce_scatter"], run["waits"]["all_gather"]
             assert rs_s > 0 and rs_n >= STEPS, run["waits"]
             assert (ag_s > 0 and ag_n >= STEPS) == spec.overlap_param_gather, run["waits"]
-        for run in runs[(spec_name, "sdp4bit", True)]:
+        for run in runs[(spec_name, "sdp4bit", "inline")]:
             assert run["waits"] == {"reduce_scatter": (0.0, 0), "all_gather": (0.0, 0)}, run["waits"]
 
 
@@ -200,8 +221,8 @@ def test_a_backend_that_cannot_overlap_says_so_in_one_info_line(monkeypatch, cap
 def test_one_hardware_queue_on_the_stream_runner_says_what_it_costs(monkeypatch, caplog,
                                                                      connections, says):
     """With CUDA_DEVICE_MAX_CONNECTIONS=1 every stream shares one hardware queue, where a
-    wait for an NCCL hop blocks the kernels behind it: one INFO line says the quantized
-    collectives are not overlapped, and the side stream is kept (no worse than the caller)."""
+    wait for an NCCL hop in flight blocks the kernels behind it: the layer takes the
+    deferring runner instead of the stream runner, and says so in one INFO line."""
     import logging
     import types
 
@@ -226,9 +247,9 @@ def test_one_hardware_queue_on_the_stream_runner_says_what_it_costs(monkeypatch,
         background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])
         background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])  # a 2nd chunk
     lines = [r.getMessage() for r in caplog.records]
-    assert state.runner.kind == "stream"
     if says:
+        assert state.runner.kind == "deferred"
         assert len(lines) == 1 and "CUDA_DEVICE_MAX_CONNECTIONS=1" in lines[0]
-        assert "not overlapped" in lines[0]
+        assert "issued at megatron's next start or wait" in lines[0]
     else:
-        assert lines == []
+        assert state.runner.kind == "stream" and lines == []
