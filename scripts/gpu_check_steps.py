@@ -525,6 +525,15 @@ def dp4_collectives(report: Report, ctx: dict, shape: dict) -> None:
                          "--backend", "gloo", "--levels", "2",
                          "--shard", str(shape["shard"]), "--json", out_json]
     collectives_check(report, ctx, "dp4.collectives", cmd, out_json, 90 if ctx["smoke"] else 150)
+    # the runner the layer takes on NCCL under CUDA_DEVICE_MAX_CONNECTIONS=1, on the same
+    # ranks: its stages on its side stream, in the caller's order (small shards: the order
+    # is what is checked; its JSON stays in the work folder, $OUT holds 8 files at most)
+    out_json = os.path.join(ctx["work"], "device_collectives_deferred.json")
+    cmd = torchrun(4) + ["-m", "megatron_sdp4bit.diagnostics.device_collectives",
+                         "--device", "cpu" if ctx["smoke"] else "cuda", "--ranks-per-node", "2",
+                         "--backend", "gloo", "--levels", "2", "--runner", "deferred",
+                         "--shard", "4101", "--json", out_json]
+    collectives_check(report, ctx, "dp4.collectives.deferred", cmd, out_json, 60)
 
 
 # --- (e0) the NCCL self-check: one rank per GPU -----------------------------------------
@@ -557,7 +566,8 @@ def step_nccl(report: Report, ctx: dict) -> None:
 def step_dp4(report: Report, ctx: dict) -> None:
     shape = CPU_DP4 if ctx["smoke"] else GPU_DP4
     if not ctx["env"]["megatron_core"]["present"]:
-        for name in ("dp4.collectives",) + tuple(f"dp4.train.{p}" for p in DP4_PRESETS):
+        for name in ("dp4.collectives", "dp4.collectives.deferred") + tuple(
+                f"dp4.train.{p}" for p in DP4_PRESETS):
             report.add(name, "SKIP", "megatron-core is missing")
         return
     dp4_collectives(report, ctx, shape)

@@ -21,7 +21,9 @@ mixed); an unaligned shard and a large one. The asynchronous calls on ``--device
 go to the runner the patch layer picks for that backend and device
 (``comm.runner.runner_kind``): on gloo a worker thread (``ThreadRunner`` on a private
 twin of the world group; on CUDA with its own side stream), on NCCL a side stream
-(``StreamRunner``). What must hold:
+(``StreamRunner``); with ``--runner deferred`` on the runner the layer takes on NCCL
+under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (``DeferringRunner``: a case's async call is
+submitted, then waited on, so its stages are issued by the wait). What must hold:
 
 - nearest rounding: the device result equals the CPU reference bit for bit;
 - an asynchronous call's result equals the synchronous call's on the same inputs
@@ -246,6 +248,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the reduce-scatter's levels: 1 (the world as one node), 2 "
                              "(nodes of --ranks-per-node), or both (default)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
+    parser.add_argument("--runner", choices=("layer", "deferred"), default="layer",
+                        help="where the async calls run: the runner the layer picks for this "
+                             "backend and device (default), or the one it takes on NCCL under "
+                             "CUDA_DEVICE_MAX_CONNECTIONS=1, whose stages are issued at the "
+                             "later calls (comm.runner.DeferringRunner)")
     parser.add_argument("--json", default=None, help="write every case's result here (rank 0)")
     args = parser.parse_args(argv)
     machine = Machine.here(os.environ)
@@ -277,7 +284,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             get_topology(private_group(dist.group.WORLD), rpn)
         # the layer's runner for this backend and device: a side stream on NCCL, a worker
         # thread on gloo (on a private twin of the group)
-        runner = make_runner(runner_kind(dist.group.WORLD, device), device)
+        kind = runner_kind(dist.group.WORLD, device) if args.runner == "layer" else args.runner
+        runner = make_runner(kind, device)
         try:
             cases = run_cases(device, (4101, args.shard), rpns, runner)
             priority = runner_case(runner, device)
@@ -301,7 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         levels = " and ".join("1 level" if rpn == world else f"2 levels ({world // rpn} nodes x {rpn})"
                               for rpn in rpns)
         print(f"device collectives: {world} {backend} ranks, {levels}, checked on {device} "
-              "against the CPU reference and the exact sums")
+              f"against the CPU reference and the exact sums (async calls on a {kind} runner)")
         for case in merged:
             print(_describe(case))
         failed = sum(not c["passed"] for c in merged)

@@ -55,12 +55,12 @@ def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
     got = _statuses(result.stdout)
     expected = {name: "PASS" for name in (
         "env", "triton.compile", "triton.tests", "triton.dispatch", "large", "bench",
-        "dp4.collectives", "dp4.train.sdp4bit", "dp4.train.baseline", "dp4.loss",
-        "hosts.moe.train", "hosts.moe", "train.sdp4bit", "train.baseline")}
+        "dp4.collectives", "dp4.collectives.deferred", "dp4.train.sdp4bit", "dp4.train.baseline",
+        "dp4.loss", "hosts.moe.train", "hosts.moe", "train.sdp4bit", "train.baseline")}
     expected.update({"train.ratio": "SKIP", "megatron_lm": "SKIP", "overlap": "SKIP",
                      "nccl.collectives": "SKIP"})
     assert got == expected, result.stdout[-6000:]
-    assert "SUMMARY: 14 PASS, 0 FAIL, 4 SKIP -> PASS" in result.stdout
+    assert "SUMMARY: 15 PASS, 0 FAIL, 4 SKIP -> PASS" in result.stdout
     # the hosts step: 2 emulated hosts learned without --sdp4bit-ranks-per-node, experts
     assert "-m megatron_sdp4bit.emulated_hosts --hosts 2 --ranks-per-host 2" in result.stdout
     assert re.search(r"\[PASS\] hosts\.moe \(\d+ s\): 2 nodes learned from the hosts.*"
@@ -156,7 +156,7 @@ def test_without_megatron_core_the_training_step_skips(tmp_path):
     steps.step_hosts(report, ctx)
     assert {r["name"]: r["status"] for r in report.results} == {
         "train.sdp4bit": "SKIP", "train.baseline": "SKIP", "dp4.collectives": "SKIP",
-        "dp4.train.sdp4bit": "SKIP", "dp4.train.baseline": "SKIP", "hosts.moe": "SKIP"}
+        "dp4.collectives.deferred": "SKIP", "dp4.train.sdp4bit": "SKIP", "dp4.train.baseline": "SKIP", "hosts.moe": "SKIP"}
 
 
 def test_the_hosts_verdict_wants_the_plan_lines_both_optimizers_checked_and_dense_bytes():
