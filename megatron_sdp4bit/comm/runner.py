@@ -126,6 +126,9 @@ class Completion:
         current stream for the side stream's work. Raises what the job raised."""
         if self._issue_rest is not None and not self.is_completed():
             self._issue_rest()
+            if not self.is_completed():  # nothing left to issue it: never block for it
+                raise RuntimeError("a deferred collective was not issued by its runner's "
+                                   "remaining stages (the runner failed before it)")
         if self._done is not None:
             self._done.wait()
         if self.error is not None:
@@ -354,11 +357,19 @@ class DeferringRunner:
     a body, whose waits are for hops issued one call ago), then runs the new job's
     head and parks its body. ``wait()`` on a handle, ``drain`` and ``close`` issue
     every stage left. Nothing is issued anywhere else, so every rank, calling in the
-    same order, issues the same sequence; and the stages of neighbouring jobs keep
-    the order the thread runner allows them (a job's tail before the next job's body,
-    its body before the next job's head, its head before its body): the same buffers
-    and rounding draws (``StagedJob``). On CUDA the stages run on a side stream,
-    ordered after the caller's stream at submission; on the CPU, on the caller.
+    same order, issues the same sequence; and the stages of neighbouring staged jobs
+    keep the order the thread runner allows them (a job's tail before the next job's
+    body, its body before the next job's head, its head before its body): the same
+    buffers and rounding draws (``StagedJob``). A plain job runs whole at its
+    submission, so it may come before the previous staged job's tail: the layer's
+    plain jobs are its exact collectives, which use no workspace and no rounding
+    stream, and a tail issues no collective, so neither the buffers nor any
+    group's order of issue notice. On CUDA the stages run on a side stream, ordered
+    after the caller's stream at submission; on the CPU, on the caller.
+
+    What it does not hide: inside a job of several chunks or slices, the body still
+    waits for a chunk's hop right after issuing the next chunk's (a 40 M-element
+    bucket at DP 8 is 5 chunks at the default ``MAX_CHUNK_ELEMENTS``).
     """
 
     kind = "deferred"
@@ -407,6 +418,9 @@ class DeferringRunner:
             after = self._run(stage, handle)
             if after is None:
                 self._complete(tensors, handle)
+                if self._failure is not None:  # completing it failed: issue nothing more
+                    self._fail_parked(self._failure)
+                    raise _failed_before(self._failure)
             else:
                 self._parked.append((after, tensors, handle))
 
@@ -427,18 +441,30 @@ class DeferringRunner:
             self._failure = error
             handle.error = error
             handle._done.set()
-            for _stage, _tensors, parked in self._parked:
-                parked.error = _failed_before(error)
-                parked._done.set()
-            self._parked.clear()
+            self._fail_parked(error)
             raise
 
+    def _fail_parked(self, error: BaseException) -> None:
+        for _stage, _tensors, parked in self._parked:
+            parked.error = _failed_before(error)
+            parked._done.set()
+        self._parked.clear()
+
     def _complete(self, tensors, handle: Completion) -> None:
-        if self.stream is not None:
-            for tensor in tensors:  # the caller may free them before the side stream is done
-                tensor.record_stream(self.stream)
-            handle._device_done.record(self.stream)
-        handle._done.set()
+        """The job's last stage is issued: its tensors and event recorded on the side
+        stream, its waiter released. A failure here (a CUDA error) goes to the handle and
+        fails every later call, as a stage's own does: no waiter is left hanging."""
+        try:
+            if self.stream is not None:
+                for tensor in tensors:  # the caller may free them before the side stream is done
+                    tensor.record_stream(self.stream)
+                handle._device_done.record(self.stream)
+        except BaseException as error:  # handed to the waiter, never lost
+            handle.error = handle.error or error
+            if self._failure is None:
+                self._failure = error
+        finally:
+            handle._done.set()
 
 
 def _failed_before(error: BaseException) -> RuntimeError:

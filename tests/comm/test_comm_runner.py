@@ -476,3 +476,36 @@ def test_a_deferring_runner_fails_the_failing_job_and_the_parked_ones_and_later_
     with pytest.raises(RuntimeError, match="earlier collective"):
         runner.submit(lambda: log.append("later"))
     assert log == ["1 head", "1 body", "2 head"]
+
+
+def test_a_deferring_runner_that_fails_to_complete_a_job_hangs_no_waiter():
+    """Completing a job (on CUDA: recording its tensors and event) may fail at a later
+    call; that job's wait raises instead of blocking, and later calls fail fast."""
+    runner = DeferringRunner(torch.device("cpu"))
+    log = []
+    original = runner._complete
+    calls = []
+
+    def complete_failing_once(tensors, handle):
+        calls.append(handle)
+        if len(calls) == 1:
+            runner.stream = object()  # record_stream is then called on a plain tensor...
+            try:
+                original([torch.zeros(1)], handle)  # ...and raises
+            finally:
+                runner.stream = None
+            return
+        original(tensors, handle)
+
+    runner._complete = complete_failing_once
+    first = runner.submit(_staged(log, "1"))
+    second = runner.submit(_staged(log, "2"))  # 1's body
+    with pytest.raises(RuntimeError, match="earlier collective"):
+        runner.submit(_staged(log, "3"))  # 1's tail: completing it fails; nothing more runs
+    with pytest.raises(RuntimeError, match="unknown parameter type"):
+        _wait_within(first, 30)
+    with pytest.raises(RuntimeError, match="earlier collective"):
+        _wait_within(second, 30)
+    with pytest.raises(RuntimeError, match="earlier collective"):
+        runner.submit(lambda: None)
+    assert log == ["1 head", "1 body", "2 head", "1 tail"]
