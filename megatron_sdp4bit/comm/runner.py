@@ -335,17 +335,9 @@ class ThreadRunner:
         device event recorded after its work, its waiter released. A failure here (a
         CUDA error) goes to the handle and fails every later job, as a job's own does:
         the worker lives on, so no later waiter hangs."""
-        try:
-            if self._stream is not None:
-                for tensor in tensors:
-                    tensor.record_stream(self._stream)
-                handle._device_done.record(self._stream)
-        except BaseException as error:  # handed to the waiter, never lost
-            handle.error = handle.error or error
-            if self._failure is None:
-                self._failure = error
-        finally:
-            handle._done.set()
+        error = _record_completion(self._stream, tensors, handle)
+        if error is not None and self._failure is None:
+            self._failure = error
 
 
 class DeferringRunner:
@@ -454,17 +446,27 @@ class DeferringRunner:
         """The job's last stage is issued: its tensors and event recorded on the side
         stream, its waiter released. A failure here (a CUDA error) goes to the handle and
         fails every later call, as a stage's own does: no waiter is left hanging."""
-        try:
-            if self.stream is not None:
-                for tensor in tensors:  # the caller may free them before the side stream is done
-                    tensor.record_stream(self.stream)
-                handle._device_done.record(self.stream)
-        except BaseException as error:  # handed to the waiter, never lost
-            handle.error = handle.error or error
-            if self._failure is None:
-                self._failure = error
-        finally:
-            handle._done.set()
+        error = _record_completion(self.stream, tensors, handle)
+        if error is not None and self._failure is None:
+            self._failure = error
+
+
+def _record_completion(stream, tensors, handle: Completion) -> Optional[BaseException]:
+    """A job is over on the host: on CUDA its tensors recorded on ``stream`` (the caller
+    may free them before the stream is done) and its event after its work; its waiter
+    released. Returns the error recording raised (a CUDA error), which is also the
+    handle's, or None."""
+    try:
+        if stream is not None:
+            for tensor in tensors:
+                tensor.record_stream(stream)
+            handle._device_done.record(stream)
+        return None
+    except BaseException as error:  # handed to the waiter, never lost
+        handle.error = handle.error or error
+        return error
+    finally:
+        handle._done.set()
 
 
 def _failed_before(error: BaseException) -> RuntimeError:

@@ -406,25 +406,29 @@ def test_a_failing_deferred_tail_fails_its_own_job_and_the_later_ones_not_the_ne
         runner.close()
 
 
+def _fail_the_first_completion(runner, stream_attribute: str) -> None:
+    """The runner's first job completion fails as a CUDA error would (record_stream is
+    called on a plain tensor, with a stand-in stream); later ones complete as usual."""
+    original, calls = runner._complete, []
+
+    def complete(tensors, handle):
+        calls.append(handle)
+        if len(calls) > 1:
+            return original(tensors, handle)
+        setattr(runner, stream_attribute, object())
+        try:
+            original([torch.zeros(1)], handle)  # raises: no stream
+        finally:
+            setattr(runner, stream_attribute, None)
+
+    runner._complete = complete
+
+
 def test_a_failure_while_completing_a_job_fails_the_later_ones_and_hangs_none():
     """Completing a job (on CUDA: recording its tensors and event on the side stream) may
     fail; the worker lives on: its waiter sees the error and later waiters fail fast."""
     runner = ThreadRunner(torch.device("cpu"))
-    calls = []
-    original = runner._complete
-
-    def complete_failing_once(tensors, handle):
-        calls.append(handle)
-        if len(calls) == 1:
-            runner._stream = object()  # record_stream is then called on a plain tensor...
-            try:
-                original([torch.zeros(1)], handle)  # ...and raises
-            finally:
-                runner._stream = None
-            return
-        original(tensors, handle)
-
-    runner._complete = complete_failing_once
+    _fail_the_first_completion(runner, "_stream")
     try:
         first = runner.submit(lambda: None)
         with pytest.raises(RuntimeError, match="unknown parameter type"):  # no stream
@@ -483,21 +487,7 @@ def test_a_deferring_runner_that_fails_to_complete_a_job_hangs_no_waiter():
     call; that job's wait raises instead of blocking, and later calls fail fast."""
     runner = DeferringRunner(torch.device("cpu"))
     log = []
-    original = runner._complete
-    calls = []
-
-    def complete_failing_once(tensors, handle):
-        calls.append(handle)
-        if len(calls) == 1:
-            runner.stream = object()  # record_stream is then called on a plain tensor...
-            try:
-                original([torch.zeros(1)], handle)  # ...and raises
-            finally:
-                runner.stream = None
-            return
-        original(tensors, handle)
-
-    runner._complete = complete_failing_once
+    _fail_the_first_completion(runner, "stream")
     first = runner.submit(_staged(log, "1"))
     second = runner.submit(_staged(log, "2"))  # 1's body
     with pytest.raises(RuntimeError, match="earlier collective"):

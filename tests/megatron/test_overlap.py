@@ -189,22 +189,19 @@ def test_the_buffers_stay_one_set_per_direction(runs):
             assert held <= reported, (name, held, reported)
 
 
-def test_a_backend_that_cannot_overlap_says_so_in_one_info_line(monkeypatch, caplog):
-    """A world whose backend can run collectives neither from a worker thread nor on a
-    side stream keeps them on the caller, with one INFO line saying they are not
-    overlapped (never a hang)."""
+def _set_up_twice(caplog, overlap_param_gather: bool):
+    """``background.set_up_runner`` for two model chunks of a one-bucket-group DDP with
+    --overlap-grad-reduce: the layer state and the INFO lines logged."""
     import logging
     import types
 
     import torch
 
-    from megatron_sdp4bit.comm.runner import InlineRunner
     from megatron_sdp4bit.megatron import background
     from megatron_sdp4bit.megatron.state import LayerState
 
-    monkeypatch.setattr(background, "runner_kind", lambda group, device: "inline")
-    monkeypatch.setattr(background, "backend_of", lambda group, device: "mpi")
-    ddp_config = types.SimpleNamespace(overlap_grad_reduce=True, overlap_param_gather=False)
+    ddp_config = types.SimpleNamespace(overlap_grad_reduce=True,
+                                       overlap_param_gather=overlap_param_gather)
     adapter = types.SimpleNamespace(
         ddp_config=lambda ddp: ddp_config, ddp_bucket_groups=lambda ddp: ["bucket group"],
         grad_buffers=lambda bucket_group: [torch.zeros(4)])
@@ -212,7 +209,19 @@ def test_a_backend_that_cannot_overlap_says_so_in_one_info_line(monkeypatch, cap
     with caplog.at_level(logging.INFO, logger=background.__name__):
         background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])
         background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])  # a 2nd chunk
-    lines = [r.getMessage() for r in caplog.records]
+    return state, [r.getMessage() for r in caplog.records]
+
+
+def test_a_backend_that_cannot_overlap_says_so_in_one_info_line(monkeypatch, caplog):
+    """A world whose backend can run collectives neither from a worker thread nor on a
+    side stream keeps them on the caller, with one INFO line saying they are not
+    overlapped (never a hang)."""
+    from megatron_sdp4bit.comm.runner import InlineRunner
+    from megatron_sdp4bit.megatron import background
+
+    monkeypatch.setattr(background, "runner_kind", lambda group, device: "inline")
+    monkeypatch.setattr(background, "backend_of", lambda group, device: "mpi")
+    state, lines = _set_up_twice(caplog, overlap_param_gather=False)
     assert len(lines) == 1 and "mpi backend" in lines[0] and "not overlapped" in lines[0]
     assert isinstance(state.runner, InlineRunner) and state.runner_chosen
 
@@ -223,13 +232,9 @@ def test_one_hardware_queue_on_the_stream_runner_says_what_it_costs(monkeypatch,
     """With CUDA_DEVICE_MAX_CONNECTIONS=1 every stream shares one hardware queue, where a
     wait for an NCCL hop in flight blocks the kernels behind it: the layer takes the
     deferring runner instead of the stream runner, and says so in one INFO line."""
-    import logging
     import types
 
-    import torch
-
     from megatron_sdp4bit.megatron import background
-    from megatron_sdp4bit.megatron.state import LayerState
 
     if connections is None:
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
@@ -238,15 +243,7 @@ def test_one_hardware_queue_on_the_stream_runner_says_what_it_costs(monkeypatch,
     monkeypatch.setattr(background, "runner_kind", lambda group, device: "stream")
     monkeypatch.setattr(background, "make_runner",
                         lambda kind, device: types.SimpleNamespace(kind=kind))
-    ddp_config = types.SimpleNamespace(overlap_grad_reduce=True, overlap_param_gather=True)
-    adapter = types.SimpleNamespace(
-        ddp_config=lambda ddp: ddp_config, ddp_bucket_groups=lambda ddp: ["bucket group"],
-        grad_buffers=lambda bucket_group: [torch.zeros(4)])
-    state = LayerState(config=preset("sdp4bit"))
-    with caplog.at_level(logging.INFO, logger=background.__name__):
-        background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])
-        background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])  # a 2nd chunk
-    lines = [r.getMessage() for r in caplog.records]
+    state, lines = _set_up_twice(caplog, overlap_param_gather=True)
     if says:
         assert state.runner.kind == "deferred"
         assert len(lines) == 1 and "CUDA_DEVICE_MAX_CONNECTIONS=1" in lines[0]
