@@ -18,7 +18,8 @@ the returned handle's ``wait()`` joins the caller with it.
   kernels and collectives go to a side stream that first waits for the caller's
   stream; waiting on NCCL blocks no host thread, so nothing is left for a thread.
 
-- ``DeferringRunner`` (NCCL with ``CUDA_DEVICE_MAX_CONNECTIONS=1``): every stream
+- ``DeferringRunner`` (``comm/deferring_runner.py``; NCCL with
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1``): every stream
   then feeds one hardware queue, where a wait for a hop still in flight blocks the
   pass's kernels queued after it. So a staged job's stages are issued at the caller's
   later calls instead: at each submission every earlier job runs its next stage
@@ -55,12 +56,10 @@ import logging
 import os
 import queue
 import threading
-from collections import deque
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.comm.topology import private_group
 
 logger = logging.getLogger(__name__)
@@ -235,7 +234,7 @@ class ThreadRunner:
         if self._closed:
             raise RuntimeError("this collective runner is closed (the layer was uninstalled)")
         if self._failure is not None:
-            return _done_handle(_failed_before(self._failure))
+            return _done_handle(failed_before(self._failure))
         ready = None
         if self._stream is not None:  # the side stream starts after the caller's work so far
             ready = torch.cuda.Event()
@@ -304,7 +303,7 @@ class ThreadRunner:
         runs."""
         try:
             if self._failure is not None:
-                raise _failed_before(self._failure)
+                raise failed_before(self._failure)
             with torch.no_grad():
                 if self._stream is None:
                     return True, part() if part is not None else None
@@ -335,123 +334,12 @@ class ThreadRunner:
         device event recorded after its work, its waiter released. A failure here (a
         CUDA error) goes to the handle and fails every later job, as a job's own does:
         the worker lives on, so no later waiter hangs."""
-        error = _record_completion(self._stream, tensors, handle)
+        error = record_completion(self._stream, tensors, handle)
         if error is not None and self._failure is None:
             self._failure = error
 
 
-class DeferringRunner:
-    """One hardware queue (NCCL with ``CUDA_DEVICE_MAX_CONNECTIONS=1``): a staged job's
-    stages are issued at the caller's later calls, each once its hop has had a call's
-    worth of the pass to finish.
-
-    ``submit`` first gives every parked job its next stage, oldest first (a tail, then
-    a body, whose waits are for hops issued one call ago), then runs the new job's
-    head and parks its body. ``wait()`` on a handle, ``drain`` and ``close`` issue
-    every stage left. Nothing is issued anywhere else, so every rank, calling in the
-    same order, issues the same sequence; and the stages of neighbouring staged jobs
-    keep the order the thread runner allows them (a job's tail before the next job's
-    body, its body before the next job's head, its head before its body): the same
-    buffers and rounding draws (``StagedJob``). A plain job runs whole at its
-    submission, so it may come before the previous staged job's tail: the layer's
-    plain jobs are its exact collectives, which use no workspace and no rounding
-    stream, and a tail issues no collective, so neither the buffers nor any
-    group's order of issue notice. On CUDA the stages run on a side stream, ordered
-    after the caller's stream at submission; on the CPU, on the caller.
-
-    What it does not hide: inside a job of several chunks or slices, the body still
-    waits for a chunk's hop right after issuing the next chunk's (a 40 M-element
-    bucket at DP 8 is 5 chunks at the default ``MAX_CHUNK_ELEMENTS``).
-    """
-
-    kind = "deferred"
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
-        self.stream = side_stream(self.device) if self.device.type == "cuda" else None
-        self._parked: "deque" = deque()  # (next stage, tensors, handle), oldest first
-        self._failure: Optional[BaseException] = None
-
-    def submit(self, job: Job, tensors: Sequence[torch.Tensor] = ()) -> Completion:
-        if self._failure is not None:
-            raise _failed_before(self._failure)
-        self._advance()
-        handle = Completion(done=threading.Event(), device=self.device,
-                            device_done=torch.cuda.Event() if self.stream is not None else None,
-                            issue_rest=self.issue_all)
-        head, body = (job.head, job.body) if isinstance(job, StagedJob) else (job, None)
-        self._run(head, handle, after_caller=True)
-        if body is None:
-            self._complete(tensors, handle)
-        else:
-            self._parked.append((body, tuple(tensors), handle))
-        return handle
-
-    def issue_all(self) -> None:
-        """Issue every parked stage (the rounds of ``_advance`` until none is left)."""
-        while self._parked:
-            self._advance()
-
-    def drain(self) -> None:
-        self.issue_all()
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-
-    def close(self) -> None:
-        self.drain()
-
-    def group_for(self, group):
-        return group  # the caller issues everything, in its own order
-
-    def _advance(self) -> None:
-        """Every parked job's next stage, oldest first; a finished job is completed."""
-        for _ in range(len(self._parked)):
-            stage, tensors, handle = self._parked.popleft()
-            after = self._run(stage, handle)
-            if after is None:
-                self._complete(tensors, handle)
-                if self._failure is not None:  # completing it failed: issue nothing more
-                    self._fail_parked(self._failure)
-                    raise _failed_before(self._failure)
-            else:
-                self._parked.append((after, tensors, handle))
-
-    def _run(self, stage: Callable, handle: Completion, after_caller: bool = False):
-        """``stage()`` on the side stream. If it raises, its job and every parked one
-        fail (their handles raise), so does every later submission, and the error goes
-        on to the caller: the collectives those jobs left in flight are in an unknown
-        state."""
-        try:
-            with torch.no_grad():
-                if self.stream is None:
-                    return stage()
-                if after_caller:  # a new job reads what the caller's stream has made
-                    self.stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(self.stream):
-                    return stage()
-        except BaseException as error:
-            self._failure = error
-            handle.error = error
-            handle._done.set()
-            self._fail_parked(error)
-            raise
-
-    def _fail_parked(self, error: BaseException) -> None:
-        for _stage, _tensors, parked in self._parked:
-            parked.error = _failed_before(error)
-            parked._done.set()
-        self._parked.clear()
-
-    def _complete(self, tensors, handle: Completion) -> None:
-        """The job's last stage is issued: its tensors and event recorded on the side
-        stream, its waiter released. A failure here (a CUDA error) goes to the handle and
-        fails every later call, as a stage's own does: no waiter is left hanging."""
-        error = _record_completion(self.stream, tensors, handle)
-        if error is not None and self._failure is None:
-            self._failure = error
-
-
-def _record_completion(stream, tensors, handle: Completion) -> Optional[BaseException]:
+def record_completion(stream, tensors, handle: Completion) -> Optional[BaseException]:
     """A job is over on the host: on CUDA its tensors recorded on ``stream`` (the caller
     may free them before the stream is done) and its event after its work; its waiter
     released. Returns the error recording raised (a CUDA error), which is also the
@@ -469,36 +357,11 @@ def _record_completion(stream, tensors, handle: Completion) -> Optional[BaseExce
         handle._done.set()
 
 
-def _failed_before(error: BaseException) -> RuntimeError:
+def failed_before(error: BaseException) -> RuntimeError:
     failure = RuntimeError(f"an earlier collective of this runner failed ({type(error).__name__}: "
                            f"{error}); later ones are not run")
     failure.__cause__ = error
     return failure
-
-
-def runner_kind(group, device: torch.device) -> str:
-    """``"stream"`` (NCCL on CUDA), ``"thread"`` (gloo) or ``"inline"`` (any other backend:
-    the collectives then run on the caller, not overlapped)."""
-    backend = backend_of(group, device)
-    if backend == "nccl" and torch.device(device).type == "cuda":
-        return "stream"
-    if backend == "gloo":
-        return "thread"
-    return "inline"
-
-
-def make_runner(kind: str, device: torch.device):
-    """The runner of ``kind`` (``runner_kind``) for collectives on ``device``."""
-    if kind == "stream":
-        return StreamRunner(device)
-    if kind == "thread":
-        return ThreadRunner(device)
-    if kind == "inline":
-        return InlineRunner()
-    if kind == "deferred":
-        return DeferringRunner(device)
-    raise ValueError(f"unknown runner kind {kind!r}; use 'inline', 'thread', 'stream' or "
-                     "'deferred'")
 
 
 def run_or_submit(runner, job: Job, async_op: bool, tensors: Sequence[torch.Tensor] = ()):

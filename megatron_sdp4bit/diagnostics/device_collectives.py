@@ -19,7 +19,7 @@ Per case: the SDP4Bit reduce-scatter (TLq-HS) and the qWD weight all-gather; fp3
 and bf16; synchronous with 1 pipeline chunk, asynchronous with 4 (and the two
 mixed); an unaligned shard and a large one. The asynchronous calls on ``--device``
 go to the runner the patch layer picks for that backend and device
-(``comm.runner.runner_kind``): on gloo a worker thread (``ThreadRunner`` on a private
+(``comm.runner_choice.runner_kind``): on gloo a worker thread (``ThreadRunner`` on a private
 twin of the world group; on CUDA with its own side stream), on NCCL a side stream
 (``StreamRunner``); with ``--runner deferred`` on the runner the layer takes on NCCL
 under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (``DeferringRunner``: a case's async call is
@@ -62,7 +62,7 @@ from megatron_sdp4bit.comm import (
 )
 from megatron_sdp4bit.comm.rounding_streams import reset_generators
 from megatron_sdp4bit.comm.error_bounds import reduce_scatter_bound, tolerance, weight_bound
-from megatron_sdp4bit.comm.runner import make_runner, runner_kind
+from megatron_sdp4bit.comm.runner_choice import make_runner, runner_kind
 from megatron_sdp4bit.comm.topology import build_private_groups, get_topology, private_group
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.diagnostics.world import (
@@ -252,7 +252,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="where the async calls run: the runner the layer picks for this "
                              "backend and device (default), or the one it takes on NCCL under "
                              "CUDA_DEVICE_MAX_CONNECTIONS=1, whose stages are issued at the "
-                             "later calls (comm.runner.DeferringRunner)")
+                             "later calls (comm.deferring_runner.DeferringRunner)")
     parser.add_argument("--json", default=None, help="write every case's result here (rank 0)")
     args = parser.parse_args(argv)
     machine = Machine.here(os.environ)

@@ -28,7 +28,8 @@ import os
 import torch
 
 from megatron_sdp4bit.comm.backends import backend_of
-from megatron_sdp4bit.comm.runner import InlineRunner, make_runner, runner_kind
+from megatron_sdp4bit.comm.runner import InlineRunner
+from megatron_sdp4bit.comm.runner_choice import make_runner, runner_kind
 from megatron_sdp4bit.comm.topology import build_private_groups, private_group
 
 logger = logging.getLogger(__name__)

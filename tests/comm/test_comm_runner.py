@@ -28,8 +28,8 @@ import torch.distributed as dist
 from comm_worlds import WORLDS, battery, make_input, ranks_per_node_choices
 from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm import quantized_all_gather_weights, quantized_reduce_scatter, reduce_scatter_plan
-from megatron_sdp4bit.comm.runner import (DeferringRunner, InlineRunner, StagedJob, ThreadRunner,
-                                          run_or_submit)
+from megatron_sdp4bit.comm.deferring_runner import DeferringRunner
+from megatron_sdp4bit.comm.runner import InlineRunner, StagedJob, ThreadRunner, run_or_submit
 from megatron_sdp4bit.comm.topology import build_private_groups
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig

@@ -15,8 +15,9 @@ import threading
 import pytest
 import torch
 
-from megatron_sdp4bit.comm import runner as runner_module
-from megatron_sdp4bit.comm.runner import DeferringRunner, StagedJob, StreamRunner, ThreadRunner
+from megatron_sdp4bit.comm import runner_choice
+from megatron_sdp4bit.comm.deferring_runner import DeferringRunner
+from megatron_sdp4bit.comm.runner import StagedJob, StreamRunner, ThreadRunner
 
 
 class FakeCuda:
@@ -163,10 +164,10 @@ def test_the_runner_kind_follows_the_backend_that_serves_the_device(monkeypatch)
             return B()
 
     mixed = Group({"cpu": "gloo", "cuda": "nccl"})
-    assert runner_module.runner_kind(mixed, torch.device("cuda", 0)) == "stream"
-    assert runner_module.runner_kind(mixed, torch.device("cpu")) == "thread"
-    assert runner_module.runner_kind(Group({"cpu": "mpi", "cuda": "mpi"}), "cpu") == "inline"
-    assert runner_module.runner_kind(Group({"cpu": "gloo", "cuda": "gloo"}), "cuda") == "thread"
+    assert runner_choice.runner_kind(mixed, torch.device("cuda", 0)) == "stream"
+    assert runner_choice.runner_kind(mixed, torch.device("cpu")) == "thread"
+    assert runner_choice.runner_kind(Group({"cpu": "mpi", "cuda": "mpi"}), "cpu") == "inline"
+    assert runner_choice.runner_kind(Group({"cpu": "gloo", "cuda": "gloo"}), "cuda") == "thread"
 
 
 def _staged_job(cuda, name):
