@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_sdp4bit.comm.layout import ONE_QUEUE_MAX_CHUNK_ELEMENTS
 from megatron_sdp4bit.comm.runner import (Completion, Job, StagedJob, failed_before,
                                           record_completion, side_stream)
 
@@ -37,15 +38,22 @@ class DeferringRunner:
     group's order of issue notice. On CUDA the stages run on a side stream, ordered
     after the caller's stream at submission; on the CPU, on the caller.
 
-    What it does not hide: inside a job of several chunks or slices, the body still
-    waits for a chunk's hop right after issuing the next chunk's (a 40 M-element
-    bucket at DP 8 is 5 chunks at the default ``MAX_CHUNK_ELEMENTS``).
+    A job's chunks would wait for one another's hops inside one call, so the
+    collectives it runs take chunks and slices of up to ``max_chunk_elements``
+    (``ONE_QUEUE_MAX_CHUNK_ELEMENTS``): megatron's default buckets are one chunk, whose
+    every wait is for a hop issued at an earlier call. What it does not hide: a bucket
+    above the cap, or ``pipeline_chunks`` > 1, still has chunks that wait in one call;
+    and a bucket group of several buckets (megatron submits them in one call) waits for
+    each bucket's first hop but the last's in that call: a job's body must run before
+    the next job's head takes its buffers.
     """
 
     kind = "deferred"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device,
+                 max_chunk_elements: Optional[int] = ONE_QUEUE_MAX_CHUNK_ELEMENTS) -> None:
         self.device = torch.device(device)
+        self.max_chunk_elements = max_chunk_elements
         self.stream = side_stream(self.device) if self.device.type == "cuda" else None
         self._parked: "deque" = deque()  # (next stage, tensors, handle), oldest first
         self._failure: Optional[BaseException] = None

@@ -19,8 +19,8 @@ shard):
    valid part into ``output``.
 
 Chunk i+1's first hop is in flight while chunk i's second hop runs. A chunk
-holds at most ``MAX_CHUNK_ELEMENTS`` (more chunks than ``pipeline_chunks`` where
-needed), and chunks are launched one after another as earlier ones finish, so
+holds at most ``MAX_CHUNK_ELEMENTS``, or the runner's cap (more chunks than
+``pipeline_chunks`` where needed), and chunks are launched one after another as earlier ones finish, so
 the buffers are a few chunks' codes whatever the bucket size.
 
 On a worker thread (gloo) a call is a ``StagedJob`` (``comm/runner.py``): the next
@@ -115,9 +115,11 @@ def quantized_reduce_scatter(
     topology = get_topology(group, config.ranks_per_node)
     average = op == dist.ReduceOp.AVG
     space = workspace if workspace is not None else Workspace()
+    cap = runner.max_chunk_elements if runner is not None else None
     plan = space.plan(input, ("reduce_scatter", input.data_ptr(), output.data_ptr(), shard,
-                              average, id(topology), config),
-                      lambda: ReduceScatterPlan(output, input, average, topology, config, space))
+                              average, id(topology), config, cap),
+                      lambda: ReduceScatterPlan(output, input, average, topology, config, space,
+                                                cap))
     gen = pick_generator(generator, config.rounding, input.device, config.seed,
                          topology.global_rank, "grads")
     run = _QuantizedReduceScatter(plan, gen, wire, topology)

@@ -159,6 +159,18 @@ megatron's 40M-element buckets are 5 chunks each (4M elements made them 10;
 docs/performance.md, "Host work per chunk")."""
 
 
+ONE_QUEUE_MAX_CHUNK_ELEMENTS = 1 << 26
+"""The cap in place of ``MAX_CHUNK_ELEMENTS`` (for reduce-scatter chunks and weight
+slices) on the runner for one hardware queue (``comm/deferring_runner.py``). There a
+wait for a hop still in flight holds up every kernel queued after it, so a chunk's
+next stage is issued only at megatron's next call; a bucket's chunks would otherwise
+wait for one another's hops inside one call, in front of the pass's kernels. 64 M
+elements keeps megatron's default overlapped buckets (40 M elements, 1 M x DP from DP
+40 on) in one chunk up to DP 64, for buffers of about 2.2 bytes per bucket element
+for the gradients and 1.1-2.1 for the weights' two slots (comm/memory_plan.py): 122
+MiB at DP 8 on one node, 163 MiB at DP 16 on two, against 41 and 67 MiB in chunks of
+``MAX_CHUNK_ELEMENTS`` (tests/comm/test_comm_memory.py)."""
+
 MIN_CHUNK_SHARD_ELEMENTS = 1 << 18
 """A reduce-scatter chunk holds at least this many elements of each shard (unless
 ``pipeline_chunks`` asks for more chunks): each chunk is two all-to-all calls whose

@@ -25,7 +25,7 @@ name: a change to what those allocate belongs here too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, Sequence
+from typing import Dict, Iterable, Optional, Sequence
 
 from megatron_sdp4bit.comm.buffer_names import (GRADS_SUM, SLOTS, grads_hop, weights_by_local_rank,
                                                 weights_gather, weights_send)
@@ -81,6 +81,11 @@ def held_bytes(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig,
     return sum(per_element * (numel // dp) for numel in bucket_numels)
 
 
+def _cap(max_chunk_elements: Optional[int]) -> int:
+    """A runner's cap on chunks and slices, or the collectives' own (``comm/runner.py``)."""
+    return max_chunk_elements if max_chunk_elements is not None else MAX_CHUNK_ELEMENTS
+
+
 def _grad_levels(dp: int, node_members: int) -> list:
     """(level, peers) of each hop, as the topology lays them out: ``node_members`` DP
     ranks per node (1: one inter-node level; 0 or dp: one node; else two levels)."""
@@ -99,14 +104,16 @@ def _merge_max(demands: Iterable[Dict[str, int]]) -> Dict[str, int]:
 
 
 def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
-                       node_members: int) -> Dict[str, int]:
-    """Bytes per workspace buffer name that one bucket's quantized reduce-scatter asks for."""
+                       node_members: int, max_chunk_elements: Optional[int] = None) -> Dict[str, int]:
+    """Bytes per workspace buffer name that one bucket's quantized reduce-scatter asks for
+    (chunks of at most ``max_chunk_elements``, a runner's cap; None: ``MAX_CHUNK_ELEMENTS``)."""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_grads:
         return {}
     levels = _grad_levels(dp, node_members)
     align = config.grad_alignment([level for level, _ in levels])
-    plan = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks, MAX_CHUNK_ELEMENTS))
+    plan = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks,
+                                                _cap(max_chunk_elements)))
     demands = []
     for index, chunk in enumerate(plan):
         if chunk.valid < chunk.padded:  # the shard's unaligned end, summed in fp32 first
@@ -121,7 +128,8 @@ def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
 
 
 def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
-                         node_members: int = 0) -> Dict[str, int]:
+                         node_members: int = 0,
+                         max_chunk_elements: Optional[int] = None) -> Dict[str, int]:
     """Bytes per workspace buffer name of one bucket's qW/qWD all-gather, slice by slice in
     two slots: this rank's segment and every rank's; on two levels (``node_members`` DP
     ranks per node, as ``grad_buffer_demand``) every rank's before the copy into DP order,
@@ -131,7 +139,7 @@ def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
     if dp == 1 or shard == 0 or not config.quantize_weights:
         return {}
     demands = []
-    slices = weight_slices(shard, dp, config.weight_group_size, False, MAX_CHUNK_ELEMENTS)
+    slices = weight_slices(shard, dp, config.weight_group_size, False, _cap(max_chunk_elements))
     # A call starts on the slot after the previous call's last (Workspace.next_slots),
     # which depends on the buckets before it: any slice may land in any slot.
     for first in range(SLOTS):
@@ -144,29 +152,33 @@ def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
     return _merge_max(demands)
 
 
-def weight_gather_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig) -> int:
+def weight_gather_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig,
+                          max_chunk_elements: Optional[int] = None) -> int:
     """Bytes one bucket's weight all-gather allocates per call besides its workspace:
     qW's dequantized fp32 weights of a slice (qWD adds into the model buffer in place)."""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or config.weight_mode != "direct":
         return 0
-    slices = weight_slices(shard, dp, config.weight_group_size, False, MAX_CHUNK_ELEMENTS)
+    slices = weight_slices(shard, dp, config.weight_group_size, False, _cap(max_chunk_elements))
     return MAIN_BYTES * dp * max(n for _, n in slices)
 
 
 def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *,
-                 params: int, node_members: int, fp32_params: bool) -> LayerMemory:
+                 params: int, node_members: int, fp32_params: bool,
+                 max_chunk_elements: Optional[int] = None) -> LayerMemory:
     """Held bytes, reused buffers and the scratch peak of one rank for buckets of these sizes.
 
     One workspace per direction serves every bucket (the runner runs one collective at
     a time), so the buffers are the largest demand per buffer name; the scratch is the
     largest weight gather's (the reduce-scatter keeps all it uses in its workspace).
+    ``max_chunk_elements``: the runner's cap on chunks and slices (``comm/runner.py``).
     """
     buckets = [int(n) for n in bucket_numels]
-    grad_buffers = sum(_merge_max(grad_buffer_demand(n, dp, config, node_members)
+    cap = max_chunk_elements
+    grad_buffers = sum(_merge_max(grad_buffer_demand(n, dp, config, node_members, cap)
                                   for n in buckets).values())
-    weight_buffers = sum(_merge_max(weight_buffer_demand(n, dp, config, node_members)
+    weight_buffers = sum(_merge_max(weight_buffer_demand(n, dp, config, node_members, cap)
                                     for n in buckets).values())
-    scratch = max([weight_gather_scratch(n, dp, config) for n in buckets], default=0)
+    scratch = max([weight_gather_scratch(n, dp, config, cap) for n in buckets], default=0)
     return LayerMemory(params=params, held_bytes=held_bytes(buckets, dp, config, fp32_params),
                        buffer_bytes=grad_buffers + weight_buffers, scratch_bytes=scratch)

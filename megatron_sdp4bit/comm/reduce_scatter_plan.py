@@ -65,18 +65,21 @@ class ChunkSteps:
 class ReduceScatterPlan:
     """Every chunk's ``ChunkSteps`` for one (output, input, op, topology, config);
     ``levels``: how many hops each chunk makes; ``buffers``: the workspace buffers it
-    uses (allocated on the caller's stream)."""
+    uses (allocated on the caller's stream). Chunks hold at most ``max_chunk_elements``
+    over all shards (None: ``MAX_CHUNK_ELEMENTS``; a runner's cap, ``comm/runner.py``)."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, average: bool,
-                 topology: Topology, config: SDP4BitConfig, workspace: Workspace):
+                 topology: Topology, config: SDP4BitConfig, workspace: Workspace,
+                 max_chunk_elements: Optional[int] = None):
         self.levels = len(topology.levels)
         formats = [config.grad_hop_format(level.name) for level in topology.levels]
         block = config.grad_hadamard_block
         shard = output.numel()
         dp = topology.dp_size
         align = config.grad_alignment([level.name for level in topology.levels])
-        chunks = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks,
-                                                      MAX_CHUNK_ELEMENTS, MIN_CHUNK_SHARD_ELEMENTS))
+        cap = max_chunk_elements if max_chunk_elements is not None else MAX_CHUNK_ELEMENTS
+        chunks = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks, cap,
+                                                      MIN_CHUNK_SHARD_ELEMENTS))
         device = input.device
         buffers = _buffers(workspace, chunks, dp, topology.levels, formats, device)
         # A side stream uses them: its runner records them there, so that a buffer the

@@ -2,7 +2,10 @@
 ``comm/deferring_runner.py``)."""
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
+import torch.distributed as dist
 
 from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.comm.deferring_runner import DeferringRunner
@@ -32,3 +35,35 @@ def make_runner(kind: str, device: torch.device):
         return DeferringRunner(device)
     raise ValueError(f"unknown runner kind {kind!r}; use 'inline', 'thread', 'stream' or "
                      "'deferred'")
+
+
+def check_same_kind_everywhere(kind: str) -> None:
+    """Raise on every rank, in one line, unless every rank of the world chose ``kind``
+    (a world collective; every rank calls it at the same point). Runners differ in their
+    chunk caps and in when they issue each stage: ranks on different runners would send
+    all-to-alls of other sizes, or in another order, to one another, and hang or sum
+    garbage. The kind hangs on the backend and on ``CUDA_DEVICE_MAX_CONNECTIONS``
+    (``megatron/background.py``), which a launcher may set on some nodes only."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, kind)
+    if len(set(everyone)) == 1:
+        return
+    ranks = defaultdict(list)
+    for rank, theirs in enumerate(everyone):
+        ranks[theirs].append(rank)
+    found = "; ".join(f"{theirs!r} on ranks {_spans(members)}" for theirs, members in ranks.items())
+    raise RuntimeError(
+        f"SDP4Bit: the ranks chose different runners for the quantized collectives ({found}), "
+        "whose collectives would not match; give every rank the same backend and the same "
+        "CUDA_DEVICE_MAX_CONNECTIONS (1 on every rank, or unset on every rank)")
+
+
+def _spans(ranks: list) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    spans = [[ranks[0], ranks[0]]]
+    for rank in ranks[1:]:
+        if rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ", ".join(f"{first}" if first == last else f"{first}-{last}" for first, last in spans)

@@ -125,8 +125,10 @@ def quantized_all_gather_weights(
 
     # Slice by slice (``_SliceGathers``), so a bucket of every parameter (megatron's
     # without overlap) needs a few slices' codes at a time, not the whole bucket's.
+    # (at most the runner's cap where it has one: comm/runner.py)
+    cap = runner.max_chunk_elements if runner is not None else None
     slices = weight_slices(shard, dp_size, config.weight_group_size, whole=False,
-                           max_chunk_elements=MAX_CHUNK_ELEMENTS,
+                           max_chunk_elements=cap if cap is not None else MAX_CHUNK_ELEMENTS,
                            min_slice_elements=MIN_SLICE_ELEMENTS)
     # The slots continue from the previous call on this workspace: its last slice's and
     # this call's first differ, so a thread runner may start this call while that

@@ -13,6 +13,7 @@ is built and kept for the run:
   with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (megatron asks for it under tensor or context
   parallelism) a side stream whose stages are issued at megatron's later calls
   (``DeferringRunner``), said in one INFO line;
+- every rank must choose the same (``check_same_kind_everywhere``: one line otherwise);
 - any other backend, or no overlap flag: the caller (``InlineRunner``); with an
   overlap flag one INFO line says the quantized collectives are not overlapped.
 
@@ -29,10 +30,20 @@ import torch
 
 from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.comm.runner import InlineRunner
-from megatron_sdp4bit.comm.runner_choice import make_runner, runner_kind
+from megatron_sdp4bit.comm.layout import ONE_QUEUE_MAX_CHUNK_ELEMENTS
+from megatron_sdp4bit.comm.runner_choice import check_same_kind_everywhere, make_runner, runner_kind
 from megatron_sdp4bit.comm.topology import build_private_groups, private_group
 
 logger = logging.getLogger(__name__)
+
+
+def _one_queue(kind: str) -> str:
+    """``kind``, or ``"deferred"`` for a side stream under ``CUDA_DEVICE_MAX_CONNECTIONS=1``:
+    one hardware queue for every stream, where a wait for a hop still in flight blocks the
+    queue, and the pass's kernels issued after it with it."""
+    if kind == "stream" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return "deferred"
+    return kind
 
 
 def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
@@ -51,24 +62,23 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
         # (a rank may hold no group of its own here: megatron makes them all with the
         # world's backend)
         group = groups[0] if groups else torch.distributed.group.WORLD
-        kind = runner_kind(group, device)
+        kind = _one_queue(runner_kind(group, device))
+        check_same_kind_everywhere(kind)
         if kind == "inline":
             logger.info("SDP4Bit: the %s backend cannot run collectives from a worker thread or a "
                         "side stream; the quantized collectives run when megatron starts them, "
                         "not overlapped with the backward and forward passes",
                         backend_of(group, device))
             return
-        if kind == "stream" and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-            # One hardware queue for every stream: a wait for a hop still in flight blocks
-            # the queue, and the pass's kernels issued after it with it.
-            kind = "deferred"
+        if kind == "deferred":
             logger.info("SDP4Bit: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream in one "
                         "hardware queue, where a wait for an NCCL hop in flight holds up the "
                         "kernels queued after it; each stage of a quantized collective is "
-                        "issued at megatron's next start or wait instead, and the weight "
-                        "gathers start one bucket group ahead, as megatron starts them. "
-                        "Unset it where megatron allows (tensor and context parallel size 1, "
-                        "or Blackwell GPUs) to issue every stage at once")
+                        "issued at megatron's next start or wait instead, in chunks of up to "
+                        "%d M elements, and the weight gathers start one bucket group ahead, "
+                        "as megatron starts them. Unset it where megatron allows (tensor and "
+                        "context parallel size 1, or Blackwell GPUs) to issue every stage at "
+                        "once", ONE_QUEUE_MAX_CHUNK_ELEMENTS >> 20)
         state.runner = make_runner(kind, device)
     if getattr(state.runner, "kind", None) != "thread":
         return

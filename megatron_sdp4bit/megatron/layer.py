@@ -244,6 +244,7 @@ def _warm_up_kernels(layer, ddp) -> None:
     will launch (``comm/kernel_specs.py``); nothing to do where the reference serves."""
     state, adapter, config = layer.state, layer.adapter, layer.state.config
     specs, device = [], None
+    cap = state.runner.max_chunk_elements  # the runner's chunks, as the calls will make them
     # the experts' bucket groups too: their expert-data-parallel group has other hops
     # (and shards) than the dense one, so other variants
     for bucket_group in adapter.ddp_bucket_groups(ddp) + adapter.expert_bucket_groups(ddp):
@@ -265,10 +266,11 @@ def _warm_up_kernels(layer, ddp) -> None:
                 average=bool(ddp_config.average_in_collective),
                 ordered=topology.send_order_index(device) is not None,
                 input_offset=alignment_offset(grads),
-                output_offset=alignment_offset(grads, rank * shard))
+                output_offset=alignment_offset(grads, rank * shard), max_chunk_elements=cap)
             if params is not None:
                 specs += all_gather_specs(params.numel() // size, size, params.dtype, config, rank=rank,
-                                          buffer_offset=alignment_offset(params))
+                                          buffer_offset=alignment_offset(params),
+                                          max_chunk_elements=cap)
     new = [spec for spec in dict.fromkeys(specs) if spec not in state.warmed_up]
     if not new:
         return

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, weight_slices
+from megatron_sdp4bit.comm.layout import (MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, ONE_QUEUE_MAX_CHUNK_ELEMENTS,
+                                          weight_slices)
 from megatron_sdp4bit.comm.memory_plan import (
     grad_buffer_demand,
     held_bytes,
@@ -160,3 +161,29 @@ def test_synchronous_gathers_keep_useful_calls_at_many_ranks():
     assert MAX_CHUNK_ELEMENTS // 8 == MIN_SLICE_ELEMENTS
     assert len(weight_slices(shard, 8, 2048, False, MAX_CHUNK_ELEMENTS)) == 10
     assert weight_slices(shard, 128, 2048, True, MAX_CHUNK_ELEMENTS) == [(0, shard)]
+
+
+@pytest.mark.parametrize("dp, node_members, one_queue_mib, default_mib",
+                         [(8, 8, 122, 41), (16, 8, 163, 67)])
+def test_one_hardware_queue_takes_megatrons_buckets_whole(dp, node_members, one_queue_mib,
+                                                          default_mib):
+    """The deferring runner's cap (``ONE_QUEUE_MAX_CHUNK_ELEMENTS``) keeps megatron's
+    default overlapped bucket (40 M elements, padded) in one chunk and one slice: the
+    buffers are then the bucket's, a few bytes per element (the figures
+    comm/layout.py quotes), not two chunks' of ``MAX_CHUNK_ELEMENTS``."""
+    n = -(-40_000_000 // (dp * 128)) * dp * 128
+    shard = n // dp
+
+    def mib(cap):
+        grads = grad_buffer_demand(n, dp, SDP, node_members, cap)
+        weights = weight_buffer_demand(n, dp, SDP, node_members, cap)
+        return (sum(grads.values()) + sum(weights.values())) / 2**20
+
+    assert set(grad_buffer_demand(n, dp, SDP, node_members, ONE_QUEUE_MAX_CHUNK_ELEMENTS)) <= {
+        f"grads hop {h} {k} 0" for h in (0, 1) for k in ("send", "receive")}  # one chunk
+    assert weight_slices(shard, dp, 2048, False, ONE_QUEUE_MAX_CHUNK_ELEMENTS) == [(0, shard)]
+    assert round(mib(ONE_QUEUE_MAX_CHUNK_ELEMENTS)) == one_queue_mib
+    assert round(mib(None)) == default_mib
+    assert layer_memory([n], dp, SDP, params=n, node_members=node_members, fp32_params=False,
+                        max_chunk_elements=ONE_QUEUE_MAX_CHUNK_ELEMENTS).buffer_bytes == \
+        round(mib(ONE_QUEUE_MAX_CHUNK_ELEMENTS) * 2**20)

@@ -189,9 +189,10 @@ def test_the_buffers_stay_one_set_per_direction(runs):
             assert held <= reported, (name, held, reported)
 
 
-def _set_up_twice(caplog, overlap_param_gather: bool):
+def _set_up_twice(caplog, monkeypatch, overlap_param_gather: bool):
     """``background.set_up_runner`` for two model chunks of a one-bucket-group DDP with
-    --overlap-grad-reduce: the layer state and the INFO lines logged."""
+    --overlap-grad-reduce: the layer state, the INFO lines logged and the kinds the ranks
+    were asked to agree on (``check_same_kind_everywhere``, a world collective here)."""
     import logging
     import types
 
@@ -206,10 +207,12 @@ def _set_up_twice(caplog, overlap_param_gather: bool):
         ddp_config=lambda ddp: ddp_config, ddp_bucket_groups=lambda ddp: ["bucket group"],
         grad_buffers=lambda bucket_group: [torch.zeros(4)])
     state = LayerState(config=preset("sdp4bit"))
+    agreed = []
+    monkeypatch.setattr(background, "check_same_kind_everywhere", agreed.append)
     with caplog.at_level(logging.INFO, logger=background.__name__):
         background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])
         background.set_up_runner(state, adapter, "ddp", ["group"], [[[0, 1]]])  # a 2nd chunk
-    return state, [r.getMessage() for r in caplog.records]
+    return state, [r.getMessage() for r in caplog.records], agreed
 
 
 def test_a_backend_that_cannot_overlap_says_so_in_one_info_line(monkeypatch, caplog):
@@ -221,8 +224,9 @@ def test_a_backend_that_cannot_overlap_says_so_in_one_info_line(monkeypatch, cap
 
     monkeypatch.setattr(background, "runner_kind", lambda group, device: "inline")
     monkeypatch.setattr(background, "backend_of", lambda group, device: "mpi")
-    state, lines = _set_up_twice(caplog, overlap_param_gather=False)
+    state, lines, agreed = _set_up_twice(caplog, monkeypatch, overlap_param_gather=False)
     assert len(lines) == 1 and "mpi backend" in lines[0] and "not overlapped" in lines[0]
+    assert agreed == ["inline"]  # once, by the first model chunk
     assert isinstance(state.runner, InlineRunner) and state.runner_chosen
 
 
@@ -243,10 +247,12 @@ def test_one_hardware_queue_on_the_stream_runner_says_what_it_costs(monkeypatch,
     monkeypatch.setattr(background, "runner_kind", lambda group, device: "stream")
     monkeypatch.setattr(background, "make_runner",
                         lambda kind, device: types.SimpleNamespace(kind=kind))
-    state, lines = _set_up_twice(caplog, overlap_param_gather=True)
+    state, lines, agreed = _set_up_twice(caplog, monkeypatch, overlap_param_gather=True)
+    assert agreed == [state.runner.kind]  # every rank must choose the same: chunks differ
     if says:
         assert state.runner.kind == "deferred"
         assert len(lines) == 1 and "CUDA_DEVICE_MAX_CONNECTIONS=1" in lines[0]
         assert "issued at megatron's next start or wait" in lines[0]
+        assert "in chunks of up to 64 M elements" in lines[0]
     else:
         assert state.runner.kind == "stream" and lines == []
