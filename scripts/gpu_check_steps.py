@@ -487,11 +487,11 @@ def torchrun(ranks: int) -> List[str]:
 
 
 def collectives_check(report: Report, ctx: dict, name: str, cmd: List[str], out_json: str,
-                      limit_s: float) -> None:
-    """Run megatron_sdp4bit.diagnostics.device_collectives (``cmd``, writing ``out_json``)
-    and report its cases as step ``name``."""
+                      limit_s: float, **env_changes: str) -> None:
+    """Run megatron_sdp4bit.diagnostics.device_collectives (``cmd``, writing ``out_json``,
+    with ``env_changes`` in its environment) and report its cases as step ``name``."""
     start = time.perf_counter()
-    rc, _, cut = run_limited(ctx, cmd, limit_s, env=python_env())
+    rc, _, cut = run_limited(ctx, cmd, limit_s, env=python_env(**env_changes))
     cases = []
     if os.path.isfile(out_json):
         with open(out_json, encoding="utf-8") as f:
@@ -561,6 +561,12 @@ def step_nccl(report: Report, ctx: dict) -> None:
                                           "--backend", "nccl", "--levels", "both",
                                           "--json", out_json]  # its default shard, 1 M
     collectives_check(report, ctx, "nccl.collectives", cmd, out_json, 120)
+    # the runner the layer takes under one hardware queue, on NCCL as a job with tensor
+    # parallelism runs it: stages issued at the later calls, buckets in one chunk
+    out_json = os.path.join(ctx["work"], "nccl_collectives_deferred.json")
+    cmd = cmd[:cmd.index("--json")] + ["--runner", "deferred", "--json", out_json]
+    collectives_check(report, ctx, "nccl.collectives.deferred", cmd, out_json, 120,
+                      CUDA_DEVICE_MAX_CONNECTIONS="1")
 
 
 def step_dp4(report: Report, ctx: dict) -> None:

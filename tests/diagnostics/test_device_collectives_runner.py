@@ -1,7 +1,8 @@
 """device_collectives' runner case: on CUDA it reads back the side stream's priority and
 fails when the stream does not outrank the compute stream (a priority the device did not
 take raises nothing; only this case would show it). The GPU run is gpu_check's dp4
-collectives step; here the priorities come from stand-in streams."""
+collectives step; here the priorities come from stand-in streams. Also: which runner the
+synchronous reference of a case runs on."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -36,3 +37,20 @@ def test_the_runner_case_fails_unless_the_side_stream_outranks_the_compute_strea
     assert ("NOT side stream" in line) is not holds
     table = device_collectives.summary_table([case])
     assert table.splitlines()[1].endswith("PASS" if holds else "FAIL")
+
+
+def test_a_runner_with_its_own_chunk_cap_takes_the_synchronous_reference_too():
+    """The deferring runner cuts buckets into its own (larger) chunks, so the sync call
+    that an async one is compared with bit for bit runs through it as well; with the
+    other runners the sync call stays on the caller, in the collectives' own chunks."""
+    from megatron_sdp4bit.comm.deferring_runner import DeferringRunner
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    deferred = DeferringRunner(cpu)
+    for async_op in (False, True):
+        assert device_collectives._on(cpu, cpu, async_op, deferred)["runner"] is deferred
+    worker = SimpleNamespace(max_chunk_elements=None, group_for=lambda group: group)
+    assert "runner" not in device_collectives._on(cpu, cpu, False, worker)
+    assert device_collectives._on(cpu, cpu, True, worker)["runner"] is worker
+    # the CPU reference of a check on CUDA never goes to the runner
+    assert "runner" not in device_collectives._on(cpu, cuda, True, deferred)

@@ -185,12 +185,19 @@ def test_the_nccl_step_runs_only_with_two_or_more_gpus(tmp_path, monkeypatch):
     assert "CPU self-test" in report.results[0]["detail"]
     assert report.results[2]["detail"].startswith("1 GPU visible: NCCL needs 2 or more")
     seen = []
-    monkeypatch.setattr(steps, "collectives_check", lambda *args: seen.append(args))
+    monkeypatch.setattr(steps, "collectives_check", lambda *args, **env: seen.append(args + (env,)))
     ctx = dict(smoke=False, env={"gpus": 2}, work=str(tmp_path), out=str(tmp_path))
     steps.step_nccl(report, ctx)
-    (_, _, name, cmd, _, _), = seen
+    (_, _, name, cmd, _, _, env), (_, _, deferred, deferred_cmd, deferred_json, _, deferred_env) = seen
+    assert env == {}
     assert name == "nccl.collectives" and "--nproc-per-node=2" in cmd
     assert cmd[cmd.index("--backend") + 1] == "nccl"
+    # then the one-hardware-queue runner, under the setting that selects it in training
+    assert deferred == "nccl.collectives.deferred"
+    assert deferred_cmd[deferred_cmd.index("--runner") + 1] == "deferred"
+    assert deferred_cmd[deferred_cmd.index("--json") + 1] == deferred_json
+    assert deferred_cmd[deferred_cmd.index("--backend") + 1] == "nccl"
+    assert deferred_env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
 def test_megatron_lm_step_says_why_it_skips(tmp_path, monkeypatch):
