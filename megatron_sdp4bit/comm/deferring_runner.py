@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron_sdp4bit.comm.layout import ONE_QUEUE_MAX_CHUNK_ELEMENTS
+from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
 from megatron_sdp4bit.comm.runner import (Completion, Job, StagedJob, failed_before,
                                           record_completion, side_stream)
 
@@ -38,11 +38,11 @@ class DeferringRunner:
     group's order of issue notice. On CUDA the stages run on a side stream, ordered
     after the caller's stream at submission; on the CPU, on the caller.
 
-    A job's chunks would wait for one another's hops inside one call, so the
-    collectives it runs take chunks and slices of up to ``max_chunk_elements``
-    (``ONE_QUEUE_MAX_CHUNK_ELEMENTS``): megatron's default buckets are one chunk, whose
-    every wait is for a hop issued at an earlier call. What it does not hide: a bucket
-    above the cap, or ``pipeline_chunks`` > 1, still has chunks that wait in one call;
+    A job's chunks would wait for one another's hops inside one call, so a collective
+    of up to ``whole_bucket_elements`` elements (``ONE_QUEUE_WHOLE_BUCKET_ELEMENTS``)
+    runs as one chunk, one slice: every wait of megatron's overlapped buckets is then for
+    a hop issued at an earlier call. What it does not hide: a bucket above that (a
+    whole pipeline stage's), or ``pipeline_chunks`` > 1, has chunks that wait in one call;
     and a bucket group of several buckets (megatron submits them in one call) waits for
     each bucket's first hop but the last's in that call: a job's body must run before
     the next job's head takes its buffers.
@@ -51,9 +51,9 @@ class DeferringRunner:
     kind = "deferred"
 
     def __init__(self, device: torch.device,
-                 max_chunk_elements: Optional[int] = ONE_QUEUE_MAX_CHUNK_ELEMENTS) -> None:
+                 whole_bucket_elements: Optional[int] = ONE_QUEUE_WHOLE_BUCKET_ELEMENTS) -> None:
         self.device = torch.device(device)
-        self.max_chunk_elements = max_chunk_elements
+        self.whole_bucket_elements = whole_bucket_elements
         self.stream = side_stream(self.device) if self.device.type == "cuda" else None
         self._parked: "deque" = deque()  # (next stage, tensors, handle), oldest first
         self._failure: Optional[BaseException] = None

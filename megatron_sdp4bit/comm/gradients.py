@@ -19,8 +19,8 @@ shard):
    valid part into ``output``.
 
 Chunk i+1's first hop is in flight while chunk i's second hop runs. A chunk
-holds at most ``MAX_CHUNK_ELEMENTS``, or the runner's cap (more chunks than
-``pipeline_chunks`` where needed), and chunks are launched one after another as earlier ones finish, so
+holds at most ``MAX_CHUNK_ELEMENTS`` (more chunks than ``pipeline_chunks`` where
+needed; one, the whole bucket, up to a runner's ``whole_bucket_elements``), and chunks are launched one after another as earlier ones finish, so
 the buffers are a few chunks' codes whatever the bucket size.
 
 On a worker thread (gloo) a call is a ``StagedJob`` (``comm/runner.py``): the next
@@ -52,6 +52,7 @@ import torch.distributed as dist
 from megatron_sdp4bit.comm.accounting import WireRecorder, recorder_or_default
 from megatron_sdp4bit.comm.argument_checks import check_float_tensors
 from megatron_sdp4bit.comm.handles import finish_or_handle
+from megatron_sdp4bit.comm.layout import whole_bucket
 from megatron_sdp4bit.comm.primitives import all_to_all_equal, reduce_scatter_flat
 from megatron_sdp4bit.comm.reduce_scatter_plan import ReduceScatterPlan
 from megatron_sdp4bit.comm.rounding_streams import pick_generator
@@ -115,11 +116,11 @@ def quantized_reduce_scatter(
     topology = get_topology(group, config.ranks_per_node)
     average = op == dist.ReduceOp.AVG
     space = workspace if workspace is not None else Workspace()
-    cap = runner.max_chunk_elements if runner is not None else None
+    whole = whole_bucket(input.numel(), runner.whole_bucket_elements if runner is not None else None)
     plan = space.plan(input, ("reduce_scatter", input.data_ptr(), output.data_ptr(), shard,
-                              average, id(topology), config, cap),
+                              average, id(topology), config, whole),
                       lambda: ReduceScatterPlan(output, input, average, topology, config, space,
-                                                cap))
+                                                whole))
     gen = pick_generator(generator, config.rounding, input.device, config.seed,
                          topology.global_rank, "grads")
     run = _QuantizedReduceScatter(plan, gen, wire, topology)

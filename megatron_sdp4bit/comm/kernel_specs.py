@@ -13,7 +13,7 @@ The patch layer warms up every bucket's specs when DDP is built.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -41,14 +41,15 @@ def _offset(offset: int, elements: int, dtype: torch.dtype) -> int:
 def reduce_scatter_specs(shard: int, dtype: torch.dtype, levels: Sequence[Tuple[str, int]],
                          config: SDP4BitConfig, average: bool, ordered: bool,
                          input_offset: int = 0, output_offset: int = 0,
-                         max_chunk_elements: Optional[int] = None) -> List[KernelSpec]:
+                         whole: bool = False) -> List[KernelSpec]:
     """The kernels of one quantized reduce-scatter of a ``shard``-element output over
     ``levels`` ((name, members) of each hop, ``Topology.levels``), chunk by chunk.
 
     ``ordered``: the send order is not the identity (two levels); ``average``: AVG.
     ``input_offset`` / ``output_offset``: ``alignment_offset`` of the input (the bucket)
     and of the output (megatron's: this rank's shard of the bucket).
-    ``max_chunk_elements``: the runner's cap on chunks (None: ``MAX_CHUNK_ELEMENTS``).
+    ``whole``: the bucket in one chunk (a runner's ``whole_bucket_elements``,
+    ``layout.whole_bucket``).
     """
     dp = 1
     for _, size in levels:
@@ -59,7 +60,7 @@ def reduce_scatter_specs(shard: int, dtype: torch.dtype, levels: Sequence[Tuple[
     block = config.grad_hadamard_block
     align = config.grad_alignment([name for name, _ in levels])
     specs = []
-    cap = max_chunk_elements if max_chunk_elements is not None else MAX_CHUNK_ELEMENTS
+    cap = dp * shard if whole else MAX_CHUNK_ELEMENTS
     for chunk in chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks, cap)):
         (bits, group), peers = formats[0], levels[0][1]
         specs.append(KernelSpec("hadamard_quantize_rows", dp * chunk.padded, bits, group,
@@ -84,17 +85,16 @@ def reduce_scatter_specs(shard: int, dtype: torch.dtype, levels: Sequence[Tuple[
 
 def all_gather_specs(shard: int, dp: int, model_dtype: torch.dtype,
                      config: SDP4BitConfig, rank: int = 0, buffer_offset: int = 0,
-                     max_chunk_elements: Optional[int] = None) -> List[KernelSpec]:
+                     whole: bool = False) -> List[KernelSpec]:
     """The kernels of one quantized weight all-gather of ``shard``-element shards into a
     ``model_dtype`` buffer (in slices, overlapped or not) by group rank ``rank``, whose
-    buffer starts at ``buffer_offset`` (``alignment_offset``); slices of at most the
-    runner's ``max_chunk_elements`` (None: ``MAX_CHUNK_ELEMENTS``)."""
+    buffer starts at ``buffer_offset`` (``alignment_offset``); ``whole``: in one slice (a
+    runner's ``whole_bucket_elements``, ``layout.whole_bucket``)."""
     if dp == 1 or shard == 0 or not config.quantize_weights:
         return []
     fmt = dict(bits=config.weight_bits, group_size=config.weight_group_size)
     specs = []
-    cap = max_chunk_elements if max_chunk_elements is not None else MAX_CHUNK_ELEMENTS
-    for start, n in weight_slices(shard, dp, config.weight_group_size, False, cap):
+    for start, n in weight_slices(shard, dp, config.weight_group_size, whole, MAX_CHUNK_ELEMENTS):
         if config.weight_mode == "diff":
             own = _offset(buffer_offset, rank * shard + start, model_dtype)  # this rank's shard
             specs.append(KernelSpec("quantize_weight_diff", n, rounding=config.rounding,

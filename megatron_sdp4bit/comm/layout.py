@@ -159,17 +159,28 @@ megatron's 40M-element buckets are 5 chunks each (4M elements made them 10;
 docs/performance.md, "Host work per chunk")."""
 
 
-ONE_QUEUE_MAX_CHUNK_ELEMENTS = 1 << 26
-"""The cap in place of ``MAX_CHUNK_ELEMENTS`` (for reduce-scatter chunks and weight
-slices) on the runner for one hardware queue (``comm/deferring_runner.py``). There a
-wait for a hop still in flight holds up every kernel queued after it, so a chunk's
-next stage is issued only at megatron's next call; a bucket's chunks would otherwise
-wait for one another's hops inside one call, in front of the pass's kernels. 64 M
-elements keeps megatron's default overlapped buckets (40 M elements, 1 M x DP from DP
-40 on) in one chunk up to DP 64, for buffers of about 2.2 bytes per bucket element
-for the gradients and 1.1-2.1 for the weights' two slots (comm/memory_plan.py): 122
-MiB at DP 8 on one node, 163 MiB at DP 16 on two, against 41 and 67 MiB in chunks of
-``MAX_CHUNK_ELEMENTS`` (tests/comm/test_comm_memory.py)."""
+ONE_QUEUE_WHOLE_BUCKET_ELEMENTS = 1 << 26
+"""On the runner for one hardware queue (``comm/deferring_runner.py``) a collective of
+at most this many elements (over all DP shards) runs as one chunk, one weight slice
+(``whole_bucket``). There a wait for a hop still in flight holds up every kernel queued
+after it, so a stage is issued only at megatron's next call, and a bucket's chunks
+would wait for one another's hops inside one call, in front of the pass's kernels.
+64 M elements takes megatron's overlapped buckets whole (40 M elements, or 1 M x DP
+from DP 40 on; a bucket closes after the parameter that crosses the size, so some are
+larger), for buffers of about 2.2 bytes per element of the largest such bucket for
+the gradients and 1.1-2.1 for the weights' two slots (comm/memory_plan.py): 122 MiB
+for 40 M-element buckets at DP 8 on one node, 163 MiB at DP 16 on two, against 41 and
+67 MiB in chunks of ``MAX_CHUNK_ELEMENTS`` (tests/comm/test_comm_memory.py). A larger
+bucket (megatron makes one of a whole pipeline stage after the first) keeps chunks
+of ``MAX_CHUNK_ELEMENTS``: its chunks would wait in one call at either size, and its
+buffers stay two chunks'."""
+
+
+def whole_bucket(elements: int, whole_bucket_elements: Optional[int]) -> bool:
+    """Whether a collective over ``elements`` elements (all DP shards) runs as one chunk
+    and one slice: at most ``whole_bucket_elements``, a runner's limit (None: never;
+    ``comm/runner.py``)."""
+    return whole_bucket_elements is not None and elements <= whole_bucket_elements
 
 MIN_CHUNK_SHARD_ELEMENTS = 1 << 18
 """A reduce-scatter chunk holds at least this many elements of each shard (unless

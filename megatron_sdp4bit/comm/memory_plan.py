@@ -29,7 +29,8 @@ from typing import Dict, Iterable, Optional, Sequence
 
 from megatron_sdp4bit.comm.buffer_names import (GRADS_SUM, SLOTS, grads_hop, weights_by_local_rank,
                                                 weights_gather, weights_send)
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, weight_slices
+from megatron_sdp4bit.comm.layout import (MAX_CHUNK_ELEMENTS, chunk_count, chunk_plan, weight_slices,
+                                          whole_bucket)
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.quant.types import QuantizedTensor, num_groups
 from megatron_sdp4bit.quant.wire import segment_nbytes
@@ -81,11 +82,6 @@ def held_bytes(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig,
     return sum(per_element * (numel // dp) for numel in bucket_numels)
 
 
-def _cap(max_chunk_elements: Optional[int]) -> int:
-    """A runner's cap on chunks and slices, or the collectives' own (``comm/runner.py``)."""
-    return max_chunk_elements if max_chunk_elements is not None else MAX_CHUNK_ELEMENTS
-
-
 def _grad_levels(dp: int, node_members: int) -> list:
     """(level, peers) of each hop, as the topology lays them out: ``node_members`` DP
     ranks per node (1: one inter-node level; 0 or dp: one node; else two levels)."""
@@ -104,16 +100,17 @@ def _merge_max(demands: Iterable[Dict[str, int]]) -> Dict[str, int]:
 
 
 def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
-                       node_members: int, max_chunk_elements: Optional[int] = None) -> Dict[str, int]:
+                       node_members: int,
+                       whole_bucket_elements: Optional[int] = None) -> Dict[str, int]:
     """Bytes per workspace buffer name that one bucket's quantized reduce-scatter asks for
-    (chunks of at most ``max_chunk_elements``, a runner's cap; None: ``MAX_CHUNK_ELEMENTS``)."""
+    (in one chunk up to a runner's ``whole_bucket_elements``: ``layout.whole_bucket``)."""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or not config.quantize_grads:
         return {}
     levels = _grad_levels(dp, node_members)
     align = config.grad_alignment([level for level, _ in levels])
-    plan = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks,
-                                                _cap(max_chunk_elements)))
+    cap = dp * shard if whole_bucket(bucket_numel, whole_bucket_elements) else MAX_CHUNK_ELEMENTS
+    plan = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks, cap))
     demands = []
     for index, chunk in enumerate(plan):
         if chunk.valid < chunk.padded:  # the shard's unaligned end, summed in fp32 first
@@ -129,7 +126,7 @@ def grad_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
 
 def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
                          node_members: int = 0,
-                         max_chunk_elements: Optional[int] = None) -> Dict[str, int]:
+                         whole_bucket_elements: Optional[int] = None) -> Dict[str, int]:
     """Bytes per workspace buffer name of one bucket's qW/qWD all-gather, slice by slice in
     two slots: this rank's segment and every rank's; on two levels (``node_members`` DP
     ranks per node, as ``grad_buffer_demand``) every rank's before the copy into DP order,
@@ -139,7 +136,8 @@ def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
     if dp == 1 or shard == 0 or not config.quantize_weights:
         return {}
     demands = []
-    slices = weight_slices(shard, dp, config.weight_group_size, False, _cap(max_chunk_elements))
+    slices = weight_slices(shard, dp, config.weight_group_size,
+                           whole_bucket(bucket_numel, whole_bucket_elements), MAX_CHUNK_ELEMENTS)
     # A call starts on the slot after the previous call's last (Workspace.next_slots),
     # which depends on the buckets before it: any slice may land in any slot.
     for first in range(SLOTS):
@@ -153,32 +151,34 @@ def weight_buffer_demand(bucket_numel: int, dp: int, config: SDP4BitConfig,
 
 
 def weight_gather_scratch(bucket_numel: int, dp: int, config: SDP4BitConfig,
-                          max_chunk_elements: Optional[int] = None) -> int:
+                          whole_bucket_elements: Optional[int] = None) -> int:
     """Bytes one bucket's weight all-gather allocates per call besides its workspace:
     qW's dequantized fp32 weights of a slice (qWD adds into the model buffer in place)."""
     shard = bucket_numel // dp
     if dp == 1 or shard == 0 or config.weight_mode != "direct":
         return 0
-    slices = weight_slices(shard, dp, config.weight_group_size, False, _cap(max_chunk_elements))
+    slices = weight_slices(shard, dp, config.weight_group_size,
+                           whole_bucket(bucket_numel, whole_bucket_elements), MAX_CHUNK_ELEMENTS)
     return MAIN_BYTES * dp * max(n for _, n in slices)
 
 
 def layer_memory(bucket_numels: Sequence[int], dp: int, config: SDP4BitConfig, *,
                  params: int, node_members: int, fp32_params: bool,
-                 max_chunk_elements: Optional[int] = None) -> LayerMemory:
+                 whole_bucket_elements: Optional[int] = None) -> LayerMemory:
     """Held bytes, reused buffers and the scratch peak of one rank for buckets of these sizes.
 
     One workspace per direction serves every bucket (the runner runs one collective at
     a time), so the buffers are the largest demand per buffer name; the scratch is the
     largest weight gather's (the reduce-scatter keeps all it uses in its workspace).
-    ``max_chunk_elements``: the runner's cap on chunks and slices (``comm/runner.py``).
+    ``whole_bucket_elements``: the runner's (``comm/runner.py``), up to which a bucket's
+    collectives run in one chunk and one slice.
     """
     buckets = [int(n) for n in bucket_numels]
-    cap = max_chunk_elements
-    grad_buffers = sum(_merge_max(grad_buffer_demand(n, dp, config, node_members, cap)
+    whole = whole_bucket_elements
+    grad_buffers = sum(_merge_max(grad_buffer_demand(n, dp, config, node_members, whole)
                                   for n in buckets).values())
-    weight_buffers = sum(_merge_max(weight_buffer_demand(n, dp, config, node_members, cap)
+    weight_buffers = sum(_merge_max(weight_buffer_demand(n, dp, config, node_members, whole)
                                     for n in buckets).values())
-    scratch = max([weight_gather_scratch(n, dp, config, cap) for n in buckets], default=0)
+    scratch = max([weight_gather_scratch(n, dp, config, whole) for n in buckets], default=0)
     return LayerMemory(params=params, held_bytes=held_bytes(buckets, dp, config, fp32_params),
                        buffer_bytes=grad_buffers + weight_buffers, scratch_bytes=scratch)

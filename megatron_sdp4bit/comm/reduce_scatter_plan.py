@@ -65,19 +65,20 @@ class ChunkSteps:
 class ReduceScatterPlan:
     """Every chunk's ``ChunkSteps`` for one (output, input, op, topology, config);
     ``levels``: how many hops each chunk makes; ``buffers``: the workspace buffers it
-    uses (allocated on the caller's stream). Chunks hold at most ``max_chunk_elements``
-    over all shards (None: ``MAX_CHUNK_ELEMENTS``; a runner's cap, ``comm/runner.py``)."""
+    uses (allocated on the caller's stream). ``whole``: one chunk (unless
+    ``pipeline_chunks`` asks for more; ``layout.whole_bucket``), else chunks of at most
+    ``MAX_CHUNK_ELEMENTS`` over all shards."""
 
     def __init__(self, output: torch.Tensor, input: torch.Tensor, average: bool,
                  topology: Topology, config: SDP4BitConfig, workspace: Workspace,
-                 max_chunk_elements: Optional[int] = None):
+                 whole: bool = False):
         self.levels = len(topology.levels)
         formats = [config.grad_hop_format(level.name) for level in topology.levels]
         block = config.grad_hadamard_block
         shard = output.numel()
         dp = topology.dp_size
         align = config.grad_alignment([level.name for level in topology.levels])
-        cap = max_chunk_elements if max_chunk_elements is not None else MAX_CHUNK_ELEMENTS
+        cap = dp * shard if whole else MAX_CHUNK_ELEMENTS
         chunks = chunk_plan(shard, align, chunk_count(shard, dp, config.pipeline_chunks, cap,
                                                       MIN_CHUNK_SHARD_ELEMENTS))
         device = input.device

@@ -27,8 +27,9 @@ the returned handle's ``wait()`` joins the caller with it.
   issues what is left. The caller's calls are the same on every rank, so the order
   of issue is too. Without a GPU it runs the stages on the caller (tests).
 
-A runner's ``max_chunk_elements`` caps the chunks (and weight slices) of the
-collectives it runs; None leaves the collectives' own cap (``comm/layout.py``).
+A runner's ``whole_bucket_elements``: a collective it runs over at most that many
+elements is one chunk and one weight slice (``layout.whole_bucket``); None leaves the
+collectives' own chunks (``MAX_CHUNK_ELEMENTS``).
 
 Side streams outrank the compute stream (``side_stream``): a collective's kernels
 start before the pass's queued ones, so its hops are not held up behind a pass.
@@ -154,7 +155,7 @@ class InlineRunner:
     """Runs each job at submission, on the caller's thread and stream."""
 
     kind = "inline"
-    max_chunk_elements = None  # the collectives' own caps (comm/layout.py)
+    whole_bucket_elements = None  # the collectives' own chunks (comm/layout.py)
 
     def submit(self, job: Job, tensors: Sequence[torch.Tensor] = ()) -> Completion:  # noqa: ARG002
         job()
@@ -174,7 +175,7 @@ class StreamRunner:
     """NCCL: the job's kernels and collectives on a side stream of ``device``."""
 
     kind = "stream"
-    max_chunk_elements = None  # the collectives' own caps (comm/layout.py)
+    whole_bucket_elements = None  # the collectives' own chunks (comm/layout.py)
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -209,7 +210,7 @@ class ThreadRunner:
     """
 
     kind = "thread"
-    max_chunk_elements = None  # the collectives' own caps (comm/layout.py)
+    whole_bucket_elements = None  # the collectives' own chunks (comm/layout.py)
 
     def __init__(self, device: torch.device, name: str = "sdp4bit-collectives") -> None:
         self.device = torch.device(device)

@@ -55,7 +55,7 @@ def check_same_kind_everywhere(kind: str) -> None:
     raise RuntimeError(
         f"SDP4Bit: the ranks chose different runners for the quantized collectives ({found}), "
         "whose collectives would not match; give every rank the same backend and the same "
-        "CUDA_DEVICE_MAX_CONNECTIONS (1 on every rank, or unset on every rank)")
+        "CUDA_DEVICE_MAX_CONNECTIONS (1 on every rank, or on none)")
 
 
 def _spans(ranks: list) -> str:

@@ -29,7 +29,7 @@ from megatron_sdp4bit.comm.argument_checks import check_float_tensors
 from megatron_sdp4bit.comm.gather_hops import GatherHops
 from megatron_sdp4bit.comm.handles import finish_or_handle
 from megatron_sdp4bit.comm.primitives import all_gather_flat
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, weight_slices
+from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, weight_slices, whole_bucket
 from megatron_sdp4bit.comm.rounding_streams import pick_generator
 from megatron_sdp4bit.comm.runner import Completion, StagedJob, run_or_submit
 from megatron_sdp4bit.comm.topology import get_topology, peer_split
@@ -125,10 +125,10 @@ def quantized_all_gather_weights(
 
     # Slice by slice (``_SliceGathers``), so a bucket of every parameter (megatron's
     # without overlap) needs a few slices' codes at a time, not the whole bucket's.
-    # (at most the runner's cap where it has one: comm/runner.py)
-    cap = runner.max_chunk_elements if runner is not None else None
-    slices = weight_slices(shard, dp_size, config.weight_group_size, whole=False,
-                           max_chunk_elements=cap if cap is not None else MAX_CHUNK_ELEMENTS,
+    # (one slice up to a runner's whole_bucket_elements: comm/runner.py)
+    whole = whole_bucket(flat.numel(), runner.whole_bucket_elements if runner is not None else None)
+    slices = weight_slices(shard, dp_size, config.weight_group_size, whole=whole,
+                           max_chunk_elements=MAX_CHUNK_ELEMENTS,
                            min_slice_elements=MIN_SLICE_ELEMENTS)
     # The slots continue from the previous call on this workspace: its last slice's and
     # this call's first differ, so a thread runner may start this call while that

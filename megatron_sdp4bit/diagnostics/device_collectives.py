@@ -24,7 +24,7 @@ twin of the world group; on CUDA with its own side stream), on NCCL a side strea
 (``StreamRunner``); with ``--runner deferred`` on the runner the layer takes on NCCL
 under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (``DeferringRunner``: a case's async call is
 submitted, then waited on, so its stages are issued by the wait; its sync calls on
-``--device`` go through it too, in its chunks of up to 64 M elements). What must hold:
+``--device`` go through it too, a bucket of up to 64 M elements in one chunk). What must hold:
 
 - nearest rounding: the device result equals the CPU reference bit for bit;
 - an asynchronous call's result equals the synchronous call's on the same inputs
@@ -102,9 +102,9 @@ def _same_bytes_everywhere(t: torch.Tensor) -> bool:
 
 def _on(where, device, async_op: bool, runner) -> dict:
     """The async calls on the checked device go to the runner, on its private group; so
-    do the sync ones where the runner caps the chunks itself (``DeferringRunner``): the
+    do the sync ones where the runner chooses the chunks itself (``DeferringRunner``): the
     synchronous reference then takes the same chunks, the same rounding draws."""
-    if where == device and (async_op or runner.max_chunk_elements is not None):
+    if where == device and (async_op or runner.whole_bucket_elements is not None):
         return dict(async_op=async_op, runner=runner, group=runner.group_for(dist.group.WORLD))
     return dict(async_op=async_op)
 

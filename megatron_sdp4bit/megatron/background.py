@@ -30,7 +30,7 @@ import torch
 
 from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.comm.runner import InlineRunner
-from megatron_sdp4bit.comm.layout import ONE_QUEUE_MAX_CHUNK_ELEMENTS
+from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
 from megatron_sdp4bit.comm.runner_choice import check_same_kind_everywhere, make_runner, runner_kind
 from megatron_sdp4bit.comm.topology import build_private_groups, private_group
 
@@ -56,7 +56,11 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
     # same world collectives below (build_private_groups)
     if not (ddp_config.overlap_grad_reduce or ddp_config.overlap_param_gather) or not rank_lists:
         return
-    device = adapter.grad_buffers(adapter.ddp_bucket_groups(ddp)[0])[0].device
+    bucket_groups = adapter.ddp_bucket_groups(ddp)
+    # (a model chunk with no bucket group still takes part in the world collectives below)
+    device = (adapter.grad_buffers(bucket_groups[0])[0].device if bucket_groups else
+              torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))
     if isinstance(state.runner, InlineRunner) and not state.runner_chosen:
         state.runner_chosen = True
         # (a rank may hold no group of its own here: megatron makes them all with the
@@ -74,11 +78,11 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
             logger.info("SDP4Bit: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream in one "
                         "hardware queue, where a wait for an NCCL hop in flight holds up the "
                         "kernels queued after it; each stage of a quantized collective is "
-                        "issued at megatron's next start or wait instead, in chunks of up to "
-                        "%d M elements, and the weight gathers start one bucket group ahead, "
-                        "as megatron starts them. Unset it where megatron allows (tensor and "
-                        "context parallel size 1, or Blackwell GPUs) to issue every stage at "
-                        "once", ONE_QUEUE_MAX_CHUNK_ELEMENTS >> 20)
+                        "issued at megatron's next start or wait instead, a bucket of up to "
+                        "%d M elements in one chunk, and the weight gathers start one bucket "
+                        "group ahead, as megatron starts them. Unset it where megatron allows "
+                        "(tensor and context parallel size 1, or Blackwell GPUs) to issue every "
+                        "stage at once", ONE_QUEUE_WHOLE_BUCKET_ELEMENTS >> 20)
         state.runner = make_runner(kind, device)
     if getattr(state.runner, "kind", None) != "thread":
         return

@@ -24,6 +24,7 @@ import torch
 from megatron_sdp4bit import comm, quant
 from megatron_sdp4bit.comm.connect import connect
 from megatron_sdp4bit.comm.kernel_specs import alignment_offset, all_gather_specs, reduce_scatter_specs
+from megatron_sdp4bit.comm.layout import whole_bucket
 from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.megatron import grad_sync, param_sync
 from megatron_sdp4bit.megatron.background import set_up_runner
@@ -244,7 +245,7 @@ def _warm_up_kernels(layer, ddp) -> None:
     will launch (``comm/kernel_specs.py``); nothing to do where the reference serves."""
     state, adapter, config = layer.state, layer.adapter, layer.state.config
     specs, device = [], None
-    cap = state.runner.max_chunk_elements  # the runner's chunks, as the calls will make them
+    whole = state.runner.whole_bucket_elements  # the runner's chunks, as the calls make them
     # the experts' bucket groups too: their expert-data-parallel group has other hops
     # (and shards) than the dense one, so other variants
     for bucket_group in adapter.ddp_bucket_groups(ddp) + adapter.expert_bucket_groups(ddp):
@@ -266,11 +267,12 @@ def _warm_up_kernels(layer, ddp) -> None:
                 average=bool(ddp_config.average_in_collective),
                 ordered=topology.send_order_index(device) is not None,
                 input_offset=alignment_offset(grads),
-                output_offset=alignment_offset(grads, rank * shard), max_chunk_elements=cap)
+                output_offset=alignment_offset(grads, rank * shard),
+                whole=whole_bucket(grads.numel(), whole))
             if params is not None:
                 specs += all_gather_specs(params.numel() // size, size, params.dtype, config, rank=rank,
                                           buffer_offset=alignment_offset(params),
-                                          max_chunk_elements=cap)
+                                          whole=whole_bucket(params.numel(), whole))
     new = [spec for spec in dict.fromkeys(specs) if spec not in state.warmed_up]
     if not new:
         return

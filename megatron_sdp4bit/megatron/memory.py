@@ -30,7 +30,7 @@ def optimizer_memory(layer, optimizer, params: int) -> LayerMemory:
         params_data = [adapter.bucket_param_data(bucket) for bucket in buckets]
         part = layer_memory(
             [grad.numel() for grad in grads], dp, state.config, params=params,
-            node_members=node_members, max_chunk_elements=state.runner.max_chunk_elements,
+            node_members=node_members, whole_bucket_elements=state.runner.whole_bucket_elements,
             fp32_params=any(data is not None and data.dtype == torch.float32 for data in params_data))
         held += part.held_bytes
         buffers += part.buffer_bytes

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_sdp4bit.comm.layout import (MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, ONE_QUEUE_MAX_CHUNK_ELEMENTS,
+from megatron_sdp4bit.comm.layout import (MAX_CHUNK_ELEMENTS, MIN_SLICE_ELEMENTS, ONE_QUEUE_WHOLE_BUCKET_ELEMENTS,
                                           weight_slices)
 from megatron_sdp4bit.comm.memory_plan import (
     grad_buffer_demand,
@@ -167,23 +167,33 @@ def test_synchronous_gathers_keep_useful_calls_at_many_ranks():
                          [(8, 8, 122, 41), (16, 8, 163, 67)])
 def test_one_hardware_queue_takes_megatrons_buckets_whole(dp, node_members, one_queue_mib,
                                                           default_mib):
-    """The deferring runner's cap (``ONE_QUEUE_MAX_CHUNK_ELEMENTS``) keeps megatron's
-    default overlapped bucket (40 M elements, padded) in one chunk and one slice: the
-    buffers are then the bucket's, a few bytes per element (the figures
-    comm/layout.py quotes), not two chunks' of ``MAX_CHUNK_ELEMENTS``."""
+    """Up to the deferring runner's limit (``ONE_QUEUE_WHOLE_BUCKET_ELEMENTS``) a bucket
+    is one chunk and one slice: for megatron's default overlapped bucket (40 M elements,
+    padded) the buffers are the bucket's, a few bytes per element (the figures
+    comm/layout.py quotes), not two chunks' of ``MAX_CHUNK_ELEMENTS``. Above it (a whole
+    pipeline stage in one bucket) the chunks and the buffers are the other runners'."""
     n = -(-40_000_000 // (dp * 128)) * dp * 128
     shard = n // dp
 
-    def mib(cap):
-        grads = grad_buffer_demand(n, dp, SDP, node_members, cap)
-        weights = weight_buffer_demand(n, dp, SDP, node_members, cap)
+    def mib(bucket, whole):
+        grads = grad_buffer_demand(bucket, dp, SDP, node_members, whole)
+        weights = weight_buffer_demand(bucket, dp, SDP, node_members, whole)
         return (sum(grads.values()) + sum(weights.values())) / 2**20
 
-    assert set(grad_buffer_demand(n, dp, SDP, node_members, ONE_QUEUE_MAX_CHUNK_ELEMENTS)) <= {
+    one_queue = ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
+    assert set(grad_buffer_demand(n, dp, SDP, node_members, one_queue)) <= {
         f"grads hop {h} {k} 0" for h in (0, 1) for k in ("send", "receive")}  # one chunk
-    assert weight_slices(shard, dp, 2048, False, ONE_QUEUE_MAX_CHUNK_ELEMENTS) == [(0, shard)]
-    assert round(mib(ONE_QUEUE_MAX_CHUNK_ELEMENTS)) == one_queue_mib
-    assert round(mib(None)) == default_mib
+    assert round(mib(n, one_queue)) == one_queue_mib
+    assert round(mib(n, None)) == default_mib
     assert layer_memory([n], dp, SDP, params=n, node_members=node_members, fp32_params=False,
-                        max_chunk_elements=ONE_QUEUE_MAX_CHUNK_ELEMENTS).buffer_bytes == \
-        round(mib(ONE_QUEUE_MAX_CHUNK_ELEMENTS) * 2**20)
+                        whole_bucket_elements=one_queue).buffer_bytes == round(mib(n, one_queue) * 2**20)
+    # a stage of 500 M parameters in one bucket: chunks of MAX_CHUNK_ELEMENTS, as elsewhere
+    stage = -(-500_000_000 // (dp * 128)) * dp * 128
+    assert grad_buffer_demand(stage, dp, SDP, node_members, one_queue) == \
+        grad_buffer_demand(stage, dp, SDP, node_members, None)
+    assert weight_buffer_demand(stage, dp, SDP, node_members, one_queue) == \
+        weight_buffer_demand(stage, dp, SDP, node_members, None)
+    # with both, a workspace keeps the larger of each buffer: the whole bucket's at most
+    both = layer_memory([n, stage], dp, SDP, params=n + stage, node_members=node_members,
+                        fp32_params=False, whole_bucket_elements=one_queue).buffer_bytes
+    assert mib(n, one_queue) * 2**20 <= both <= (mib(n, one_queue) + mib(stage, None)) * 2**20

@@ -21,7 +21,7 @@ from megatron_sdp4bit import comm
 from megatron_sdp4bit.comm import (primitives, quantized_all_gather_weights, quantized_reduce_scatter,
                                    reduce_scatter_plan, weights)
 from megatron_sdp4bit.comm.deferring_runner import DeferringRunner
-from megatron_sdp4bit.comm.layout import ONE_QUEUE_MAX_CHUNK_ELEMENTS
+from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
 from megatron_sdp4bit.comm.runner_choice import check_same_kind_everywhere
 from megatron_sdp4bit.comm.workspace import Workspace
 from megatron_sdp4bit.config import SDP4BitConfig
@@ -94,51 +94,74 @@ def _bucket_calls(rank: int, world: int, config, runner=None, clock=None) -> lis
     return outs + models
 
 
+SMALL_CAPS = lambda world: (world * 2048, 1, world * 2048, 1)  # noqa: E731  4 chunks, 4 slices
+
+
+def _caps(values=None) -> tuple:
+    """The collectives' chunk and slice caps; set to ``values`` where given."""
+    old = (reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS,
+           weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS)
+    if values is not None:
+        (reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS,
+         weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS) = values
+    return old
+
+
+def _deferred_calls(rank: int, world: int, config, whole_bucket_elements) -> tuple:
+    """``_bucket_calls`` on a deferring runner with ``whole_bucket_elements``, the hops
+    timed: (the clock, the results)."""
+    to_all, gather = dist.all_to_all_single, primitives._all_gather_flat
+    clock = _Clock()
+    dist.all_to_all_single = lambda *a, **k: clock.hop(to_all(*a, **k))
+    primitives._all_gather_flat = lambda *a, **k: clock.hop(gather(*a, **k))
+    try:
+        runner = _timed(DeferringRunner(torch.device("cpu"), whole_bucket_elements), clock)
+        return clock, _bucket_calls(rank, world, config, runner, clock)
+    finally:
+        dist.all_to_all_single, primitives._all_gather_flat = to_all, gather
+
+
 @battery.case(*WORLDS)
 def one_queue_waits(rank: int, world: int) -> list:
-    """(rpn, waits inside a submission for a hop of the same one, bit-identical to the
-    synchronous calls in one chunk) for every node layout."""
-    caps = (reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS,
-            weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS)
-    to_all, gather = dist.all_to_all_single, primitives._all_gather_flat
+    """For every node layout and two limits (the runner's default, which takes these
+    buckets whole, and one below them): (rpn, limit, waits inside a submission, those
+    for a hop of the same submission, bit-identical to the synchronous calls in the
+    chunks the limit implies), with caps that cut each bucket into 4 chunks and 4
+    slices where it is not taken whole."""
+    defaults = _caps()
     records = []
     try:
         for rpn in ranks_per_node_choices(world):
             comm.get_topology(dist.group.WORLD, rpn)
             config = SDP4BitConfig(ranks_per_node=rpn, rounding="stochastic")
-            sync = _bucket_calls(rank, world, config)  # the default caps: one chunk each
-            # caps that cut every bucket into 4 chunks and 4 slices on the other runners
-            reduce_scatter_plan.MAX_CHUNK_ELEMENTS = world * 2048
-            reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS = 1
-            weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS = world * 2048, 1
-            clock = _Clock()
-            dist.all_to_all_single = lambda *a, **k: clock.hop(to_all(*a, **k))
-            primitives._all_gather_flat = lambda *a, **k: clock.hop(gather(*a, **k))
-            try:
-                runner = _timed(DeferringRunner(torch.device("cpu")), clock)
-                deferred = _bucket_calls(rank, world, config, runner, clock)
-            finally:
-                dist.all_to_all_single, primitives._all_gather_flat = to_all, gather
-                (reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS,
-                 weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS) = caps
-            same_call = [(issued, now) for issued, now in clock.waits_in_call if issued == now]
-            records.append((rpn, len(clock.waits_in_call), same_call,
-                            all(torch.equal(a, b) for a, b in zip(sync, deferred))))
+            whole = _bucket_calls(rank, world, config)  # the default caps: one chunk each
+            _caps(SMALL_CAPS(world))
+            chunked = _bucket_calls(rank, world, config)
+            for limit, sync in (("default", whole), ("below", chunked)):
+                clock, deferred = _deferred_calls(
+                    rank, world, config,
+                    ONE_QUEUE_WHOLE_BUCKET_ELEMENTS if limit == "default" else world * 4096)
+                same_call = [(issued, now) for issued, now in clock.waits_in_call if issued == now]
+                records.append((rpn, limit, len(clock.waits_in_call), same_call,
+                                all(torch.equal(a, b) for a, b in zip(sync, deferred))))
+            _caps(defaults)
     finally:
-        (reduce_scatter_plan.MAX_CHUNK_ELEMENTS, reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS,
-         weights.MAX_CHUNK_ELEMENTS, weights.MIN_SLICE_ELEMENTS) = caps
+        _caps(defaults)
     return records
 
 
 def test_one_queue_stages_wait_only_for_hops_of_earlier_calls(world):
-    assert world * 8192 < ONE_QUEUE_MAX_CHUNK_ELEMENTS  # each bucket is one chunk on the runner
+    assert world * 8192 < ONE_QUEUE_WHOLE_BUCKET_ELEMENTS  # each bucket is one chunk on the runner
     for rank, records in enumerate(battery.results(one_queue_waits, world)):
-        assert len(records) == len(ranks_per_node_choices(world))
-        for rpn, waits, same_call, identical in records:
-            assert waits > 0, f"rank {rank}, rpn {rpn}: no wait ran inside a submission"
-            assert not same_call, (f"rank {rank}, rpn {rpn}: a submission waited for hops it "
-                                   f"issued itself: {same_call}")
-            assert identical, f"rank {rank}, rpn {rpn}: differs from the synchronous calls"
+        assert len(records) == 2 * len(ranks_per_node_choices(world))
+        for rpn, limit, waits, same_call, identical in records:
+            where = f"rank {rank}, rpn {rpn}, limit {limit}"
+            assert waits > 0, f"{where}: no wait ran inside a submission"
+            assert identical, f"{where}: differs from the synchronous calls"
+            if limit == "default":
+                assert not same_call, f"{where}: a submission waited for its own hops: {same_call}"
+            else:  # what the whole bucket spares: chunks waiting for one another in one call
+                assert same_call, f"{where}: chunked buckets showed no wait in their own call"
 
 
 @battery.case(*WORLDS)

@@ -186,10 +186,10 @@ def back_to_back_equals_sync(rank: int, world: int) -> list:
 @battery.case(*WORLDS)
 def deferred_back_to_back_equals_sync(rank: int, world: int) -> list:
     """The same on a deferring runner (one hardware queue): each call's stages issued at
-    the next calls, the rest at the first wait. Its cap is lifted to the collectives'
-    own (small here), so that calls have several chunks and slices, as a bucket above the
-    runner's cap has (tests/comm/test_comm_one_queue.py checks the cap itself)."""
-    return _back_to_back(rank, world, DeferringRunner(torch.device("cpu"), max_chunk_elements=None))
+    the next calls, the rest at the first wait. It takes no bucket whole here, so that
+    calls have the several chunks and slices of the collectives' own (small) caps, as a
+    bucket above its limit has (tests/comm/test_comm_one_queue.py checks the limit)."""
+    return _back_to_back(rank, world, DeferringRunner(torch.device("cpu"), whole_bucket_elements=None))
 
 
 @pytest.mark.parametrize("case", [back_to_back_equals_sync, deferred_back_to_back_equals_sync],

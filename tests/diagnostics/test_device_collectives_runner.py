@@ -49,7 +49,7 @@ def test_a_runner_with_its_own_chunk_cap_takes_the_synchronous_reference_too():
     deferred = DeferringRunner(cpu)
     for async_op in (False, True):
         assert device_collectives._on(cpu, cpu, async_op, deferred)["runner"] is deferred
-    worker = SimpleNamespace(max_chunk_elements=None, group_for=lambda group: group)
+    worker = SimpleNamespace(whole_bucket_elements=None, group_for=lambda group: group)
     assert "runner" not in device_collectives._on(cpu, cpu, False, worker)
     assert device_collectives._on(cpu, cpu, True, worker)["runner"] is worker
     # the CPU reference of a check on CUDA never goes to the runner
