@@ -253,6 +253,6 @@ def test_one_hardware_queue_on_the_stream_runner_says_what_it_costs(monkeypatch,
         assert state.runner.kind == "deferred"
         assert len(lines) == 1 and "CUDA_DEVICE_MAX_CONNECTIONS=1" in lines[0]
         assert "issued at megatron's next start or wait" in lines[0]
-        assert "in chunks of up to 64 M elements" in lines[0]
+        assert "a bucket of up to 64 M elements in one chunk" in lines[0]
     else:
         assert state.runner.kind == "stream" and lines == []
