@@ -20,8 +20,9 @@ shard):
 
 Chunk i+1's first hop is in flight while chunk i's second hop runs. A chunk
 holds at most ``MAX_CHUNK_ELEMENTS`` (more chunks than ``pipeline_chunks`` where
-needed; one, the whole bucket, up to a runner's ``whole_bucket_elements``), and chunks are launched one after another as earlier ones finish, so
-the buffers are a few chunks' codes whatever the bucket size.
+needed; a bucket of up to a runner's ``whole_bucket_elements`` is one chunk), and
+chunks are launched one after another as earlier ones finish, so the buffers are a
+few chunks' codes whatever the bucket size.
 
 On a worker thread (gloo) a call is a ``StagedJob`` (``comm/runner.py``): the next
 call's chunk 0 is quantized and sent on its first hop while this call's last chunk

@@ -182,6 +182,7 @@ def whole_bucket(elements: int, whole_bucket_elements: Optional[int]) -> bool:
     ``comm/runner.py``)."""
     return whole_bucket_elements is not None and elements <= whole_bucket_elements
 
+
 MIN_CHUNK_SHARD_ELEMENTS = 1 << 18
 """A reduce-scatter chunk holds at least this many elements of each shard (unless
 ``pipeline_chunks`` asks for more chunks): each chunk is two all-to-all calls whose

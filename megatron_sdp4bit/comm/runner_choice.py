@@ -39,8 +39,8 @@ def make_runner(kind: str, device: torch.device):
 
 def check_same_kind_everywhere(kind: str) -> None:
     """Raise on every rank, in one line, unless every rank of the world chose ``kind``
-    (a world collective; every rank calls it at the same point). Runners differ in their
-    chunk caps and in when they issue each stage: ranks on different runners would send
+    (a world collective; every rank calls it at the same point). Runners differ in the
+    buckets they take in one chunk and in when they issue each stage: ranks on different runners would send
     all-to-alls of other sizes, or in another order, to one another, and hang or sum
     garbage. The kind hangs on the backend and on ``CUDA_DEVICE_MAX_CONNECTIONS``
     (``megatron/background.py``), which a launcher may set on some nodes only."""
