@@ -51,8 +51,10 @@ def reduce_scatter_calls(shard: int, layout: NodeLayout, config: SDP4BitConfig,
 def weight_slices(shard: int, layout: NodeLayout, config: SDP4BitConfig,
                   impl: Implementation) -> int:
     """Slices a quantized all-gather of this shard runs in (``comm.layout.weight_slices``,
-    what ``comm/weights.py`` runs, overlapped or not: slices of whole groups)."""
-    if not impl.sliced_weight_gather or impl.max_chunk_elements is None:
+    what ``comm/weights.py`` runs, overlapped or not: slices of whole groups; one where the
+    runner takes the bucket whole)."""
+    if (not impl.sliced_weight_gather or impl.max_chunk_elements is None
+            or impl.takes_whole(shard, layout.dp_size)):
         return 1
     return len(layout_weight_slices(shard, layout.dp_size, config.weight_group_size, False,
                                     impl.max_chunk_elements, impl.min_slice_elements))

@@ -24,6 +24,7 @@ from megatron_sdp4bit.estimate.kernels import (CPU_TABLE_THREADS, KernelModel, K
 EXACT_REDUCE_SCATTERS = ("ring", "alltoall", "allreduce")
 VARIANT_NAMES = ("baseline", "zeropp", "sdp4bit")  # timing.VARIANTS' keys
 IMPLEMENTATIONS = ("megatron_sdp4bit", "paper-reference")  # implementation.py's two
+RUNNERS = ("stream", "deferred")  # timing.RUNNERS
 # Flags that describe one run; --check-paper and --break-even take none of them.
 RUN_FLAGS = ("config", "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
              "seq_length", "vocab_size", "micro_batch_size", "global_batch_size",
@@ -112,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model weights, i.e. the exact all-gather's elements (gradients: fp32)")
     s.add_argument("--pipeline-chunks", type=pos_int, default=None,
                    help="quantized reduce-scatter pipeline chunks (presets: 1)")
+    s.add_argument("--runner", choices=("auto",) + RUNNERS, default="auto",
+                   help="with --overlap: the layer's runner on NCCL, stream (a side stream) or "
+                   "deferred (one hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1); auto: "
+                   "deferred with --tp > 1 (megatron asks for that variable under tensor "
+                   "parallelism before Blackwell), else stream")
     s.add_argument("--implementation", choices=IMPLEMENTATIONS, default=None,
                    help="whose quantized collectives: megatron_sdp4bit (default) or the paper's "
                    "reference code (default of --check-paper): calls, messages, staging copy")
@@ -301,7 +307,7 @@ def _estimate_and_print(args, variants, kernels, latency) -> int:
                             exact_reduce_scatter=args.exact_reduce_scatter,
                             pipeline_chunks=args.pipeline_chunks,
                             param_element_size=2 if args.param_dtype == "bf16" else 4,
-                            implementation=impl)
+                            implementation=impl, runner=_runner(args.runner, tp, impl))
         result = estimate(cluster, workload, kernels, variants)
     except (ModelError, EstimateError) as exc:
         return _fail(exc.flag, str(exc))
@@ -309,6 +315,18 @@ def _estimate_and_print(args, variants, kernels, latency) -> int:
 
     print(json.dumps(to_json(result), indent=1) if args.json else format_report(result))
     return 0
+
+
+def _runner(choice: str, tp: int, impl) -> str:
+    """``--runner``: ``auto`` is the runner megatron's own check leaves the layer: one
+    hardware queue under tensor parallelism (megatron asks for CUDA_DEVICE_MAX_CONNECTIONS=1
+    there before Blackwell; ``megatron/background.py`` picks the runner from it), for this
+    project's collectives (the paper's code has no runner)."""
+    from megatron_sdp4bit.estimate import implementation
+
+    if choice != "auto":
+        return choice
+    return "deferred" if tp > 1 and impl is implementation.THIS_PROJECT else "stream"
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_sdp4bit.comm.layout import MAX_CHUNK_ELEMENTS, MIN_CHUNK_SHARD_ELEMENTS, MIN_SLICE_ELEMENTS
+from megatron_sdp4bit.comm.layout import (MAX_CHUNK_ELEMENTS, MIN_CHUNK_SHARD_ELEMENTS,
+                                          MIN_SLICE_ELEMENTS, whole_bucket)
 
 #: Messages one quantized all-to-all hop, or one quantized all-gather, sends each peer.
 #: 1: codes and scales in one buffer (comm/gradients.py, comm/weights.py: quant.wire_view).
@@ -54,6 +55,16 @@ class Implementation:
     """On a two-level layout the quantized all-gather runs in two hops, across nodes among
     one local index's ranks, then inside the node (comm/gather_hops.py); False: one ring
     over the DP group."""
+    whole_bucket_elements: Optional[int] = None
+    """A collective over at most this many elements (all shards) runs as one chunk and one
+    slice, whatever ``max_chunk_elements`` says: the runner's limit (``comm.layout.
+    whole_bucket``; ``ONE_QUEUE_WHOLE_BUCKET_ELEMENTS`` on the runner for one hardware
+    queue, ``comm/deferring_runner.py``); None: never."""
+
+    def takes_whole(self, shard: int, dp: int) -> bool:
+        """Whether a collective of ``dp`` shards of ``shard`` elements runs as one chunk
+        and one slice (``whole_bucket_elements``)."""
+        return whole_bucket(dp * shard, self.whole_bucket_elements)
 
 
 THIS_PROJECT = Implementation(

@@ -9,9 +9,20 @@ from megatron_sdp4bit.estimate.volume import EXACT_REDUCE_SCATTERS
 OVERLAP_TEXT = {
     "none": "none: compute + quantization kernels + reduce-scatter + all-gather, one after another",
     "grads": "grads: each bucket's reduce-scatter hidden under the backward pass that follows it "
-             "(2/3 of compute); all-gather and kernels exposed",
+             "(2/3 of compute); all-gather exposed",
     "full": "full: reduce-scatter under the backward pass (2/3 of compute), all-gather under the "
-            "next forward pass (1/3); kernels exposed",
+            "next forward pass (1/3)",
+}
+
+RUNNER_TEXT = {
+    "stream": "the layer's runner: a side stream (every stage of a bucket's quantized collective "
+              "issued when megatron starts it; its kernels and transfers one chain beside the "
+              "pass; the weight gathers issued after the optimizer step)",
+    "deferred": "the layer's runner: one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, which "
+                "megatron asks for with --tp > 1 before Blackwell; --runner stream for a job "
+                "without it): stages issued at megatron's later calls, each hop beside one "
+                "bucket's pass; buckets of up to 64 M elements in one chunk; the quantization "
+                "kernels in the step",
 }
 
 
@@ -52,7 +63,12 @@ def format_report(e: Estimate) -> str:
         "all-gathers as rings (" + ("the quantized ones in two, across nodes then inside the "
         "node, on two-level layouts" if w.implementation.two_level_weight_gather else "one over "
         "the DP group") + "); quantized hops as direct sends",
-        f"overlap: {OVERLAP_TEXT[w.overlap]}",
+        f"overlap: {OVERLAP_TEXT[w.overlap]}"
+        + ("" if w.overlap == "none" else f"; {RUNNER_TEXT[w.runner]}"),
+        *([f"NOT MODELLED: {e.one_queue_chunked_buckets} bucket(s) above 64 M elements, which "
+           "the runner for one hardware queue keeps in chunks that wait for one another "
+           "inside one call (docs/collectives.md, 'Chunks under one queue'): the step is "
+           "longer than shown"] if e.one_queue_chunked_buckets else []),
         f"kernels: {e.kernels.describe()}",
         "",
         "Bytes per step. sent/rank: what one rank sends (the wire accounting of "
@@ -129,7 +145,9 @@ def to_json(e: Estimate) -> dict:
                        "inter": c.latency.inter_us, "message": c.latency.message_us},
         "implementation": w.implementation.name,
         "global_batch": w.global_batch, "flops_per_step": e.flops, "compute_s": e.compute_s,
-        "overlap": w.overlap, "exact_reduce_scatter": w.exact_reduce_scatter,
+        "overlap": w.overlap, "runner": w.runner,
+        "one_queue_chunked_buckets": e.one_queue_chunked_buckets,
+        "exact_reduce_scatter": w.exact_reduce_scatter,
         "kernels": e.kernels.describe(), "buckets": {str(k): v for k, v in e.buckets.items()},
         "variants": {
             name: {

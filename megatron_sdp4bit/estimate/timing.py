@@ -51,12 +51,20 @@ The model, stated once (docs/performance.md, "Estimator"):
   the CPU study in docs/performance.md, "Overlap".) Not modelled: the kernels' share of the
   device beside the backward pass (on a GPU they may take SMs the backward
   needs; on the CPU emulation they take its cores).
+
+Under one hardware queue (``runner="deferred"``, ``CUDA_DEVICE_MAX_CONNECTIONS=1``) the
+layer issues each stage at megatron's next call (``comm/deferring_runner.py``), a bucket of
+up to ``ONE_QUEUE_WHOLE_BUCKET_ELEMENTS`` in one chunk: each hop hides behind one
+bucket's pass and no more, a wait for a hop still in flight stops the pass, the gathers
+start one bucket ahead, and the kernels add to the step
+(``_deferred_reduce_scatter_exposed``, ``_deferred_gather_exposed``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
+from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
 from megatron_sdp4bit.comm.memory_plan import LayerMemory, layer_memory
 from megatron_sdp4bit.config import SDP4BitConfig, preset
 from megatron_sdp4bit.estimate import calls, volume
@@ -68,6 +76,7 @@ from megatron_sdp4bit.estimate.network import (NCCL_LATENCY, Calls, Latency, Net
                                                ring_calls)
 
 OVERLAPS = ("none", "grads", "full")
+RUNNERS = ("stream", "deferred")  # the layer's runners on NCCL (comm/runner_choice.py)
 GRAD_ELEMENT_SIZE = 4   # Megatron reduces gradients in fp32 (grad_reduce_in_fp32)
 PARAM_ELEMENT_SIZE = 2  # bf16 model weights
 
@@ -117,6 +126,12 @@ class Workload:
     pipeline_chunks: Optional[int] = None  # override the presets' value (1)
     param_element_size: int = PARAM_ELEMENT_SIZE  # model weights: 2 (bf16) or 4 (fp32)
     implementation: Implementation = THIS_PROJECT
+    runner: str = "stream"
+    """With overlap, the layer's runner on NCCL: ``stream`` (a side stream: every stage of
+    a collective issued when megatron starts it) or ``deferred`` (one hardware queue,
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which megatron asks for under tensor parallelism
+    before Blackwell: stages issued at megatron's later calls, a bucket of up to
+    ``ONE_QUEUE_WHOLE_BUCKET_ELEMENTS`` in one chunk; ``comm/deferring_runner.py``)."""
 
 
 @dataclass
@@ -167,6 +182,16 @@ class Estimate:
 
     def speedup(self, name: str) -> float:
         return self.variants["baseline"].step_s / self.variants[name].step_s
+
+    @property
+    def one_queue_chunked_buckets(self) -> int:
+        """Buckets the runner for one hardware queue cannot take whole (above its
+        ``whole_bucket_elements``): their chunks wait for one another inside one call,
+        holding up the pass, which the model leaves out (it is optimistic for them)."""
+        limit = self.workload.implementation.whole_bucket_elements
+        if limit is None:
+            return 0
+        return sum(n > limit for numels in self.buckets.values() for n in numels)
 
     def tflops_per_gpu(self, name: str) -> float:
         return self.flops / self.cluster.world / self.variants[name].step_s / 1e12
@@ -245,6 +270,75 @@ def _gather_exposed(comm: float, forward: float, shares: List[float]) -> float:
     return computed - forward
 
 
+def _deferred_reduce_scatter_exposed(hops: List[float], backward: float,
+                                     shares: List[float]) -> float:
+    """What the reduce-scatters add to the ``backward`` pass on the runner for one hardware
+    queue (``comm/deferring_runner.py``). ``hops``: each hop's seconds over all buckets (a
+    bucket takes its share). Bucket j's hop s is issued at megatron's start of bucket
+    j + s, its write at bucket j + L's (L hops), and ``finish_grad_sync`` issues what is
+    left; a stage that waits for a hop still in flight holds up the queue, so the pass
+    stops until that hop is done. Each hop runs on its own group's NCCL stream, after the
+    previous bucket's same hop. The pass ends at the last bucket's start, so besides the
+    last bucket's hops the second hop of the bucket before it stays out. (The kernels are not in ``hops``: under one queue a hop's
+    NCCL kernel waits for the kernel before it, and the pass with it, so they add to the
+    step.)"""
+    levels, count = len(hops), len(shares)
+    done = [[0.0] * levels for _ in shares]
+    free = [0.0] * levels
+    now = 0.0
+
+    def issue(j: int, stage: int) -> None:
+        nonlocal now
+        if stage > 0:
+            now = max(now, done[j][stage - 1])  # the stage waits for the hop before it
+        if stage < levels:
+            done[j][stage] = max(now, free[stage]) + hops[stage] * shares[j]
+            free[stage] = done[j][stage]
+
+    for i, share in enumerate(shares):
+        now += backward * share
+        for j in range(max(0, i - levels), i + 1):  # oldest first: tails, bodies, the head
+            issue(j, i - j)
+    for round_ in range(1, levels + 1):  # the first wait: every job's next stage, in rounds
+        for j in range(max(0, count - levels), count):
+            if count - 1 - j + round_ <= levels:
+                issue(j, count - 1 - j + round_)
+    return now - backward
+
+
+def _deferred_gather_exposed(hops: List[float], forward: float, shares: List[float]) -> float:
+    """What the weight gathers add to the ``forward`` pass on the runner for one hardware
+    queue: megatron starts each bucket's gather at the forward pre-hook of the bucket
+    before it (the first at its own), which issues its first hop; the pre-hook's wait
+    issues the rest, each hop after the one before, and holds up the pass until they
+    are done. So only a gather's first hop (across nodes, on two levels) runs beside
+    the forward work of one bucket. ``hops`` as ``_deferred_reduce_scatter_exposed``'s."""
+    order = list(reversed(shares))  # the forward pass needs the buckets in reverse
+    free = [0.0] * len(hops)
+    now = 0.0
+
+    def start(share: float) -> float:
+        free[0] = max(now, free[0]) + hops[0] * share
+        return free[0]
+
+    first_hop_done = start(order[0])
+    for k, share in enumerate(order):
+        now = max(now, first_hop_done)
+        for stage in range(1, len(hops)):
+            free[stage] = max(now, free[stage]) + hops[stage] * share
+            now = free[stage]
+        if k + 1 < len(order):
+            first_hop_done = start(order[k + 1])
+        now += forward * share
+    return now - forward
+
+
+def _hop_seconds(phases: List[volume.Links], latency_s: float, network: Network) -> List[float]:
+    """Seconds of each hop (phase) of a direction over all buckets, its calls' latency split
+    evenly between the hops."""
+    return [network.phase_seconds(links) + latency_s / len(phases) for links in phases]
+
+
 def _compute(cluster: Cluster, workload: Workload, microbatches: int) -> Tuple[float, float, str]:
     """(compute seconds, tensor-parallel all-reduce seconds, where compute came from)."""
     flops = step_flops(workload.shape, workload.global_batch, workload.attention_flops)
@@ -298,6 +392,7 @@ def estimate(cluster: Cluster, workload: Workload, kernels: KernelModel,
         raise EstimateError("--tp", f"--tp {cluster.tp} x --pp {cluster.pp} does not divide the "
                             f"{cluster.world} GPUs ({cluster.nodes} nodes x {cluster.gpus_per_node})")
     _check_tensor_parallel_groups(cluster)
+    workload = _with_runner(workload)
     dp = cluster.dp
     if workload.global_batch % (workload.micro_batch * dp):
         raise EstimateError("--global-batch-size", f"--global-batch-size {workload.global_batch} "
@@ -318,6 +413,23 @@ def estimate(cluster: Cluster, workload: Workload, kernels: KernelModel,
                                  buckets, (compute_s, tp_s, embedding_s))
     return Estimate(cluster, workload, kernels, flops, compute_s, source, microbatches,
                     buckets, note, results)
+
+
+def _with_runner(workload: Workload) -> Workload:
+    """``workload`` with its implementation's chunking on its runner: the runner for one
+    hardware queue takes buckets of up to ``ONE_QUEUE_WHOLE_BUCKET_ELEMENTS`` whole.
+    Without overlap megatron runs no runner (the collectives run on the caller)."""
+    if workload.runner not in RUNNERS:
+        raise EstimateError("--runner", f"--runner {workload.runner!r}: use one of "
+                            + ", ".join(RUNNERS))
+    if workload.runner != "deferred" or workload.overlap == "none":
+        return workload
+    if workload.implementation.max_chunk_elements is None:
+        raise EstimateError("--runner", f"--runner deferred is this project's runner for one "
+                            f"hardware queue; {workload.implementation.name} has none: pass "
+                            "--runner stream or --implementation megatron_sdp4bit")
+    impl = replace(workload.implementation, whole_bucket_elements=ONE_QUEUE_WHOLE_BUCKET_ELEMENTS)
+    return replace(workload, implementation=impl)
 
 
 def _check_tensor_parallel_groups(cluster: Cluster) -> None:
@@ -373,7 +485,8 @@ class _Traffic:
     """One variant's step on the links: per phase, calls per rank, sent bytes, kernels."""
 
     grad_phases: List[volume.Links]
-    weight: volume.Links
+    weight: volume.Links              # the weight gather's hops together
+    weight_phases: List[volume.Links]  # each hop of it
     pipelined: int
     grad_calls: Calls
     weight_calls: Calls
@@ -388,10 +501,11 @@ def _traffic(config, cluster, workload, kernels, layouts, buckets) -> _Traffic:
     impl = workload.implementation
     grad = [volume.Links.empty(), volume.Links.empty()]  # per hop (exact: one phase)
     weight = volume.Links.empty()
-    phases, pipelined = 0, 1
+    weight_phases = [volume.Links.empty(), volume.Links.empty()]
+    phases, pipelined, gather_phases = 0, 1, 0
     per_stage = {}
     for stage, layout in layouts:
-        group = [volume.Links.empty(), volume.Links.empty(), volume.Links.empty()]
+        group = [volume.Links.empty() for _ in range(5)]  # grad hops, weights, weight hops
         for numel in buckets[stage]:
             shard = numel // layout.dp_size
             rs = volume.reduce_scatter_links(shard, GRAD_ELEMENT_SIZE, layout, config,
@@ -399,18 +513,21 @@ def _traffic(config, cluster, workload, kernels, layouts, buckets) -> _Traffic:
             for i, (_, links) in enumerate(rs.phases):
                 group[i].merge(links, concurrent=False)
             phases, pipelined = max(phases, len(rs.phases)), max(pipelined, rs.pipelined)
-            for _, links in volume.all_gather_links(shard, workload.param_element_size, layout,
-                                                    config, impl).phases:
+            gather = volume.all_gather_links(shard, workload.param_element_size, layout,
+                                             config, impl).phases
+            gather_phases = max(gather_phases, len(gather))
+            for i, (_, links) in enumerate(gather):
                 group[2].merge(links, concurrent=False)
-        for total, links in zip(grad + [weight], group):
+                group[3 + i].merge(links, concurrent=False)
+        for total, links in zip(grad + [weight] + weight_phases, group):
             total.merge(links)
         if stage not in per_stage:  # every DP group of a stage is alike: take its first
             per_stage[stage] = _rank_work(config, layout, buckets[stage], workload, kernels)
     # The busiest stage sets the pace (its DP traffic is the largest).
     stage = max(per_stage, key=lambda s: per_stage[s][0].exact_intra + per_stage[s][0].exact_inter)
     grad_sent, weight_sent, grad_calls, weight_calls, ops = per_stage[stage]
-    return _Traffic(grad[:phases], weight, pipelined, grad_calls, weight_calls, grad_sent,
-                    weight_sent, ops)
+    return _Traffic(grad[:phases], weight, weight_phases[:gather_phases], pipelined, grad_calls,
+                    weight_calls, grad_sent, weight_sent, ops)
 
 
 def _rank_work(config, layout, stage_buckets, workload, kernels):
@@ -452,14 +569,27 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
     kernel_s = sum(t.kernel_ops.values())
     shared = kernels.shares_compute
     grad_exposed, weight_exposed = grad_s, weight_s
+    # On the runner for one hardware queue the quantized collectives' kernels stay in the
+    # step (``_deferred_reduce_scatter_exposed``); megatron's exact ones run as before.
+    deferred = workload.runner == "deferred"
     if workload.overlap != "none":
-        grad_exposed = (_reduce_scatter_exposed(grad_s, backward + grad_kernels, shares) if shared
-                        else _reduce_scatter_exposed(grad_s + grad_kernels, backward, shares))
-        kernel_s -= 0 if shared else grad_kernels
-    if workload.overlap == "full":
-        weight_exposed = (_gather_exposed(weight_s, forward + weight_kernels, shares) if shared
-                          else _gather_exposed(weight_s + weight_kernels, forward, shares))
-        kernel_s -= 0 if shared else weight_kernels
+        if deferred and config.quantize_grads:
+            grad_exposed = _deferred_reduce_scatter_exposed(
+                _hop_seconds(t.grad_phases, grad_lat, net), backward, shares)
+        else:
+            grad_exposed = (_reduce_scatter_exposed(grad_s, backward + grad_kernels, shares)
+                            if shared else
+                            _reduce_scatter_exposed(grad_s + grad_kernels, backward, shares))
+            kernel_s -= 0 if shared else grad_kernels
+    if workload.overlap == "full" and t.weight_phases:
+        if deferred and config.quantize_weights:
+            weight_exposed = _deferred_gather_exposed(
+                _hop_seconds(t.weight_phases, weight_lat, net), forward, shares)
+        else:
+            weight_exposed = (_gather_exposed(weight_s, forward + weight_kernels, shares)
+                              if shared else
+                              _gather_exposed(weight_s + weight_kernels, forward, shares))
+            kernel_s -= 0 if shared else weight_kernels
     memory = max((_stage_memory(stage, layout, buckets[stage], config, cluster, workload)
                   for stage, layout in layouts), key=lambda m: m.per_param(m.total_bytes))
     all_links = volume.Links.empty()
@@ -483,4 +613,5 @@ def _stage_memory(stage, layout, stage_buckets, config, cluster, workload) -> La
         config = replace(config, weight_gather="flat")  # as the byte count gathers: no reordered copy
     return layer_memory(stage_buckets, layout.dp_size, config, params=params,
                         node_members=len(layout.nodes[0]) if layout.is_two_level else 0,
-                        fp32_params=workload.param_element_size == 4)
+                        fp32_params=workload.param_element_size == 4,
+                        whole_bucket_elements=workload.implementation.whole_bucket_elements)

@@ -106,11 +106,14 @@ def grad_chunks(shard: int, layout: NodeLayout, config: SDP4BitConfig,
                 impl: Implementation = THIS_PROJECT) -> list:
     """``comm.quantized_reduce_scatter``'s pipeline chunks of a shard (padding included):
     ``config.pipeline_chunks``, or more where a chunk over all shards would exceed the
-    implementation's ``max_chunk_elements`` (``comm.layout.chunk_count``)."""
+    implementation's ``max_chunk_elements`` (``comm.layout.chunk_count``), unless its
+    runner takes the bucket whole (``Implementation.takes_whole``)."""
     align = config.grad_alignment([level for level, _ in hop_levels(layout)])
     chunks = config.pipeline_chunks
     if impl.max_chunk_elements is not None:
-        chunks = chunk_count(shard, layout.dp_size, chunks, impl.max_chunk_elements,
+        cap = (layout.dp_size * shard if impl.takes_whole(shard, layout.dp_size)
+               else impl.max_chunk_elements)
+        chunks = chunk_count(shard, layout.dp_size, chunks, max(1, cap),
                              impl.min_chunk_shard_elements)
     return chunk_plan(shard, align, chunks)
 
@@ -156,7 +159,7 @@ def all_gather_chunk(shard: int, element_size: int, config: SDP4BitConfig, dp: i
     the slices of a synchronous one where the implementation slices it)."""
     if not config.quantize_weights:
         return shard * element_size
-    whole = whole or not impl.sliced_weight_gather
+    whole = whole or not impl.sliced_weight_gather or impl.takes_whole(shard, dp)
     slices = weight_slices(shard, dp, config.weight_group_size, whole, impl.max_chunk_elements
                            or MAX_CHUNK_ELEMENTS, impl.min_slice_elements)
     return sum(_segment_nbytes(n, config.weight_bits, config.weight_group_size) for _, n in slices)
@@ -177,7 +180,7 @@ def all_gather_sent(shard: int, element_size: int, layout: NodeLayout, rank: int
     exact = Sent(exact_intra=same * shard * element_size, exact_inter=other * shard * element_size)
     if layout.dp_size == 1 or shard == 0:
         return exact
-    chunk = all_gather_chunk(shard, element_size, config, layout.dp_size)
+    chunk = all_gather_chunk(shard, element_size, config, layout.dp_size, impl)
     if two_level_gather(layout, config, impl):
         nodes = layout.num_nodes
         return exact + Sent(intra=(layout.members_per_node - 1) * nodes * chunk,
@@ -312,7 +315,7 @@ def all_gather_links(shard: int, element_size: int, layout: NodeLayout,
     of the node's segments inside each node."""
     if layout.dp_size == 1 or shard == 0:
         return PhaseLinks([])
-    chunk = all_gather_chunk(shard, element_size, config, layout.dp_size)
+    chunk = all_gather_chunk(shard, element_size, config, layout.dp_size, impl)
     if not two_level_gather(layout, config, impl):
         return PhaseLinks([("ring all-gather", ring_links(layout, layout.ranks, chunk))])
     phases = []

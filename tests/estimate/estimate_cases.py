@@ -58,12 +58,18 @@ def measure(rank: int, world: int) -> dict:
 CALL_CASES = [(rpn, shard, cap) for rpn in (1, 2, 4) for shard in (37, 4101)
               for cap in (4096, 1 << 22)]
 FLOORS = (1, 2048)  # the chunk and slice floors lowered with the cap, so that caps bite
+# The runner for one hardware queue's limits (``whole_bucket_elements``): above the
+# 4 x 4101-element buckets (taken whole), and below them (chunks of the cap).
+ONE_QUEUE_LIMITS = (1 << 26, 1000)
 
 
-def count_calls(rank: int, world: int) -> dict:
-    """{(rpn, shard, cap): (all-to-all calls of one SDP4Bit reduce-scatter, all-gather calls
-    of one synchronous quantized weight gather)} with ``MAX_CHUNK_ELEMENTS`` set to ``cap``."""
+def count_calls(rank: int, world: int, limits=(None,)) -> dict:
+    """{(rpn, shard, cap, limit): (all-to-all calls of one SDP4Bit reduce-scatter, all-gather
+    calls of one quantized weight gather)} with ``MAX_CHUNK_ELEMENTS`` set to ``cap``:
+    synchronous (limit None), or submitted to a ``DeferringRunner`` with that
+    ``whole_bucket_elements`` and waited for."""
     from megatron_sdp4bit.comm import gradients, reduce_scatter_plan, weights
+    from megatron_sdp4bit.comm.deferring_runner import DeferringRunner
 
     counts = {"a2a": 0, "ag": 0}
     a2a, ag, caps = gradients.all_to_all_equal, weights.all_gather_flat, (
@@ -75,20 +81,29 @@ def count_calls(rank: int, world: int) -> dict:
             counts[key] += 1
             return fn(*args, **kwargs)
         return wrapped
+
+    def run(call, runner):
+        handle = call(async_op=runner is not None, runner=runner)
+        if handle is not None:
+            handle.wait()
+
     gradients.all_to_all_equal, weights.all_gather_flat = counting("a2a", a2a), counting("ag", ag)
     out = {}
     try:
-        for rpn, shard, cap in CALL_CASES:
+        for (rpn, shard, cap), limit in ((case, limit) for case in CALL_CASES for limit in limits):
             reduce_scatter_plan.MAX_CHUNK_ELEMENTS = weights.MAX_CHUNK_ELEMENTS = cap
             reduce_scatter_plan.MIN_CHUNK_SHARD_ELEMENTS, weights.MIN_SLICE_ELEMENTS = FLOORS
             config = preset("sdp4bit", ranks_per_node=rpn)
+            runner = None if limit is None else DeferringRunner(torch.device("cpu"), limit)
             counts.update(a2a=0, ag=0)
-            quantized_reduce_scatter(torch.empty(shard), torch.randn(world * shard),
-                                     op=dist.ReduceOp.AVG, config=config)
+            run(lambda **kw: quantized_reduce_scatter(
+                torch.empty(shard), torch.randn(world * shard), op=dist.ReduceOp.AVG,
+                config=config, **kw), runner)
             rs = counts["a2a"]
-            quantized_all_gather_weights(torch.zeros(world * shard, dtype=torch.bfloat16),
-                                         torch.randn(shard), config=config)
-            out[(rpn, shard, cap)] = (rs, counts["ag"])
+            run(lambda **kw: quantized_all_gather_weights(
+                torch.zeros(world * shard, dtype=torch.bfloat16), torch.randn(shard),
+                config=config, **kw), runner)
+            out[(rpn, shard, cap, limit)] = (rs, counts["ag"])
     finally:
         gradients.all_to_all_equal, weights.all_gather_flat = a2a, ag
         (reduce_scatter_plan.MAX_CHUNK_ELEMENTS, weights.MAX_CHUNK_ELEMENTS,

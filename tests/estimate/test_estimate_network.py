@@ -80,7 +80,7 @@ def test_chunks_and_slices_are_the_real_collectives_calls(recorded_calls):
         impl = dataclasses.replace(THIS_PROJECT, max_chunk_elements=cap, messages_per_peer=1,
                                    min_chunk_shard_elements=FLOORS[0], min_slice_elements=FLOORS[1])
         model = calls.reduce_scatter_calls(shard, layout, config, "ring", impl)
-        a2a, ag = real[(rpn, shard, cap)]
+        a2a, ag = real[(rpn, shard, cap, None)]
         assert a2a % model.calls == 0, (rpn, shard, cap, a2a, model.calls)
         per_hop.add(a2a // model.calls)
         slices = calls.weight_slices(shard, layout, config, impl)
