@@ -65,10 +65,10 @@ def format_report(e: Estimate) -> str:
         "the DP group") + "); quantized hops as direct sends",
         f"overlap: {OVERLAP_TEXT[w.overlap]}"
         + ("" if w.overlap == "none" else f"; {RUNNER_TEXT[w.runner]}"),
-        *([f"NOT MODELLED: {e.one_queue_chunked_buckets} bucket(s) above 64 M elements, which "
-           "the runner for one hardware queue keeps in chunks that wait for one another "
-           "inside one call (docs/collectives.md, 'Chunks under one queue'): the step is "
-           "longer than shown"] if e.one_queue_chunked_buckets else []),
+        *([f"one hardware queue: {e.one_queue_chunked_buckets} bucket(s) above 64 M elements, "
+           "which the runner keeps in chunks that wait for one another inside one call, the "
+           "pass held up meanwhile (docs/collectives.md, 'Chunks under one queue')"]
+          if e.one_queue_chunked_buckets else []),
         f"kernels: {e.kernels.describe()}",
         "",
         "Bytes per step. sent/rank: what one rank sends (the wire accounting of "

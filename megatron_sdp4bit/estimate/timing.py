@@ -57,7 +57,7 @@ layer issues each stage at megatron's next call (``comm/deferring_runner.py``), 
 up to ``ONE_QUEUE_WHOLE_BUCKET_ELEMENTS`` in one chunk: each hop hides behind one
 bucket's pass and no more, a wait for a hop still in flight stops the pass, the gathers
 start one bucket ahead, and the kernels add to the step
-(``_deferred_reduce_scatter_exposed``, ``_deferred_gather_exposed``).
+(``one_queue.py``).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ from typing import Dict, List, Optional, Tuple
 from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
 from megatron_sdp4bit.comm.memory_plan import LayerMemory, layer_memory
 from megatron_sdp4bit.config import SDP4BitConfig, preset
-from megatron_sdp4bit.estimate import calls, volume
+from megatron_sdp4bit.estimate import calls, one_queue, volume
 from megatron_sdp4bit.estimate.implementation import THIS_PROJECT, Implementation
 from megatron_sdp4bit.estimate.kernels import KernelModel
 from megatron_sdp4bit.estimate.gpt_shape import (ModelShape, bucket_numels, default_bucket_size,
@@ -187,7 +187,7 @@ class Estimate:
     def one_queue_chunked_buckets(self) -> int:
         """Buckets the runner for one hardware queue cannot take whole (above its
         ``whole_bucket_elements``): their chunks wait for one another inside one call,
-        holding up the pass, which the model leaves out (it is optimistic for them)."""
+        holding up the pass (``one_queue.py``)."""
         limit = self.workload.implementation.whole_bucket_elements
         if limit is None:
             return 0
@@ -239,12 +239,27 @@ def _kernel_ops(shard: int, layout, config: SDP4BitConfig,
     return ops
 
 
+def _bucketed_stage(buckets: Dict[int, List[int]]) -> int:
+    """The stage with the most buckets (megatron buckets stage 0 only): its buckets set
+    the overlap's pace."""
+    return max(buckets, key=lambda stage: len(buckets[stage]))
+
+
 def _bucket_shares(buckets: Dict[int, List[int]]) -> List[float]:
     """Each bucket's share of the elements, in megatron's bucket order (the first is
-    reduced first), of the stage with the most buckets (megatron buckets stage 0 only)."""
-    numels = max(buckets.values(), key=len)
+    reduced first), of ``_bucketed_stage``."""
+    numels = buckets[_bucketed_stage(buckets)]
     total = sum(numels)
     return [n / total for n in numels]
+
+
+def _one_queue_splits(buckets, layouts, config, impl) -> Tuple[List[int], List[int]]:
+    """Each bucket's reduce-scatter chunks and gather slices on ``_bucketed_stage``."""
+    stage = _bucketed_stage(buckets)
+    layout = dict(layouts)[stage]
+    shards = [n // layout.dp_size for n in buckets[stage]]
+    return ([len(volume.grad_chunks(s, layout, config, impl)) for s in shards],
+            [calls.weight_slices(s, layout, config, impl) for s in shards])
 
 
 def _reduce_scatter_exposed(comm: float, backward: float, shares: List[float]) -> float:
@@ -268,69 +283,6 @@ def _gather_exposed(comm: float, forward: float, shares: List[float]) -> float:
         gathered += comm * share
         computed = max(computed, gathered) + forward * share
     return computed - forward
-
-
-def _deferred_reduce_scatter_exposed(hops: List[float], backward: float,
-                                     shares: List[float]) -> float:
-    """What the reduce-scatters add to the ``backward`` pass on the runner for one hardware
-    queue (``comm/deferring_runner.py``). ``hops``: each hop's seconds over all buckets (a
-    bucket takes its share). Bucket j's hop s is issued at megatron's start of bucket
-    j + s, its write at bucket j + L's (L hops), and ``finish_grad_sync`` issues what is
-    left; a stage that waits for a hop still in flight holds up the queue, so the pass
-    stops until that hop is done. Each hop runs on its own group's NCCL stream, after the
-    previous bucket's same hop. The pass ends at the last bucket's start, so besides the
-    last bucket's hops the second hop of the bucket before it stays out. (The kernels are not in ``hops``: under one queue a hop's
-    NCCL kernel waits for the kernel before it, and the pass with it, so they add to the
-    step.)"""
-    levels, count = len(hops), len(shares)
-    done = [[0.0] * levels for _ in shares]
-    free = [0.0] * levels
-    now = 0.0
-
-    def issue(j: int, stage: int) -> None:
-        nonlocal now
-        if stage > 0:
-            now = max(now, done[j][stage - 1])  # the stage waits for the hop before it
-        if stage < levels:
-            done[j][stage] = max(now, free[stage]) + hops[stage] * shares[j]
-            free[stage] = done[j][stage]
-
-    for i, share in enumerate(shares):
-        now += backward * share
-        for j in range(max(0, i - levels), i + 1):  # oldest first: tails, bodies, the head
-            issue(j, i - j)
-    for round_ in range(1, levels + 1):  # the first wait: every job's next stage, in rounds
-        for j in range(max(0, count - levels), count):
-            if count - 1 - j + round_ <= levels:
-                issue(j, count - 1 - j + round_)
-    return now - backward
-
-
-def _deferred_gather_exposed(hops: List[float], forward: float, shares: List[float]) -> float:
-    """What the weight gathers add to the ``forward`` pass on the runner for one hardware
-    queue: megatron starts each bucket's gather at the forward pre-hook of the bucket
-    before it (the first at its own), which issues its first hop; the pre-hook's wait
-    issues the rest, each hop after the one before, and holds up the pass until they
-    are done. So only a gather's first hop (across nodes, on two levels) runs beside
-    the forward work of one bucket. ``hops`` as ``_deferred_reduce_scatter_exposed``'s."""
-    order = list(reversed(shares))  # the forward pass needs the buckets in reverse
-    free = [0.0] * len(hops)
-    now = 0.0
-
-    def start(share: float) -> float:
-        free[0] = max(now, free[0]) + hops[0] * share
-        return free[0]
-
-    first_hop_done = start(order[0])
-    for k, share in enumerate(order):
-        now = max(now, first_hop_done)
-        for stage in range(1, len(hops)):
-            free[stage] = max(now, free[stage]) + hops[stage] * share
-            now = free[stage]
-        if k + 1 < len(order):
-            first_hop_done = start(order[k + 1])
-        now += forward * share
-    return now - forward
 
 
 def _hop_seconds(phases: List[volume.Links], latency_s: float, network: Network) -> List[float]:
@@ -570,12 +522,14 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
     shared = kernels.shares_compute
     grad_exposed, weight_exposed = grad_s, weight_s
     # On the runner for one hardware queue the quantized collectives' kernels stay in the
-    # step (``_deferred_reduce_scatter_exposed``); megatron's exact ones run as before.
+    # step (``one_queue.py``); megatron's exact ones run as before.
     deferred = workload.runner == "deferred"
+    if deferred:
+        chunks, slices = _one_queue_splits(buckets, layouts, config, workload.implementation)
     if workload.overlap != "none":
         if deferred and config.quantize_grads:
-            grad_exposed = _deferred_reduce_scatter_exposed(
-                _hop_seconds(t.grad_phases, grad_lat, net), backward, shares)
+            grad_exposed = one_queue.reduce_scatter_exposed(
+                _hop_seconds(t.grad_phases, grad_lat, net), backward, shares, chunks)
         else:
             grad_exposed = (_reduce_scatter_exposed(grad_s, backward + grad_kernels, shares)
                             if shared else
@@ -583,8 +537,8 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
             kernel_s -= 0 if shared else grad_kernels
     if workload.overlap == "full" and t.weight_phases:
         if deferred and config.quantize_weights:
-            weight_exposed = _deferred_gather_exposed(
-                _hop_seconds(t.weight_phases, weight_lat, net), forward, shares)
+            weight_exposed = one_queue.gather_exposed(
+                _hop_seconds(t.weight_phases, weight_lat, net), forward, shares, slices)
         else:
             weight_exposed = (_gather_exposed(weight_s, forward + weight_kernels, shares)
                               if shared else

@@ -15,7 +15,7 @@ from harness import spawn_ranks
 from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS, plan_node_layout
 from megatron_sdp4bit.comm.memory_plan import layer_memory
 from megatron_sdp4bit.config import preset
-from megatron_sdp4bit.estimate import calls, cli, timing, volume
+from megatron_sdp4bit.estimate import calls, cli, one_queue, timing, volume
 from megatron_sdp4bit.estimate.gpt_shape import load_model_shape
 from megatron_sdp4bit.estimate.implementation import PAPER_REFERENCE, THIS_PROJECT
 from megatron_sdp4bit.estimate.kernels import KernelModel
@@ -62,7 +62,7 @@ def test_one_level_hides_every_bucket_but_the_last_while_hops_fit_the_pass():
     as on the stream runner."""
     for buckets in (1, 2, 4, 8):
         shares = [1 / buckets] * buckets
-        assert timing._deferred_reduce_scatter_exposed([0.5], 1.0, shares) == \
+        assert one_queue.reduce_scatter_exposed([0.5], 1.0, shares) == \
             pytest.approx(0.5 / buckets)
 
 
@@ -74,7 +74,7 @@ def test_two_levels_expose_the_last_bucket_and_the_one_before_its_second_hop():
         shares = [1 / buckets] * buckets
         for hops in ([0.3, 0.6], [0.6, 0.3]):
             h1, h2 = (h / buckets for h in hops)
-            got = timing._deferred_reduce_scatter_exposed(hops, 1.0, shares)
+            got = one_queue.reduce_scatter_exposed(hops, 1.0, shares)
             assert got == pytest.approx(max(h1, h2) + h2), (buckets, hops)
 
 
@@ -85,7 +85,7 @@ def test_a_hop_longer_than_a_buckets_pass_stalls_the_pass_by_the_excess():
     buckets, comm = 4, 3.0
     shares = [1 / buckets] * buckets
     closed = max(comm / buckets, comm - 1.0 * (buckets - 1) / buckets)
-    assert timing._deferred_reduce_scatter_exposed([comm], 1.0, shares) == pytest.approx(closed)
+    assert one_queue.reduce_scatter_exposed([comm], 1.0, shares) == pytest.approx(closed)
     assert timing._reduce_scatter_exposed(comm, 1.0, shares) == pytest.approx(closed)
 
 
@@ -99,9 +99,9 @@ def test_stages_at_later_calls_never_hide_more_than_issuing_them_at_once():
         raw = [rng.uniform(0.05, 1.0) for _ in range(rng.randint(1, 9))]
         shares = [r / sum(raw) for r in raw]
         comm, window = rng.uniform(0.01, 3.0), rng.uniform(0.1, 2.0)
-        assert (timing._deferred_reduce_scatter_exposed([comm], window, shares)
+        assert (one_queue.reduce_scatter_exposed([comm], window, shares)
                 >= timing._reduce_scatter_exposed(comm, window, shares) - 1e-12)
-        assert (timing._deferred_gather_exposed([comm], window, shares)
+        assert (one_queue.gather_exposed([comm], window, shares)
                 >= timing._gather_exposed(comm, window, shares) - 1e-12)
 
 
@@ -111,12 +111,12 @@ def test_gathers_hide_only_their_first_hop_behind_one_buckets_forward():
     it. So the first bucket's gather and every bucket's second hop stay out; a first hop
     longer than a bucket's forward adds its excess."""
     shares = [0.25] * 4
-    assert timing._deferred_gather_exposed([0.4], 1.0, shares) == pytest.approx(0.1)
-    assert timing._deferred_gather_exposed([0.4, 0.2], 1.0, shares) == pytest.approx(0.1 + 0.2)
+    assert one_queue.gather_exposed([0.4], 1.0, shares) == pytest.approx(0.1)
+    assert one_queue.gather_exposed([0.4, 0.2], 1.0, shares) == pytest.approx(0.1 + 0.2)
     # first hops of 0.5 per bucket against 0.25 of forward: 0.25 more at each later bucket
-    assert timing._deferred_gather_exposed([2.0], 1.0, shares) == pytest.approx(0.5 + 3 * 0.25)
+    assert one_queue.gather_exposed([2.0], 1.0, shares) == pytest.approx(0.5 + 3 * 0.25)
     # the forward pass takes megatron's last bucket first
-    assert timing._deferred_gather_exposed([1.0], 100.0, [0.2, 0.2, 0.2, 0.4]) == \
+    assert one_queue.gather_exposed([1.0], 100.0, [0.2, 0.2, 0.2, 0.4]) == \
         pytest.approx(0.4)
 
 
@@ -188,9 +188,9 @@ def test_auto_takes_one_queue_under_tensor_parallelism(capsys):
     assert cli.RUNNERS == timing.RUNNERS
 
 
-def test_buckets_above_the_limit_are_named_as_not_modelled(capsys):
+def test_buckets_above_the_limit_are_named(capsys):
     """At DP 128 megatron's buckets (1 M x DP elements) exceed 64 M: the runner keeps them
-    in chunks that wait inside one call, which the model leaves out; the output says so."""
+    in chunks that wait inside one call; the output says how many."""
     argv = ["--config", os.path.join(REPO, "configs", "gpt_6.7b.yaml"), "--cluster-type",
             "h800-ib", "--overlap", "full", "--runner", "deferred"]
     for nodes, tp, chunked in (("16", "1", True), ("4", "4", False)):
@@ -200,4 +200,45 @@ def test_buckets_above_the_limit_are_named_as_not_modelled(capsys):
         assert data["one_queue_chunked_buckets"] == sum(n > limit for n in data["buckets"]["0"])
         assert (data["one_queue_chunked_buckets"] > 0) == chunked
         assert cli.main(argv + ["--nodes", nodes, "--tp", tp]) == 0
-        assert ("NOT MODELLED" in capsys.readouterr().out) == chunked
+        assert ("above 64 M elements, which the runner keeps in chunks"
+                in capsys.readouterr().out) == chunked
+
+
+def test_a_chunked_buckets_body_waits_for_its_chunks_in_the_call():
+    """A bucket of K chunks starts chunk 0 at its own start; at the next bucket's start its
+    body runs the other K - 1, each waited for in the call: with two buckets of one hop H
+    each and a long pass, the first bucket's K - 1 chunks stall the pass before the last
+    bucket starts, and the last bucket's whole hop follows: (K - 1) H / K + H."""
+    for k in (1, 2, 4):
+        assert one_queue.reduce_scatter_exposed([2.0], 100.0, [0.5, 0.5], [k, k]) == \
+            pytest.approx(1.0 + (k - 1) / k)
+        # the gathers alike: the first bucket needed whole, the next one's slices but the first
+        assert one_queue.gather_exposed([2.0], 100.0, [0.5, 0.5], [k, k]) == \
+            pytest.approx(1.0 + (k - 1) / k)
+
+
+def test_two_levels_pipeline_a_buckets_chunks_over_the_two_links():
+    """One bucket of 2 chunks, two levels (hops h1, h2), at the pass's end: chunk 0's
+    first hop at the start; the wait then runs chunk 1's first hop beside chunk 0's
+    second, waits for chunk 1's first, starts its second after chunk 0's, and waits:
+    max(h1, (h1 + h2) / 2) + h2 / 2 (comm/gradients.py's launch_rest and complete)."""
+    for h1, h2 in ((1.0, 2.0), (2.0, 1.0), (1.0, 1.0)):
+        got = one_queue.reduce_scatter_exposed([h1, h2], 10.0, [1.0], [2])
+        assert got == pytest.approx(max(h1, (h1 + h2) / 2) + h2 / 2), (h1, h2)
+
+
+def test_one_level_chunks_never_hide_more_than_a_whole_bucket():
+    """One hop level: a bucket's chunks after the first are issued a call later than a
+    whole bucket's hop and waited for at the same call, so they never expose less. (With
+    two levels a chunk's first hop runs beside the previous chunk's second, on the other
+    link, and chunks may expose less.)"""
+    rng = random.Random(11)
+    for _ in range(200):
+        count = rng.randint(1, 6)
+        raw = [rng.uniform(0.05, 1.0) for _ in range(count)]
+        shares = [r / sum(raw) for r in raw]
+        hops = [rng.uniform(0.01, 2.0)]
+        window = rng.uniform(0.1, 3.0)
+        chunks = [rng.randint(1, 5) for _ in range(count)]
+        for exposed in (one_queue.reduce_scatter_exposed, one_queue.gather_exposed):
+            assert exposed(hops, window, shares, chunks) >= exposed(hops, window, shares) - 1e-12
