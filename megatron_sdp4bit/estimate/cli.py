@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --overlap: the layer's runner on NCCL, stream (a side stream) or "
                    "deferred (one hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1); auto: "
                    "deferred with --tp > 1 (megatron asks for that variable under tensor "
-                   "parallelism before Blackwell), else stream")
+                   "parallelism before Blackwell, and its example scripts set it always), "
+                   "else stream; with --implementation paper-reference: stream")
     s.add_argument("--implementation", choices=IMPLEMENTATIONS, default=None,
                    help="whose quantized collectives: megatron_sdp4bit (default) or the paper's "
                    "reference code (default of --check-paper): calls, messages, staging copy")

@@ -17,7 +17,7 @@ OVERLAP_TEXT = {
 RUNNER_TEXT = {
     "stream": "the layer's runner: a side stream (every stage of a bucket's quantized collective "
               "issued when megatron starts it; its kernels and transfers one chain beside the "
-              "pass; the weight gathers issued after the optimizer step)",
+              "pass)",
     "deferred": "the layer's runner: one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, which "
                 "megatron asks for with --tp > 1 before Blackwell; --runner stream for a job "
                 "without it): stages issued at megatron's later calls, each hop beside one "
@@ -64,7 +64,9 @@ def format_report(e: Estimate) -> str:
         "node, on two-level layouts" if w.implementation.two_level_weight_gather else "one over "
         "the DP group") + "); quantized hops as direct sends",
         f"overlap: {OVERLAP_TEXT[w.overlap]}"
-        + ("" if w.overlap == "none" else f"; {RUNNER_TEXT[w.runner]}"),
+        + ("" if _runner(w) is None else f"; {RUNNER_TEXT[w.runner]}"
+           + ("; the weight gathers issued after the optimizer step"
+              if w.overlap == "full" and w.runner == "stream" else "")),
         *([f"one hardware queue: {e.one_queue_chunked_buckets} bucket(s) above 64 M elements, "
            "which the runner keeps in chunks that wait for one another inside one call, the "
            "pass held up meanwhile (docs/collectives.md, 'Chunks under one queue')"]
@@ -135,6 +137,14 @@ def _step_table(e: Estimate) -> list:
     return lines
 
 
+def _runner(w) -> "str | None":
+    """The layer's runner the estimate prices, or None: no overlap (no runner), or the
+    paper's code (not this layer's)."""
+    if w.overlap == "none" or w.implementation.max_chunk_elements is None:
+        return None
+    return w.runner
+
+
 def to_json(e: Estimate) -> dict:
     c, w = e.cluster, e.workload
     return {
@@ -145,7 +155,7 @@ def to_json(e: Estimate) -> dict:
                        "inter": c.latency.inter_us, "message": c.latency.message_us},
         "implementation": w.implementation.name,
         "global_batch": w.global_batch, "flops_per_step": e.flops, "compute_s": e.compute_s,
-        "overlap": w.overlap, "runner": w.runner,
+        "overlap": w.overlap, "runner": _runner(w),
         "one_queue_chunked_buckets": e.one_queue_chunked_buckets,
         "exact_reduce_scatter": w.exact_reduce_scatter,
         "kernels": e.kernels.describe(), "buckets": {str(k): v for k, v in e.buckets.items()},

@@ -362,7 +362,7 @@ def estimate(cluster: Cluster, workload: Workload, kernels: KernelModel,
         config = preset(preset_name, **({"pipeline_chunks": workload.pipeline_chunks}
                                         if workload.pipeline_chunks else {}))
         results[name] = _variant(name, label, config, cluster, workload, kernels, layouts,
-                                 buckets, (compute_s, tp_s, embedding_s))
+                                 buckets, (compute_s, tp_s, embedding_s, microbatches))
     return Estimate(cluster, workload, kernels, flops, compute_s, source, microbatches,
                     buckets, note, results)
 
@@ -503,7 +503,7 @@ def _rank_work(config, layout, stage_buckets, workload, kernels):
 
 def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
              fixed) -> VariantEstimate:
-    compute_s, tp_s, embedding_s = fixed
+    compute_s, tp_s, embedding_s, microbatches = fixed
     net = cluster.network
     t = _traffic(config, cluster, workload, kernels, layouts, buckets)
     grad_lat = cluster.latency.seconds(t.grad_calls)
@@ -511,7 +511,9 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
     grad_s = _collective_seconds(t.grad_phases, t.pipelined, net) + grad_lat
     weight_s = _collective_seconds([t.weight], 1, net) + weight_lat
     shares = _bucket_shares(buckets)
-    backward, forward = compute_s * 2 / 3, compute_s / 3
+    # The windows: megatron reduces the gradients in the last micro-batch's backward pass
+    # only (no_sync before it) and gathers the weights in the first one's forward pass.
+    backward, forward = compute_s * 2 / 3 / microbatches, compute_s / 3 / microbatches
     # An overlapped direction's kernels run in the runner's chain with its transfers
     # (one after the other, bucket after bucket): the chain hides as a whole. Where the
     # kernels share the compute's cores (a CPU), they cost that time anyway: they stay
@@ -530,6 +532,8 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
         if deferred and config.quantize_grads:
             grad_exposed = one_queue.reduce_scatter_exposed(
                 _hop_seconds(t.grad_phases, grad_lat, net), backward, shares, chunks)
+        elif deferred and workload.exact_reduce_scatter == "alltoall":
+            pass  # the layer's exact all-to-all waits inside its call (comm/exact_alltoall.py)
         else:
             grad_exposed = (_reduce_scatter_exposed(grad_s, backward + grad_kernels, shares)
                             if shared else

@@ -161,6 +161,25 @@ def test_overlap_hides_communication_but_not_the_last_buckets():
         assert v.grad_exposed_s >= v.grad_comm_s / len(full.buckets[0]) - 1e-12
 
 
+def test_overlap_hides_behind_one_micro_batchs_pass():
+    """Megatron reduces the gradients in the last micro-batch's backward pass only and
+    gathers the weights in the first one's forward: with 4 micro-batches per step the
+    windows are those of a step of a quarter of the compute and one micro-batch."""
+    cluster = Cluster(2, 4, 1, 1, 100.0, 1.0)
+    for runner in ("stream", "deferred"):
+        def run(global_batch, compute_s):
+            return estimate(cluster, Workload(shape=SMALL, global_batch=global_batch, micro_batch=4,
+                                              compute_s=compute_s, overlap="full",
+                                              bucket_size=500_000, runner=runner),
+                            KernelModel("gpu"))
+        four, one = run(128, 0.4), run(32, 0.1)  # passes shorter than the collectives
+        assert four.microbatches == 4 and one.microbatches == 1
+        for name, v in four.variants.items():
+            assert v.grad_exposed_s == pytest.approx(one.variants[name].grad_exposed_s)
+            assert v.weight_exposed_s == pytest.approx(one.variants[name].weight_exposed_s)
+            assert v.grad_exposed_s > 0.05 * v.grad_comm_s  # a quarter of the pass hides less
+
+
 @pytest.mark.parametrize("comm, window", [(0.2, 1.0), (1.0, 1.0), (3.0, 1.0)])
 def test_equal_buckets_expose_the_last_one_or_the_excess(comm, window):
     """With B equal buckets the queue gives the closed form: the last bucket's share,

@@ -87,6 +87,10 @@ def test_a_hop_longer_than_a_buckets_pass_stalls_the_pass_by_the_excess():
     closed = max(comm / buckets, comm - 1.0 * (buckets - 1) / buckets)
     assert one_queue.reduce_scatter_exposed([comm], 1.0, shares) == pytest.approx(closed)
     assert timing._reduce_scatter_exposed(comm, 1.0, shares) == pytest.approx(closed)
+    # unequal buckets: the stream runner's queue lends a short bucket's slack to the next
+    # one; one queue stops the pass at each wait, and that slack is lost
+    assert one_queue.reduce_scatter_exposed([3.0], 1.0, [0.3, 0.1, 0.6]) == pytest.approx(2.6)
+    assert timing._reduce_scatter_exposed(3.0, 1.0, [0.3, 0.1, 0.6]) == pytest.approx(2.3)
 
 
 def test_stages_at_later_calls_never_hide_more_than_issuing_them_at_once():
@@ -145,6 +149,23 @@ def test_the_step_keeps_the_kernels_and_takes_buckets_whole():
     assert base_d.step_s == pytest.approx(base_s.step_s)  # megatron's own collectives
 
 
+def test_the_step_prices_the_runners_own_schedule():
+    """A long pass (one micro-batch, 10 s) on a 20 Gbit/s link: on the stream runner only the
+    last bucket's reduce-scatter and the first gather stay out; on one queue also the
+    second hop of the bucket before the last and every gather's hop inside the node."""
+    shape = load_model_shape(os.path.join(REPO, "configs", "gpt_6.7b.yaml"))
+
+    def run(runner):
+        return estimate(Cluster(4, 8, 4, 1, 1600.0, 20.0),
+                        Workload(shape=shape, global_batch=8, micro_batch=1, compute_s=10.0,
+                                 overlap="full", runner=runner),
+                        KernelModel("gpu")).variants["sdp4bit"]
+    stream, deferred = run("stream"), run("deferred")
+    assert deferred.grad_exposed_s > 1.3 * stream.grad_exposed_s
+    assert deferred.weight_exposed_s > stream.weight_exposed_s
+    assert deferred.grad_exposed_s < 0.1 * deferred.grad_comm_s  # the rest hides
+
+
 def test_memory_is_the_layers_on_that_runner():
     stream, deferred = _estimate("stream"), _estimate("deferred")
     for name in ("sdp4bit", "zeropp"):
@@ -186,6 +207,10 @@ def test_auto_takes_one_queue_under_tensor_parallelism(capsys):
     assert cli.main(argv + ["--runner", "deferred", "--implementation", "paper-reference"]) == 2
     assert "--runner" in capsys.readouterr().err
     assert cli.RUNNERS == timing.RUNNERS
+    no_overlap = [a for a in argv if a not in ("--overlap", "full")]
+    for extra in ([], ["--runner", "deferred", "--implementation", "paper-reference"]):
+        assert cli.main(no_overlap + extra) == 0  # no overlap: no runner runs
+        assert json.loads(capsys.readouterr().out)["runner"] is None, extra
 
 
 def test_buckets_above_the_limit_are_named(capsys):
