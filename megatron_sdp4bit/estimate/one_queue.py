@@ -123,17 +123,17 @@ def gather_exposed(hops: List[float], forward: float, shares: List[float],
         return 0.0
     streams = _Streams(len(hops))
     order = list(zip(shares, slices or [1] * len(shares)))[::-1]
+    slice_hops = [[h * share / count for h in hops] for share, count in order]
     now = 0.0
-    started = None  # the next bucket's first slice: when its first hop is done
+    started = streams.run(0, now, slice_hops[0][0])  # the first bucket, at its own pre-hook
     for k, (share, count) in enumerate(order):
-        slice_hops = [h * share / count for h in hops]
-        first = [started if started is not None else streams.run(0, now, slice_hops[0])]
+        first = [started]  # when each slice's first hop is done
         for index in range(1, count):    # the pre-hook's wait: every other slice, in the call
-            first.append(streams.run(0, now, slice_hops[0]))
-            now = _apply(streams, slice_hops, first[index - 1], now)
-        now = _apply(streams, slice_hops, first[-1], now)
-        started = (streams.run(0, now, order[k + 1][0] * hops[0] / order[k + 1][1])
-                   if k + 1 < len(order) else None)
+            first.append(streams.run(0, now, slice_hops[k][0]))
+            now = _apply(streams, slice_hops[k], first[index - 1], now)
+        now = _apply(streams, slice_hops[k], first[-1], now)
+        if k + 1 < len(order):           # the pre-hook starts the next bucket's gather
+            started = streams.run(0, now, slice_hops[k + 1][0])
         now += forward * share
     return now - forward
 

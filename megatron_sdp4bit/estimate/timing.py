@@ -22,42 +22,8 @@ The model, stated once (docs/performance.md, "Estimator"):
   follows (``volume.embedding_allreduce_links``).
 - **Kernels**: the quantize/dequantize ops of each rank and the reduce-scatter's
   staging copy (``kernels.py``); without overlap they add to the step.
-- **Overlap** (``none``, ``grads``, ``full``): ``none`` adds everything.
-  ``grads`` hides bucket i's reduce-scatter under the backward pass of the
-  buckets after it (Megatron's ``--overlap-grad-reduce``), backward = 2/3 of
-  compute. ``full`` also hides the all-gather under the next forward pass (1/3
-  of compute; ``--overlap-param-gather``). Each is a queue, bucket by bucket
-  (``_reduce_scatter_exposed``, ``_gather_exposed``): bucket i's share of the
-  elements is its share of the chain and of the pass, the backward pass makes
-  the buckets ready in megatron's order and the forward pass needs them in the
-  reverse one. With B equal buckets the exposed time is
-  ``max(comm / B, comm - window x (B - 1) / B)``; with tied embeddings the
-  bucket that holds them (reduced last, gathered first) is often the largest,
-  and its share is what no schedule hides. (Its compute is not where its share
-  puts it: the tied output layer runs first in the backward pass and last in
-  the forward pass, so the other buckets are ready later and needed earlier than
-  their shares say; with a large embedding share the hiding of the other buckets
-  is optimistic.) That is this
-  project's schedule (``comm/runner.py``): every stage of bucket i's collective
-  is issued when megatron starts it, on a side stream or a worker thread that
-  runs the buckets' collectives one after another, so it hides behind the
-  backward (forward) work of the buckets after (before) it, all but the last
-  bucket's reduce-scatter and the first bucket's gather, unless the collectives
-  outrun that work (then the queue grows and the excess is exposed). The runner runs each bucket's kernels
-  and transfers one after the other, so ``comm`` there is the chain: transfers,
-  latency and the direction's kernels. (The thread runner also runs bucket
-  i + 1's first quantization while bucket i's last hop is on the wire, one
-  hop per bucket: left out, so the modelled chain is slightly long; measured against
-  the CPU study in docs/performance.md, "Overlap".) Not modelled: the kernels' share of the
-  device beside the backward pass (on a GPU they may take SMs the backward
-  needs; on the CPU emulation they take its cores).
-
-Under one hardware queue (``runner="deferred"``, ``CUDA_DEVICE_MAX_CONNECTIONS=1``) the
-layer issues each stage at megatron's next call (``comm/deferring_runner.py``), a bucket of
-up to ``ONE_QUEUE_WHOLE_BUCKET_ELEMENTS`` in one chunk: each hop hides behind one
-bucket's pass and no more, a wait for a hop still in flight stops the pass, the gathers
-start one bucket ahead, and the kernels add to the step
-(``one_queue.py``).
+- **Overlap** (``none``, ``grads``, ``full``): what the layer's runner hides behind
+  the passes (``overlap.py``).
 """
 from __future__ import annotations
 
@@ -67,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
 from megatron_sdp4bit.comm.memory_plan import LayerMemory, layer_memory
 from megatron_sdp4bit.config import SDP4BitConfig, preset
-from megatron_sdp4bit.estimate import calls, one_queue, volume
+from megatron_sdp4bit.estimate import calls, overlap, volume
 from megatron_sdp4bit.estimate.implementation import THIS_PROJECT, Implementation
 from megatron_sdp4bit.estimate.kernels import KernelModel
 from megatron_sdp4bit.estimate.gpt_shape import (ModelShape, bucket_numels, default_bucket_size,
@@ -237,58 +203,6 @@ def _kernel_ops(shard: int, layout, config: SDP4BitConfig,
         ops["weight_quantize_" + config.weight_mode] = shard
         ops["weight_apply_" + config.weight_mode] = p * shard
     return ops
-
-
-def _bucketed_stage(buckets: Dict[int, List[int]]) -> int:
-    """The stage with the most buckets (megatron buckets stage 0 only): its buckets set
-    the overlap's pace."""
-    return max(buckets, key=lambda stage: len(buckets[stage]))
-
-
-def _bucket_shares(buckets: Dict[int, List[int]]) -> List[float]:
-    """Each bucket's share of the elements, in megatron's bucket order (the first is
-    reduced first), of ``_bucketed_stage``."""
-    numels = buckets[_bucketed_stage(buckets)]
-    total = sum(numels)
-    return [n / total for n in numels]
-
-
-def _one_queue_splits(buckets, layouts, config, impl) -> Tuple[List[int], List[int]]:
-    """Each bucket's reduce-scatter chunks and gather slices on ``_bucketed_stage``."""
-    stage = _bucketed_stage(buckets)
-    layout = dict(layouts)[stage]
-    shards = [n // layout.dp_size for n in buckets[stage]]
-    return ([len(volume.grad_chunks(s, layout, config, impl)) for s in shards],
-            [calls.weight_slices(s, layout, config, impl) for s in shards])
-
-
-def _reduce_scatter_exposed(comm: float, backward: float, shares: List[float]) -> float:
-    """What of a chain of ``comm`` seconds outlasts the ``backward`` pass: bucket i is
-    ready once the backward pass has done its share of the elements, and the chain runs
-    the buckets one after another, each taking its share of ``comm``. The last bucket's
-    share is never hidden; a chain that outruns the backward pass exposes its excess."""
-    ready = done = 0.0
-    for share in shares:
-        ready += backward * share
-        done = max(done, ready) + comm * share
-    return done - backward
-
-
-def _gather_exposed(comm: float, forward: float, shares: List[float]) -> float:
-    """What a chain of ``comm`` seconds of gathers, all issued before the ``forward``
-    pass, adds to it: the forward pass runs the buckets in the reverse order, each once
-    its gather is done. The first bucket's gather is never hidden."""
-    gathered = computed = 0.0
-    for share in reversed(shares):
-        gathered += comm * share
-        computed = max(computed, gathered) + forward * share
-    return computed - forward
-
-
-def _hop_seconds(phases: List[volume.Links], latency_s: float, network: Network) -> List[float]:
-    """Seconds of each hop (phase) of a direction over all buckets, its calls' latency split
-    evenly between the hops."""
-    return [network.phase_seconds(links) + latency_s / len(phases) for links in phases]
 
 
 def _compute(cluster: Cluster, workload: Workload, microbatches: int) -> Tuple[float, float, str]:
@@ -510,44 +424,10 @@ def _variant(name, label, config, cluster, workload, kernels, layouts, buckets,
     weight_lat = cluster.latency.seconds(t.weight_calls)
     grad_s = _collective_seconds(t.grad_phases, t.pipelined, net) + grad_lat
     weight_s = _collective_seconds([t.weight], 1, net) + weight_lat
-    shares = _bucket_shares(buckets)
-    # The windows: megatron reduces the gradients in the last micro-batch's backward pass
-    # only (no_sync before it) and gathers the weights in the first one's forward pass.
-    backward, forward = compute_s * 2 / 3 / microbatches, compute_s / 3 / microbatches
-    # An overlapped direction's kernels run in the runner's chain with its transfers
-    # (one after the other, bucket after bucket): the chain hides as a whole. Where the
-    # kernels share the compute's cores (a CPU), they cost that time anyway: they stay
-    # in the step, as part of the pass they run beside, and the chain is the transfers.
-    grad_kernels = sum(s for op, s in t.kernel_ops.items() if op.startswith("grad_"))
-    weight_kernels = sum(t.kernel_ops.values()) - grad_kernels
-    kernel_s = sum(t.kernel_ops.values())
-    shared = kernels.shares_compute
-    grad_exposed, weight_exposed = grad_s, weight_s
-    # On the runner for one hardware queue the quantized collectives' kernels stay in the
-    # step (``one_queue.py``); megatron's exact ones run as before.
-    deferred = workload.runner == "deferred"
-    if deferred:
-        chunks, slices = _one_queue_splits(buckets, layouts, config, workload.implementation)
-    if workload.overlap != "none":
-        if deferred and config.quantize_grads:
-            grad_exposed = one_queue.reduce_scatter_exposed(
-                _hop_seconds(t.grad_phases, grad_lat, net), backward, shares, chunks)
-        elif deferred and workload.exact_reduce_scatter == "alltoall":
-            pass  # the layer's exact all-to-all waits inside its call (comm/exact_alltoall.py)
-        else:
-            grad_exposed = (_reduce_scatter_exposed(grad_s, backward + grad_kernels, shares)
-                            if shared else
-                            _reduce_scatter_exposed(grad_s + grad_kernels, backward, shares))
-            kernel_s -= 0 if shared else grad_kernels
-    if workload.overlap == "full" and t.weight_phases:
-        if deferred and config.quantize_weights:
-            weight_exposed = one_queue.gather_exposed(
-                _hop_seconds(t.weight_phases, weight_lat, net), forward, shares, slices)
-        else:
-            weight_exposed = (_gather_exposed(weight_s, forward + weight_kernels, shares)
-                              if shared else
-                              _gather_exposed(weight_s + weight_kernels, forward, shares))
-            kernel_s -= 0 if shared else weight_kernels
+    grad_exposed, weight_exposed, kernel_s = overlap.exposed(
+        workload, config, kernels, buckets, layouts, net, compute_s / microbatches,
+        overlap.Traffic(t.grad_phases, t.weight_phases, grad_s, weight_s, grad_lat, weight_lat,
+                        t.kernel_ops))
     memory = max((_stage_memory(stage, layout, buckets[stage], config, cluster, workload)
                   for stage, layout in layouts), key=lambda m: m.per_param(m.total_bytes))
     all_links = volume.Links.empty()

@@ -11,7 +11,7 @@ from megatron_sdp4bit.estimate.kernels import KernelModel
 from megatron_sdp4bit.estimate.gpt_shape import (ModelShape, bucket_numels, load_model_shape,
                                              stage_params, total_params)
 from megatron_sdp4bit.estimate.network import NO_LATENCY
-from megatron_sdp4bit.estimate import timing
+from megatron_sdp4bit.estimate.overlap import chain_gather_exposed, chain_reduce_scatter_exposed
 from megatron_sdp4bit.estimate.timing import Cluster, Workload, estimate
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -187,8 +187,8 @@ def test_equal_buckets_expose_the_last_one_or_the_excess(comm, window):
     for buckets in (1, 2, 4, 8):
         shares = [1 / buckets] * buckets
         closed = max(comm / buckets, comm - window * (buckets - 1) / buckets)
-        assert timing._reduce_scatter_exposed(comm, window, shares) == pytest.approx(closed)
-        assert timing._gather_exposed(comm, window, shares) == pytest.approx(closed)
+        assert chain_reduce_scatter_exposed(comm, window, shares) == pytest.approx(closed)
+        assert chain_gather_exposed(comm, window, shares) == pytest.approx(closed)
 
 
 def test_the_bucket_reduced_last_and_gathered_first_is_never_hidden():
@@ -196,9 +196,9 @@ def test_the_bucket_reduced_last_and_gathered_first_is_never_hidden():
     pass's first bucket (megatron's last) waits for its gather. However long the
     passes, that bucket's share of each chain stays exposed."""
     shares = [0.2, 0.2, 0.2, 0.4]   # the embedding bucket last, as in bench_slow_link's model
-    assert timing._reduce_scatter_exposed(1.0, 100.0, shares) == pytest.approx(0.4)
-    assert timing._gather_exposed(1.0, 100.0, shares) == pytest.approx(0.4)
-    assert timing._gather_exposed(1.0, 100.0, shares[::-1]) == pytest.approx(0.2)
+    assert chain_reduce_scatter_exposed(1.0, 100.0, shares) == pytest.approx(0.4)
+    assert chain_gather_exposed(1.0, 100.0, shares) == pytest.approx(0.4)
+    assert chain_gather_exposed(1.0, 100.0, shares[::-1]) == pytest.approx(0.2)
 
 
 def test_the_slow_link_models_embedding_bucket_is_the_floor_of_its_overlap():

@@ -15,7 +15,7 @@ from harness import spawn_ranks
 from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS, plan_node_layout
 from megatron_sdp4bit.comm.memory_plan import layer_memory
 from megatron_sdp4bit.config import preset
-from megatron_sdp4bit.estimate import calls, cli, one_queue, timing, volume
+from megatron_sdp4bit.estimate import calls, cli, one_queue, overlap, timing, volume
 from megatron_sdp4bit.estimate.gpt_shape import load_model_shape
 from megatron_sdp4bit.estimate.implementation import PAPER_REFERENCE, THIS_PROJECT
 from megatron_sdp4bit.estimate.kernels import KernelModel
@@ -86,11 +86,11 @@ def test_a_hop_longer_than_a_buckets_pass_stalls_the_pass_by_the_excess():
     shares = [1 / buckets] * buckets
     closed = max(comm / buckets, comm - 1.0 * (buckets - 1) / buckets)
     assert one_queue.reduce_scatter_exposed([comm], 1.0, shares) == pytest.approx(closed)
-    assert timing._reduce_scatter_exposed(comm, 1.0, shares) == pytest.approx(closed)
+    assert overlap.chain_reduce_scatter_exposed(comm, 1.0, shares) == pytest.approx(closed)
     # unequal buckets: the stream runner's queue lends a short bucket's slack to the next
     # one; one queue stops the pass at each wait, and that slack is lost
     assert one_queue.reduce_scatter_exposed([3.0], 1.0, [0.3, 0.1, 0.6]) == pytest.approx(2.6)
-    assert timing._reduce_scatter_exposed(3.0, 1.0, [0.3, 0.1, 0.6]) == pytest.approx(2.3)
+    assert overlap.chain_reduce_scatter_exposed(3.0, 1.0, [0.3, 0.1, 0.6]) == pytest.approx(2.3)
 
 
 def test_stages_at_later_calls_never_hide_more_than_issuing_them_at_once():
@@ -104,9 +104,9 @@ def test_stages_at_later_calls_never_hide_more_than_issuing_them_at_once():
         shares = [r / sum(raw) for r in raw]
         comm, window = rng.uniform(0.01, 3.0), rng.uniform(0.1, 2.0)
         assert (one_queue.reduce_scatter_exposed([comm], window, shares)
-                >= timing._reduce_scatter_exposed(comm, window, shares) - 1e-12)
+                >= overlap.chain_reduce_scatter_exposed(comm, window, shares) - 1e-12)
         assert (one_queue.gather_exposed([comm], window, shares)
-                >= timing._gather_exposed(comm, window, shares) - 1e-12)
+                >= overlap.chain_gather_exposed(comm, window, shares) - 1e-12)
 
 
 def test_gathers_hide_only_their_first_hop_behind_one_buckets_forward():
