@@ -75,6 +75,10 @@ CPU_TRAIN = dict(layers=2, hidden=64, heads=4, seq=64, micro_batch=2, iters=4,
 GPU_DP4 = dict(layers=4, hidden=512, heads=8, seq=512, micro_batch=4, iters=20,
                log_interval=5, warmup_iters=10, shard=1 << 18, bucket_size=4_000_000)
 CPU_DP4 = dict(CPU_TRAIN, iters=8, shard=3000, bucket_size=40_000)
+DP4_COLLECTIVES = ("dp4.collectives", "dp4.collectives.deferred", "dp4.collectives.stream")
+# the stream runner's check: a shard whose kernels outlast their launch, so a read before
+# the side stream is done shows (the unaligned 4101 runs too)
+STREAM_SHARD = 1 << 16
 # The overlap profile needs a compute stream with work on it: dp4's model leaves the GPU
 # idle between launches (66 ms/step for 17 M parameters on the first H200 run), so a
 # quantization kernel finds no backward kernel beside it whatever the schedule. 16 K
@@ -534,6 +538,17 @@ def dp4_collectives(report: Report, ctx: dict, shape: dict) -> None:
                          "--backend", "gloo", "--levels", "2", "--runner", "deferred",
                          "--shard", "4101", "--json", out_json]
     collectives_check(report, ctx, "dp4.collectives.deferred", cmd, out_json, 60)
+    # the runner the layer takes on NCCL (a side stream), on the same gloo ranks: one GPU
+    # cannot host two NCCL ranks, but gloo's CUDA staging follows the caller's stream, so
+    # the runner's stream order and its tensors' lifetimes are checked on a real device
+    if ctx["smoke"]:
+        report.add("dp4.collectives.stream", "SKIP",
+                   "CPU self-test: the stream runner's side stream is a CUDA stream")
+        return
+    out_json = os.path.join(ctx["work"], "device_collectives_stream.json")
+    cmd = cmd[:cmd.index("--runner")] + ["--runner", "stream", "--shard", str(STREAM_SHARD),
+                                         "--json", out_json]
+    collectives_check(report, ctx, "dp4.collectives.stream", cmd, out_json, 60)
 
 
 # --- (e0) the NCCL self-check: one rank per GPU -----------------------------------------
@@ -572,7 +587,7 @@ def step_nccl(report: Report, ctx: dict) -> None:
 def step_dp4(report: Report, ctx: dict) -> None:
     shape = CPU_DP4 if ctx["smoke"] else GPU_DP4
     if not ctx["env"]["megatron_core"]["present"]:
-        for name in ("dp4.collectives", "dp4.collectives.deferred") + tuple(
+        for name in DP4_COLLECTIVES + tuple(
                 f"dp4.train.{p}" for p in DP4_PRESETS):
             report.add(name, "SKIP", "megatron-core is missing")
         return

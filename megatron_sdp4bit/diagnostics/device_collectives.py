@@ -24,7 +24,13 @@ twin of the world group; on CUDA with its own side stream), on NCCL a side strea
 (``StreamRunner``); with ``--runner deferred`` on the runner the layer takes on NCCL
 under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (``DeferringRunner``: a case's async call is
 submitted, then waited on, so its stages are issued by the wait; its sync calls on
-``--device`` go through it too, a bucket of up to 64 M elements in one chunk). What must hold:
+``--device`` go through it too, a bucket of up to 64 M elements in one chunk). With
+``--runner stream`` (CUDA only) the async calls go to the NCCL runner whatever the
+backend: on gloo, where one GPU can host several ranks, that checks its stream order
+and its tensors' lifetimes on a real device (the side stream after the caller's work,
+the caller after the side stream only in ``wait()``, ``record_stream`` on the inputs).
+gloo blocks the host in each hop, so a submission returns only once its last hop is
+done; the stages' order on the stream is the one NCCL gets. What must hold:
 
 - nearest rounding: the device result equals the CPU reference bit for bit;
 - an asynchronous call's result equals the synchronous call's on the same inputs
@@ -69,6 +75,7 @@ from megatron_sdp4bit.config import SDP4BitConfig
 from megatron_sdp4bit.diagnostics.world import (
     BACKEND_HELP, BACKENDS, Machine, WorldError, choose_backend, start_world)
 
+RUNNERS = ("layer", "stream", "deferred")  # layer: comm.runner_choice.runner_kind's choice
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SCHEDULES = ((False, 1), (True, 4), (False, 4), (True, 1))  # (async_op, pipeline chunks)
 ROUNDINGS = ("nearest", "stochastic")
@@ -251,15 +258,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the reduce-scatter's levels: 1 (the world as one node), 2 "
                              "(nodes of --ranks-per-node), or both (default)")
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help=BACKEND_HELP)
-    parser.add_argument("--runner", choices=("layer", "deferred"), default="layer",
+    parser.add_argument("--runner", choices=RUNNERS, default="layer",
                         help="where the async calls run: the runner the layer picks for this "
-                             "backend and device (default), or the one it takes on NCCL under "
-                             "CUDA_DEVICE_MAX_CONNECTIONS=1, whose stages are issued at the "
-                             "later calls (comm.deferring_runner.DeferringRunner)")
+                             "backend and device (default); the one it takes on NCCL, a side "
+                             "stream (stream, CUDA only, on any backend); or the one it takes "
+                             "on NCCL under CUDA_DEVICE_MAX_CONNECTIONS=1, whose stages are "
+                             "issued at the later calls (deferred)")
     parser.add_argument("--json", default=None, help="write every case's result here (rank 0)")
     args = parser.parse_args(argv)
     machine = Machine.here(os.environ)
     device_type = args.device or ("cuda" if machine.cuda_available else "cpu")
+    if args.runner == "stream" and device_type != "cuda":
+        print("device_collectives: error: --runner stream runs the async calls on a CUDA side "
+              "stream; give it --device cuda on a machine with a GPU, or leave --runner out",
+              file=sys.stderr)
+        return 2
     try:
         backend = choose_backend(args.backend, machine, device_type)
         device = start_world(backend, machine)

@@ -54,3 +54,16 @@ def test_a_runner_with_its_own_chunk_cap_takes_the_synchronous_reference_too():
     assert device_collectives._on(cpu, cpu, True, worker)["runner"] is worker
     # the CPU reference of a check on CUDA never goes to the runner
     assert "runner" not in device_collectives._on(cpu, cuda, True, deferred)
+
+
+@pytest.mark.parametrize("argv", [["--runner", "stream"], ["--runner", "stream", "--device", "cpu"]])
+def test_the_stream_runner_without_cuda_is_one_line_and_exit_2(argv, capsys, monkeypatch):
+    """``--runner stream`` puts the async calls on a CUDA side stream on any backend (gloo on
+    one GPU in gpu_check's dp4 step); without CUDA tensors it stops before any process group,
+    saying what to change."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert device_collectives.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "error: --runner stream runs the async calls on a CUDA side stream" in captured.err
+    assert "--device cuda" in captured.err

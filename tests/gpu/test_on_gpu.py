@@ -70,12 +70,15 @@ def test_both_paths_at_scale_are_bit_identical_to_the_reference():
     assert large_path_differences("cuda", (1 << 23) + 128 * 3) == []
 
 
-def test_the_collectives_on_four_ranks_sharing_the_gpu_hold(tmp_path):
+@pytest.mark.parametrize("runner, shard", [("layer", 1 << 18), ("stream", 1 << 16)])
+def test_the_collectives_on_four_ranks_sharing_the_gpu_hold(tmp_path, runner, shard):
+    """The layer's gloo runner (a worker thread with a side stream), and the one it takes on
+    NCCL (a side stream on the caller), whose stream order gloo's CUDA staging follows."""
     out = tmp_path / "cases.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "megatron_sdp4bit.diagnostics.device_collectives", "--device", "cuda",
-           "--ranks-per-node", "2", "--backend", "gloo", "--levels", "2",
-           "--shard", str(1 << 18), "--json", str(out)]
+           "--ranks-per-node", "2", "--backend", "gloo", "--levels", "2", "--runner", runner,
+           "--shard", str(shard), "--json", str(out)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -58,9 +58,9 @@ def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
         "dp4.collectives", "dp4.collectives.deferred", "dp4.train.sdp4bit", "dp4.train.baseline",
         "dp4.loss", "hosts.moe.train", "hosts.moe", "train.sdp4bit", "train.baseline")}
     expected.update({"train.ratio": "SKIP", "megatron_lm": "SKIP", "overlap": "SKIP",
-                     "nccl.collectives": "SKIP"})
+                     "nccl.collectives": "SKIP", "dp4.collectives.stream": "SKIP"})
     assert got == expected, result.stdout[-6000:]
-    assert "SUMMARY: 15 PASS, 0 FAIL, 4 SKIP -> PASS" in result.stdout
+    assert "SUMMARY: 15 PASS, 0 FAIL, 5 SKIP -> PASS" in result.stdout
     # the hosts step: 2 emulated hosts learned without --sdp4bit-ranks-per-node, experts
     assert "-m megatron_sdp4bit.emulated_hosts --hosts 2 --ranks-per-host 2" in result.stdout
     assert re.search(r"\[PASS\] hosts\.moe \(\d+ s\): 2 nodes learned from the hosts.*"
@@ -156,7 +156,31 @@ def test_without_megatron_core_the_training_step_skips(tmp_path):
     steps.step_hosts(report, ctx)
     assert {r["name"]: r["status"] for r in report.results} == {
         "train.sdp4bit": "SKIP", "train.baseline": "SKIP", "dp4.collectives": "SKIP",
-        "dp4.collectives.deferred": "SKIP", "dp4.train.sdp4bit": "SKIP", "dp4.train.baseline": "SKIP", "hosts.moe": "SKIP"}
+        "dp4.collectives.deferred": "SKIP", "dp4.collectives.stream": "SKIP",
+        "dp4.train.sdp4bit": "SKIP", "dp4.train.baseline": "SKIP", "hosts.moe": "SKIP"}
+
+
+def test_on_a_gpu_the_dp4_step_checks_the_stream_runner_over_gloo(tmp_path, monkeypatch):
+    """One GPU cannot host two NCCL ranks: the runner the layer takes on NCCL (a side
+    stream) is checked on the dp4 gloo ranks instead, after the layer's own and the deferred
+    runner (the commands, not run here; the CPU self-test says why it skips it)."""
+    seen = []
+    monkeypatch.setattr(steps, "collectives_check", lambda *args, **env: seen.append(args + (env,)))
+    ctx = dict(smoke=False, work=str(tmp_path), out=str(tmp_path))
+    steps.dp4_collectives(steps.Report(), ctx, steps.GPU_DP4)
+    assert [args[2] for args in seen] == list(steps.DP4_COLLECTIVES)
+    (_, _, _, layer, _, _, _), _, (_, _, _, stream, stream_json, limit, env) = seen
+    assert "--runner" not in layer
+    assert stream[stream.index("--runner") + 1] == "stream"
+    for flag, value in (("--device", "cuda"), ("--backend", "gloo"), ("--levels", "2"),
+                        ("--shard", str(steps.STREAM_SHARD)), ("--json", stream_json)):
+        assert stream[stream.index(flag) + 1] == value, flag
+    assert stream.count("--shard") == 1 and stream_json.startswith(str(tmp_path))
+    assert limit <= 60 and env == {}
+    report = steps.Report()
+    steps.dp4_collectives(report, dict(ctx, smoke=True), steps.CPU_DP4)
+    assert report.results[-1]["name"] == "dp4.collectives.stream"
+    assert report.results[-1]["status"] == "SKIP" and "CUDA stream" in report.results[-1]["detail"]
 
 
 def test_the_hosts_verdict_wants_the_plan_lines_both_optimizers_checked_and_dense_bytes():
