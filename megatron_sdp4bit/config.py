@@ -28,6 +28,7 @@ MODE_ALIASES = {
 }
 EXACT_REDUCE_SCATTERS = ("native", "alltoall")
 WEIGHT_GATHERS = ("two-level", "flat")
+RUNNERS = ("auto", "inline", "thread", "stream", "deferred")
 
 
 def _is_bool(value) -> bool:
@@ -66,6 +67,7 @@ ALLOWED = {
     "check_interval": "an integer >= 0 (0 = never)",
     "exact_reduce_scatter": f"one of {', '.join(EXACT_REDUCE_SCATTERS)}",
     "weight_gather": f"one of {', '.join(WEIGHT_GATHERS)}",
+    "runner": f"one of {', '.join(RUNNERS)}",
 }
 """What each field may be, in words: for error messages and ``--help``. The rules
 themselves are in ``SDP4BitConfig.__post_init__``."""
@@ -147,6 +149,15 @@ class SDP4BitConfig:
     link), ``flat`` = one all-gather over the DP group (a ring: (P-1)/P of it). The
     weights come out bit-identical either way; one node, or one rank a node, is flat."""
 
+    runner: str = "auto"
+    """Where the collectives megatron overlaps (``--overlap-grad-reduce``,
+    ``--overlap-param-gather``) run (``comm/runner.py``): ``auto`` = the one for the
+    backend (a worker thread on gloo; a side stream on NCCL, or with
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` the deferring runner); ``inline`` = on the caller
+    when megatron starts them, not overlapped (to rule the overlap out); ``thread``
+    (gloo); ``stream`` or ``deferred`` (CUDA tensors, any backend: on gloo, one GPU can
+    check NCCL's runners). The results are bit-identical on every runner."""
+
     def __post_init__(self) -> None:
         """Every rule about a field lives here, and only here: a bad value fails where
         the config is made, with the field's name and what it may be."""
@@ -159,6 +170,7 @@ class SDP4BitConfig:
         self._check_choice("rounding", ROUNDINGS)
         self._check_choice("exact_reduce_scatter", EXACT_REDUCE_SCATTERS)
         self._check_choice("weight_gather", WEIGHT_GATHERS)
+        self._check_choice("runner", RUNNERS)
         for name in ("weight_bits", "grad_bits_intra", "grad_bits_inter"):
             value = getattr(self, name)
             if _is_bool(value) or value not in SUPPORTED_BITS:

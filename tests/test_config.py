@@ -43,6 +43,8 @@ def parse(argv):
         (dict(grad_start_iter=-5), r"grad_start_iter=-5 must be an integer >= 0"),
         (dict(check_interval=-1), r"check_interval=-1 must be an integer >= 0"),
         (dict(check_interval=2.5), r"check_interval=2.5 must be an integer >= 0"),
+        (dict(runner="nccl"), r"runner='nccl'; choose one of \('auto', 'inline', 'thread', "
+                              r"'stream', 'deferred'\)"),
     ],
 )
 def test_bad_values_say_what_to_change(changes, message):
@@ -103,7 +105,7 @@ def test_field_flags_override_preset():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_field_round_trips(name):
     cfg = PRESETS[name].replace(ranks_per_node=2, pipeline_chunks=3, seed=99,
-                                grad_start_iter=5, rounding="nearest")
+                                grad_start_iter=5, rounding="nearest", runner="inline")
     assert config_from_args(parse(config_to_argv(cfg))) == cfg
 
 

@@ -83,6 +83,7 @@ def test_the_driver_learns_two_nodes_from_the_hosts_with_experts(tmp_path):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "sdp4bit nodes: 2 hosts x 2 ranks (from the hosts)\n" in output
+    assert "sdp4bit overlapped collectives: thread runner: on a worker thread\n" in output  # gloo's
     assert ("sdp4bit gradient hops, DP 4: 8-bit inside a node (2 ranks), "
             "then 4-bit across nodes (2 ranks)") in output
     assert "sdp4bit gradient hops, expert DP 2: 4-bit across nodes (2 ranks)" in output

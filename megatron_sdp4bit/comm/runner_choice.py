@@ -23,6 +23,24 @@ def runner_kind(group, device: torch.device) -> str:
     return "inline"
 
 
+def requested_kind(requested: str, group, device: torch.device) -> str:
+    """The runner kind ``SDP4BitConfig.runner`` asks for on this backend and device:
+    ``"auto"`` is ``runner_kind``'s choice, any other kind is taken as asked where it can
+    run. Raises ``ValueError`` saying why where it cannot: a worker thread runs gloo's
+    collectives only (``ThreadRunner`` uses private twins of gloo groups), a side stream
+    is a CUDA stream. The deferring runner runs anywhere (without CUDA its stages run on
+    the caller, at the later calls)."""
+    if requested == "auto":
+        return runner_kind(group, device)
+    if requested == "thread" and backend_of(group, device) != "gloo":
+        raise ValueError(f"a worker thread runs gloo's collectives, and this job's run on "
+                         f"{backend_of(group, device)}")
+    if requested == "stream" and torch.device(device).type != "cuda":
+        raise ValueError(f"its side stream is a CUDA stream, and this job's gradients are on "
+                         f"{torch.device(device).type}")
+    return requested
+
+
 def make_runner(kind: str, device: torch.device):
     """The runner of ``kind`` (``runner_kind``) for collectives on ``device``."""
     if kind == "stream":

@@ -25,7 +25,8 @@ from megatron_sdp4bit.config import ALLOWED, PRESETS, ConfigError, SDP4BitConfig
 
 # String fields take their value as it is; every other field is an integer. What
 # each may be is checked once, by SDP4BitConfig; ``config_from_args`` names the flag.
-_STRING_FIELDS = ("weight_mode", "grad_mode", "rounding", "exact_reduce_scatter", "weight_gather")
+_STRING_FIELDS = ("weight_mode", "grad_mode", "rounding", "exact_reduce_scatter", "weight_gather",
+                  "runner")
 
 
 class SDP4BitFlagError(ValueError):

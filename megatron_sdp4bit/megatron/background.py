@@ -15,7 +15,9 @@ is built and kept for the run:
   (``DeferringRunner``), said in one INFO line;
 - every rank must choose the same (``check_same_kind_everywhere``: one line otherwise);
 - any other backend, or no overlap flag: the caller (``InlineRunner``); with an
-  overlap flag one INFO line says the quantized collectives are not overlapped.
+  overlap flag one INFO line says the quantized collectives are not overlapped;
+- ``--sdp4bit-runner`` (``SDP4BitConfig.runner``) other than ``auto``: the runner it
+  names, said in one INFO line, or one error line where it cannot run.
 
 Every rank submits its bucket groups' collectives in megatron's order, and one
 runner runs them in that order: see docs/collectives.md, "Overlap", for why this
@@ -31,10 +33,22 @@ import torch
 from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.comm.runner import InlineRunner
 from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
-from megatron_sdp4bit.comm.runner_choice import check_same_kind_everywhere, make_runner, runner_kind
+from megatron_sdp4bit.comm.runner_choice import check_same_kind_everywhere, make_runner, requested_kind
 from megatron_sdp4bit.comm.topology import build_private_groups, private_group
 
 logger = logging.getLogger(__name__)
+
+
+# What a runner asked for with --sdp4bit-runner does, for its INFO line.
+ASKED = {
+    "inline": "the quantized collectives run when megatron starts them, not overlapped with "
+              "the backward and forward passes",
+    "thread": "the quantized collectives run on a worker thread",
+    "stream": "the quantized collectives run on a CUDA side stream, issued when megatron "
+              "starts them",
+    "deferred": "each stage of a quantized collective is issued at megatron's next start or "
+                "wait, on a side stream on CUDA",
+}
 
 
 def _one_queue(kind: str) -> str:
@@ -66,15 +80,26 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
         # (a rank may hold no group of its own here: megatron makes them all with the
         # world's backend)
         group = groups[0] if groups else torch.distributed.group.WORLD
-        kind = _one_queue(runner_kind(group, device))
+        requested = state.config.runner
+        try:
+            kind = requested_kind(requested, group, device)
+        except ValueError as error:
+            raise RuntimeError(f"SDP4Bit: --sdp4bit-runner {requested} cannot run here: {error}; "
+                               "leave it at auto (the runner for this backend)") from None
+        if requested == "auto":
+            kind = _one_queue(kind)
         check_same_kind_everywhere(kind)
-        if kind == "inline":
+        if requested != "auto":
+            logger.info("SDP4Bit: --sdp4bit-runner %s: %s", requested, ASKED[requested])
+            if kind == "inline":
+                return
+        elif kind == "inline":
             logger.info("SDP4Bit: the %s backend cannot run collectives from a worker thread or a "
                         "side stream; the quantized collectives run when megatron starts them, "
                         "not overlapped with the backward and forward passes",
                         backend_of(group, device))
             return
-        if kind == "deferred":
+        elif kind == "deferred":
             logger.info("SDP4Bit: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream in one "
                         "hardware queue, where a wait for an NCCL hop in flight holds up the "
                         "kernels queued after it; each stage of a quantized collective is "

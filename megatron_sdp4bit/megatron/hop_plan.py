@@ -50,9 +50,25 @@ def describe_gather(topology, config) -> str:
     return f"{bits}, one all-gather over {topology.dp_size} ranks"
 
 
+RUNNER_WORDS = {  # comm/runner.py, comm/deferring_runner.py
+    "inline": "not overlapped, run when megatron starts them",
+    "thread": "on a worker thread",
+    "stream": "on a CUDA side stream",
+    "deferred": "each stage issued at megatron's next start or wait (one hardware queue)",
+}
+
+
+def describe_runner(state) -> str:
+    """``stream runner: on a CUDA side stream``: where the collectives megatron overlaps
+    run, once chosen (``megatron/background.py``), and whether ``--sdp4bit-runner`` chose it."""
+    kind = state.runner.kind
+    asked = " (--sdp4bit-runner)" if state.config.runner != "auto" else ""
+    return f"{kind} runner{asked}: {RUNNER_WORDS.get(kind, kind)}"
+
+
 def plan_lines(layer, model_chunks) -> List[str]:
-    """This rank's plan: the nodes, then each distinct data-parallel group's hops
-    (dense, then expert) of what the layer quantizes."""
+    """This rank's plan: the nodes, where overlapped collectives run, then each distinct
+    data-parallel group's hops (dense, then expert) of what the layer quantizes."""
     state, adapter, config = layer.state, layer.adapter, layer.state.config
     hosts = world_hosts()
     lines = []
@@ -60,6 +76,8 @@ def plan_lines(layer, model_chunks) -> List[str]:
         lines.append(f"nodes: {describe_nodes(hosts, config.ranks_per_node)}")
     if not (config.quantize_grads or config.quantize_weights):
         return lines
+    if state.runner_chosen:  # megatron overlaps them (--overlap-grad-reduce, --overlap-param-gather)
+        lines.append(f"overlapped collectives: {describe_runner(state)}")
     seen = []
     for kind, groups_of in (("DP", adapter.ddp_bucket_groups), ("expert DP", adapter.expert_bucket_groups)):
         for chunk in model_chunks:

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 from megatron_sdp4bit.comm.topology import Level
 from megatron_sdp4bit.config import preset
-from megatron_sdp4bit.megatron.hop_plan import describe_gather, describe_hops, describe_nodes
+from megatron_sdp4bit.megatron.hop_plan import (
+    RUNNER_WORDS, describe_gather, describe_hops, describe_nodes, describe_runner)
 
 
 def _topology(*levels, fallback=None):
@@ -42,3 +43,16 @@ def test_the_weight_gather_names_its_hops_or_its_one_all_gather():
     assert describe_gather(layout(1, 8), config) == "4-bit, one all-gather over 8 ranks"
     assert describe_gather(layout(2, 4), preset("sdp4bit", weight_gather="flat")) == \
         "4-bit, one all-gather over 8 ranks"
+
+
+def test_the_runner_line_names_the_runner_and_whether_the_flag_chose_it():
+    from megatron_sdp4bit.config import RUNNERS
+
+    assert set(RUNNER_WORDS) == set(RUNNERS) - {"auto"}  # every runner a flag can name
+    state = lambda kind, asked: SimpleNamespace(runner=SimpleNamespace(kind=kind),  # noqa: E731
+                                                config=preset("sdp4bit", runner=asked))
+    assert describe_runner(state("thread", "auto")) == "thread runner: on a worker thread"
+    assert describe_runner(state("stream", "stream")) == \
+        "stream runner (--sdp4bit-runner): on a CUDA side stream"
+    assert describe_runner(state("inline", "inline")) == \
+        "inline runner (--sdp4bit-runner): not overlapped, run when megatron starts them"

@@ -46,7 +46,7 @@ def _train(spec, config, runner: str) -> dict:
 
     from megatron_sdp4bit import comm
     from megatron_sdp4bit.comm import gather_hops, gradients, weights
-    from megatron_sdp4bit.megatron import background, patch
+    from megatron_sdp4bit.megatron import patch
     from harness.tiny_gpt import TinyGPTTrainer
 
     patch.uninstall()
@@ -65,7 +65,7 @@ def _train(spec, config, runner: str) -> dict:
 
     from megatron_sdp4bit.megatron import param_sync
 
-    real_kind, real_prefetch = background.runner_kind, param_sync.prefetch_gathers
+    real_prefetch = param_sync.prefetch_gathers
     prefetched = []
 
     def prefetch(layer, optimizer):
@@ -75,7 +75,7 @@ def _train(spec, config, runner: str) -> dict:
 
     param_sync.prefetch_gathers = prefetch
     if runner != "thread":  # the caller's own, or the deferring runner (one hardware queue)
-        background.runner_kind = lambda group, device: runner
+        config = config.replace(runner=runner)  # --sdp4bit-runner
     spy(gradients, "all_to_all_equal")  # the reduce-scatter's hops
     spy(weights, "all_gather_flat")  # the exact weight gathers
     spy(gather_hops, "all_gather_flat")  # the quantized ones' hops
@@ -89,7 +89,7 @@ def _train(spec, config, runner: str) -> dict:
         buffers = layer.state.buffer_bytes()
         waits = patch.collective_waits()
     finally:
-        background.runner_kind, param_sync.prefetch_gathers = real_kind, real_prefetch
+        param_sync.prefetch_gathers = real_prefetch
         for (module, name), original in originals.items():
             setattr(module, name, original)
         patch.uninstall()
@@ -189,7 +189,8 @@ def test_the_buffers_stay_one_set_per_direction(runs):
             assert held <= reported, (name, held, reported)
 
 
-def _set_up_twice(caplog, monkeypatch, overlap_param_gather: bool):
+def _set_up_twice(caplog, monkeypatch, overlap_param_gather: bool, config=preset("sdp4bit"),
+                  grads_on: str = "cpu"):
     """``background.set_up_runner`` for two model chunks of a one-bucket-group DDP with
     --overlap-grad-reduce: the layer state, the INFO lines logged and the kinds the ranks
     were asked to agree on (``check_same_kind_everywhere``, a world collective here)."""
@@ -205,8 +206,8 @@ def _set_up_twice(caplog, monkeypatch, overlap_param_gather: bool):
                                        overlap_param_gather=overlap_param_gather)
     adapter = types.SimpleNamespace(
         ddp_config=lambda ddp: ddp_config, ddp_bucket_groups=lambda ddp: ["bucket group"],
-        grad_buffers=lambda bucket_group: [torch.zeros(4)])
-    state = LayerState(config=preset("sdp4bit"))
+        grad_buffers=lambda bucket_group: [types.SimpleNamespace(device=torch.device(grads_on))])
+    state = LayerState(config=config)
     agreed = []
     monkeypatch.setattr(background, "check_same_kind_everywhere", agreed.append)
     with caplog.at_level(logging.INFO, logger=background.__name__):
@@ -219,10 +220,11 @@ def test_a_backend_that_cannot_overlap_says_so_in_one_info_line(monkeypatch, cap
     """A world whose backend can run collectives neither from a worker thread nor on a
     side stream keeps them on the caller, with one INFO line saying they are not
     overlapped (never a hang)."""
+    from megatron_sdp4bit.comm import runner_choice
     from megatron_sdp4bit.comm.runner import InlineRunner
     from megatron_sdp4bit.megatron import background
 
-    monkeypatch.setattr(background, "runner_kind", lambda group, device: "inline")
+    monkeypatch.setattr(runner_choice, "runner_kind", lambda group, device: "inline")
     monkeypatch.setattr(background, "backend_of", lambda group, device: "mpi")
     state, lines, agreed = _set_up_twice(caplog, monkeypatch, overlap_param_gather=False)
     assert len(lines) == 1 and "mpi backend" in lines[0] and "not overlapped" in lines[0]
@@ -238,13 +240,14 @@ def test_one_hardware_queue_on_the_stream_runner_says_what_it_costs(monkeypatch,
     deferring runner instead of the stream runner, and says so in one INFO line."""
     import types
 
+    from megatron_sdp4bit.comm import runner_choice
     from megatron_sdp4bit.megatron import background
 
     if connections is None:
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     else:
         monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
-    monkeypatch.setattr(background, "runner_kind", lambda group, device: "stream")
+    monkeypatch.setattr(runner_choice, "runner_kind", lambda group, device: "stream")
     monkeypatch.setattr(background, "make_runner",
                         lambda kind, device: types.SimpleNamespace(kind=kind))
     state, lines, agreed = _set_up_twice(caplog, monkeypatch, overlap_param_gather=True)
@@ -256,3 +259,64 @@ def test_one_hardware_queue_on_the_stream_runner_says_what_it_costs(monkeypatch,
         assert "a bucket of up to 64 M elements in one chunk" in lines[0]
     else:
         assert state.runner.kind == "stream" and lines == []
+
+
+def _asked(monkeypatch, caplog, requested: str, backend: str, grads_on: str):
+    """``set_up_runner`` with ``--sdp4bit-runner requested`` on ``backend``, the gradients on
+    ``grads_on``: (the kind made, the INFO lines, the kinds agreed on); runners are stand-ins."""
+    import types
+
+    from megatron_sdp4bit.comm import runner_choice
+    from megatron_sdp4bit.megatron import background
+
+    monkeypatch.setattr(runner_choice, "backend_of", lambda group, device: backend)
+    monkeypatch.setattr(background, "make_runner", lambda kind, device: types.SimpleNamespace(kind=kind))
+    twins = []
+    monkeypatch.setattr(background, "build_private_groups", twins.append)
+    monkeypatch.setattr(background, "private_group", lambda group: group)
+    state, lines, agreed = _set_up_twice(caplog, monkeypatch, overlap_param_gather=True,
+                                         config=preset("sdp4bit", runner=requested),
+                                         grads_on=grads_on)
+    return getattr(state.runner, "kind", None), lines, agreed, twins
+
+
+@pytest.mark.parametrize("requested, backend, grads_on, words", [
+    ("inline", "gloo", "cpu", "not overlapped"),
+    ("inline", "nccl", "cuda", "not overlapped"),
+    ("thread", "gloo", "cuda", "on a worker thread"),
+    ("stream", "gloo", "cuda", "on a CUDA side stream"),      # gpu_check: NCCL's runner on one GPU
+    ("deferred", "gloo", "cpu", "issued at megatron's next start or wait"),
+    ("deferred", "nccl", "cuda", "issued at megatron's next start or wait"),
+])
+def test_the_runner_flag_takes_the_runner_it_names_and_says_so(monkeypatch, caplog, requested,
+                                                               backend, grads_on, words):
+    """``--sdp4bit-runner`` other than auto: that runner, whatever the backend would pick,
+    with one INFO line naming the flag; every rank still agrees on it. Under
+    CUDA_DEVICE_MAX_CONNECTIONS=1 a named stream runner stays one (auto would defer)."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    kind, lines, agreed, twins = _asked(monkeypatch, caplog, requested, backend, grads_on)
+    assert agreed == [requested]
+    assert kind == requested
+    assert len(lines) == 1 and lines[0].startswith(f"SDP4Bit: --sdp4bit-runner {requested}: ")
+    assert words in lines[0]
+    assert bool(twins) == (requested == "thread")  # only a worker thread needs private groups
+
+
+@pytest.mark.parametrize("requested, backend, grads_on, why", [
+    ("thread", "nccl", "cuda", "a worker thread runs gloo's collectives, and this job's run on nccl"),
+    ("stream", "gloo", "cpu", "its side stream is a CUDA stream, and this job's gradients are on cpu"),
+])
+def test_a_runner_that_cannot_run_is_refused_in_one_line(monkeypatch, caplog, requested, backend,
+                                                         grads_on, why):
+    with pytest.raises(RuntimeError) as error:
+        _asked(monkeypatch, caplog, requested, backend, grads_on)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message == (f"SDP4Bit: --sdp4bit-runner {requested} cannot run here: {why}; "
+                       "leave it at auto (the runner for this backend)")
+
+
+def test_auto_is_the_backends_runner(monkeypatch, caplog):
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert _asked(monkeypatch, caplog, "auto", "gloo", "cpu")[:3] == ("thread", [], ["thread"])
+    assert _asked(monkeypatch, caplog, "auto", "nccl", "cuda")[:3] == ("stream", [], ["stream"])

@@ -222,6 +222,12 @@ def test_layout_differences_are_refused_or_warned_in_one_line():
                                     _with(sdp4bit={**LAYOUT["sdp4bit"], "seed": 5}))
     assert "(seed 1 -> 5)" in warning and warning.endswith("the rounding streams continue the checkpoint's: its "
                                                            "seed drew them)")
+    # where the collectives ran is not the checkpoint's business: another --sdp4bit-runner,
+    # or a checkpoint saved before the field existed, loads without a word
+    without = {k: v for k, v in LAYOUT["sdp4bit"].items() if k != "runner"}
+    for saved in ({**LAYOUT["sdp4bit"], "runner": "inline"}, without):
+        assert compare_layouts(d, _with(sdp4bit=saved), _with(sdp4bit={**LAYOUT["sdp4bit"],
+                                                                      "runner": "auto"})) == (False, [])
 
 
 def test_each_pipeline_stage_is_compared_with_its_own_saved_buckets():

@@ -69,7 +69,8 @@ def preset_name(config: Optional[dict]) -> str:
     """The preset a recorded SDP4Bit config is, in words."""
     if config is None:
         return "no SDP4Bit layer"
-    ignored = ("ranks_per_node", "seed", "check_interval")  # where and how it ran, not which method
+    # where and how it ran, not which method
+    ignored = ("ranks_per_node", "seed", "check_interval", "runner")
     for name, candidate in PRESETS.items():
         known = candidate.to_dict()
         if all(config.get(k) == v for k, v in known.items() if k not in ignored):
@@ -160,7 +161,7 @@ def _warnings(where: str, saved: dict, current: dict) -> List[str]:
         warnings.append(f"warning: {where} megatron-core {saved['megatron_core']}, this run has "
                         f"{current['megatron_core']}; loading it (the checkpoint's contents are the same "
                         "in the supported releases)")
-    ignored = ("ranks_per_node",)
+    ignored = ("ranks_per_node", "runner")  # where it ran: the same bytes on every runner
     old, new = saved.get("sdp4bit"), current.get("sdp4bit")
     if old is not None and new is not None:
         changed = [f"{k} {old.get(k)} -> {new.get(k)}" for k in new
