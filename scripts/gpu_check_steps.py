@@ -76,6 +76,10 @@ GPU_DP4 = dict(layers=4, hidden=512, heads=8, seq=512, micro_batch=4, iters=20,
                log_interval=5, warmup_iters=10, shard=1 << 18, bucket_size=4_000_000)
 CPU_DP4 = dict(CPU_TRAIN, iters=8, shard=3000, bucket_size=40_000)
 DP4_COLLECTIVES = ("dp4.collectives", "dp4.collectives.deferred", "dp4.collectives.stream")
+# SDP4Bit's dp4 run puts its overlapped collectives on the runner the layer takes on NCCL,
+# through megatron (--sdp4bit-runner stream; gloo's own, the worker thread, runs in the hosts
+# and overlap steps). The CPU self-test has no CUDA stream: the deferring runner there.
+DP4_RUNNER = {"gpu": "stream", "smoke": "deferred"}
 # the stream runner's check: a shard whose kernels outlast their launch, so a read before
 # the side stream is done shows (the unaligned 4101 runs too)
 STREAM_SHARD = 1 << 16
@@ -596,19 +600,25 @@ def step_dp4(report: Report, ctx: dict) -> None:
     if corpus is None:
         return
     rows = {}
+    runner = DP4_RUNNER["smoke" if ctx["smoke"] else "gpu"]
+    runner_line = f"sdp4bit overlapped collectives: {runner} runner (--sdp4bit-runner)"
     for name in DP4_PRESETS:
         cmd = train_command(name, shape, corpus, ctx["work"], launcher=torchrun(4), dp=4,
                             run_name=f"dp4-{name}") + dp4_flags(shape) + [
             "--sdp4bit-check-interval", "1"]
+        if name == "sdp4bit":
+            cmd += ["--sdp4bit-runner", runner]
         rows[name], output = run_training(report, ctx, f"dp4.train.{name}", cmd, shape,
                                           f"dp4-{name}", 120 if ctx["smoke"] else 150)
         found = REPLICA_CHECKS.search(output)
         rows[name]["replica_checks"] = int(found.group(1)) if found else 0
+        rows[name]["runner_said"] = runner_line in output
     if rows["sdp4bit"].get("passed") and rows["sdp4bit"]["bytes_exact"]:  # the hosts step's reference
         ctx["dense_wire_ratio"] = rows["sdp4bit"]["bytes_sent"] / rows["sdp4bit"]["bytes_exact"]
     print(f"\n    DP=4 on one {'CPU' if ctx['smoke'] else 'GPU'} over gloo, 2 emulated nodes x 2 "
           f"(GPT {shape['layers']}x{shape['hidden']}, seq {shape['seq']}, {shape['iters']} iterations, "
-          f"overlapped, buckets of {shape['bucket_size']} parameters):")
+          f"overlapped, buckets of {shape['bucket_size']} parameters; SDP4Bit's collectives on the "
+          f"{runner} runner):")
     print(f"    {'preset':10s} {'ms/step':>9s} {'final loss':>11s} {'replica checks':>15s}")
     for name, row in rows.items():
         ms = f"{row['step_time_s'] * 1e3:9.1f}" if row["step_time_s"] else f"{'-':>9s}"
@@ -623,8 +633,10 @@ def step_dp4(report: Report, ctx: dict) -> None:
         f"SDP4Bit's loss is {gap:+.2%} off the exact run's (tolerance {DP4_LOSS_TOLERANCE:.0%})"]
     if checks != [shape["iters"]] * len(DP4_PRESETS):
         problems.append(f"replica checks {checks}, expected {shape['iters']} each (every step)")
-    detail = (f"final loss sdp4bit {sdp:.4f} vs exact {base:.4f} ({gap:+.2%}, tolerance "
-              f"{DP4_LOSS_TOLERANCE:.0%}); replicas bit-identical at every step ({checks})")
+    if not rows["sdp4bit"]["runner_said"]:
+        problems.append(f"the SDP4Bit run did not print '{runner_line}'")
+    detail = (f"final loss sdp4bit {sdp:.4f} ({runner} runner) vs exact {base:.4f} ({gap:+.2%}, "
+              f"tolerance {DP4_LOSS_TOLERANCE:.0%}); replicas bit-identical at every step ({checks})")
     report.add("dp4.loss", "FAIL" if problems else "PASS", "; ".join(problems) or detail,
                loss_gap=gap, replica_checks=checks)
 

@@ -69,6 +69,9 @@ def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
     assert re.search(r"\[SKIP\] overlap \(\d+ s\): \d+\.\d% of the quantization cpu threads time",
                      result.stdout), result.stdout[-6000:]
     assert "--overlap-grad-reduce --overlap-param-gather --bucket-size" in result.stdout  # dp4
+    # SDP4Bit's dp4 run on the runner the flag names (stream on a GPU, deferred here), said
+    assert re.search(r"\[PASS\] dp4\.loss \(\d+ s\): final loss sdp4bit \d+\.\d{4} \(deferred runner\)",
+                     result.stdout), result.stdout[-6000:]
     assert re.search(r"sdp4bit / baseline = \d+\.\d{4}", result.stdout)  # the side-by-side ratio
     assert "MEGATRON_LM_PATH is not set" in result.stdout
 
