@@ -155,8 +155,11 @@ class SDP4BitConfig:
     backend (a worker thread on gloo; a side stream on NCCL, or with
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` the deferring runner); ``inline`` = on the caller
     when megatron starts them, not overlapped (to rule the overlap out); ``thread``
-    (gloo); ``stream`` or ``deferred`` (CUDA tensors, any backend: on gloo, one GPU can
-    check NCCL's runners). The results are bit-identical on every runner."""
+    (gloo); ``stream`` (CUDA tensors, any backend: on gloo, one GPU can check NCCL's
+    runner); ``deferred`` (any backend and device). ``inline``, ``thread`` and ``stream``
+    give bit-identical results; ``deferred`` takes a bucket of up to 64 M elements in one
+    chunk, so above ``MAX_CHUNK_ELEMENTS`` its stochastic rounding draws differ.
+    Where a runner cannot run, the front ends refuse it (``megatron/background.py``)."""
 
     def __post_init__(self) -> None:
         """Every rule about a field lives here, and only here: a bad value fails where

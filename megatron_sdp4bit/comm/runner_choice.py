@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,21 +24,28 @@ def runner_kind(group, device: torch.device) -> str:
     return "inline"
 
 
+def runner_refusal(requested: str, backend: str, device_type: str) -> Optional[str]:
+    """Why the runner ``SDP4BitConfig.runner`` names cannot serve collectives of ``backend``
+    on ``device_type`` tensors (``"cuda"`` or ``"cpu"``), or None. A worker thread runs
+    gloo's collectives only (``ThreadRunner`` uses private twins of gloo groups); a side
+    stream is a CUDA stream. ``auto``, ``inline`` and the deferring runner run anywhere
+    (without CUDA the deferring runner's stages run on the caller, at the later calls)."""
+    if requested == "thread" and backend != "gloo":
+        return f"a worker thread runs gloo's collectives, and this job's run on {backend}"
+    if requested == "stream" and device_type != "cuda":
+        return f"its side stream is a CUDA stream, and this job's gradients are on {device_type}"
+    return None
+
+
 def requested_kind(requested: str, group, device: torch.device) -> str:
-    """The runner kind ``SDP4BitConfig.runner`` asks for on this backend and device:
-    ``"auto"`` is ``runner_kind``'s choice, any other kind is taken as asked where it can
-    run. Raises ``ValueError`` saying why where it cannot: a worker thread runs gloo's
-    collectives only (``ThreadRunner`` uses private twins of gloo groups), a side stream
-    is a CUDA stream. The deferring runner runs anywhere (without CUDA its stages run on
-    the caller, at the later calls)."""
+    """The runner kind ``SDP4BitConfig.runner`` asks for on this group's backend and device:
+    ``"auto"`` is ``runner_kind``'s choice, any other kind is taken as asked. Raises
+    ``ValueError`` (``runner_refusal``'s reason) where it cannot run."""
     if requested == "auto":
         return runner_kind(group, device)
-    if requested == "thread" and backend_of(group, device) != "gloo":
-        raise ValueError(f"a worker thread runs gloo's collectives, and this job's run on "
-                         f"{backend_of(group, device)}")
-    if requested == "stream" and torch.device(device).type != "cuda":
-        raise ValueError(f"its side stream is a CUDA stream, and this job's gradients are on "
-                         f"{torch.device(device).type}")
+    why = runner_refusal(requested, backend_of(group, device), torch.device(device).type)
+    if why is not None:
+        raise ValueError(why)
     return requested
 
 

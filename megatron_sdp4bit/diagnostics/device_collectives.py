@@ -26,11 +26,12 @@ under ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (``DeferringRunner``: a case's async cal
 submitted, then waited on, so its stages are issued by the wait; its sync calls on
 ``--device`` go through it too, a bucket of up to 64 M elements in one chunk). With
 ``--runner stream`` (CUDA only) the async calls go to the NCCL runner whatever the
-backend: on gloo, where one GPU can host several ranks, that checks its stream order
-and its tensors' lifetimes on a real device (the side stream after the caller's work,
-the caller after the side stream only in ``wait()``, ``record_stream`` on the inputs).
+backend: on gloo, where one GPU can host several ranks, that checks its stream order on
+a real device (the side stream after the caller's work: every input is written last on
+the compute stream, behind a GPU sleep; the caller after the side stream in ``wait()``).
 gloo blocks the host in each hop, so a submission returns only once its last hop is
-done; the stages' order on the stream is the one NCCL gets. What must hold:
+done: the host's early return and the inputs' lifetime (``record_stream``) are what it
+cannot check; the stages' order on the stream is the one NCCL gets. What must hold:
 
 - nearest rounding: the device result equals the CPU reference bit for bit;
 - an asynchronous call's result equals the synchronous call's on the same inputs
@@ -95,6 +96,23 @@ def _rank_input(seed: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+# A runner's side stream must start after the caller's work so far (``comm/runner.py``):
+# on CUDA every checked input is written last by the compute stream, behind this many GPU
+# cycles of sleep (about 10 ms), so a side stream that did not wait would read zeros.
+LATE_INPUT_CYCLES = 20_000_000
+
+
+def _on_device(t: torch.Tensor, where: torch.device) -> torch.Tensor:
+    """A copy of ``t`` on ``where``; on CUDA its bytes land late on the compute stream."""
+    if where.type != "cuda":
+        return t.clone()
+    staged = t.to(where)
+    late = torch.zeros_like(staged)
+    torch.cuda._sleep(LATE_INPUT_CYCLES)
+    late.copy_(staged)
+    return late
+
+
 def _finish(handle) -> None:
     if handle is not None:
         handle.wait()
@@ -126,7 +144,7 @@ def reduce_scatter_case(device, dtype, async_op, chunks, rounding, shard, rpn, s
     def run(where, is_async):
         reset_generators()  # the same noise for every run: async and sync are comparable
         out = torch.empty(shard, dtype=dtype, device=where)
-        _finish(quantized_reduce_scatter(out, x.to(where), op=op, config=config,
+        _finish(quantized_reduce_scatter(out, _on_device(x, where), op=op, config=config,
                                          **_on(where, device, is_async, runner)))
         return out.cpu()
 
@@ -158,8 +176,8 @@ def all_gather_case(device, dtype, async_op, rounding, shard, rpn, seed, runner)
 
     def run(where, is_async):
         reset_generators()  # the same noise for every run: async and sync are comparable
-        buffer = model.clone().to(where)
-        _finish(quantized_all_gather_weights(buffer, main.to(where), config=config,
+        buffer = _on_device(model, where)
+        _finish(quantized_all_gather_weights(buffer, _on_device(main, where), config=config,
                                              **_on(where, device, is_async, runner)))
         return buffer.cpu()
 
@@ -268,7 +286,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     machine = Machine.here(os.environ)
     device_type = args.device or ("cuda" if machine.cuda_available else "cpu")
-    if args.runner == "stream" and device_type != "cuda":
+    if args.runner == "stream" and (device_type != "cuda" or not machine.cuda_available):
         print("device_collectives: error: --runner stream runs the async calls on a CUDA side "
               "stream; give it --device cuda on a machine with a GPU, or leave --runner out",
               file=sys.stderr)

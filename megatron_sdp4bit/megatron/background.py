@@ -33,7 +33,8 @@ import torch
 from megatron_sdp4bit.comm.backends import backend_of
 from megatron_sdp4bit.comm.runner import InlineRunner
 from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
-from megatron_sdp4bit.comm.runner_choice import check_same_kind_everywhere, make_runner, requested_kind
+from megatron_sdp4bit.comm.runner_choice import (
+    check_same_kind_everywhere, make_runner, requested_kind, runner_refusal)
 from megatron_sdp4bit.comm.topology import build_private_groups, private_group
 
 logger = logging.getLogger(__name__)
@@ -47,8 +48,25 @@ ASKED = {
     "stream": "the quantized collectives run on a CUDA side stream, issued when megatron "
               "starts them",
     "deferred": "each stage of a quantized collective is issued at megatron's next start or "
-                "wait, on a side stream on CUDA",
+                f"wait, on a side stream on CUDA, a bucket of up to "
+                f"{ONE_QUEUE_WHOLE_BUCKET_ELEMENTS >> 20} M elements in one chunk (its buffers "
+                "hold a whole bucket)",
 }
+
+
+def runner_flag_error(requested: str, why: str) -> str:
+    """The one line that refuses ``--sdp4bit-runner requested`` (``why``:
+    ``comm.runner_choice.runner_refusal``'s reason)."""
+    return (f"--sdp4bit-runner {requested} cannot run here: {why}; leave it at auto (the "
+            "runner for this backend)")
+
+
+def runner_flag_refusal(config, backend: str, device_type: str):
+    """``runner_flag_error`` where ``config``'s runner cannot run on ``backend`` with
+    ``device_type`` tensors, else None: for front ends that know both before any DDP is
+    built (the driver, Megatron-LM's route), whether or not megatron will overlap."""
+    why = None if config is None else runner_refusal(config.runner, backend, device_type)
+    return None if why is None else runner_flag_error(config.runner, why)
 
 
 def _one_queue(kind: str) -> str:
@@ -83,9 +101,8 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
         requested = state.config.runner
         try:
             kind = requested_kind(requested, group, device)
-        except ValueError as error:
-            raise RuntimeError(f"SDP4Bit: --sdp4bit-runner {requested} cannot run here: {error}; "
-                               "leave it at auto (the runner for this backend)") from None
+        except ValueError as error:  # the driver and Megatron-LM's route refuse it earlier
+            raise RuntimeError(f"SDP4Bit: {runner_flag_error(requested, str(error))}") from None
         if requested == "auto":
             kind = _one_queue(kind)
         check_same_kind_everywhere(kind)

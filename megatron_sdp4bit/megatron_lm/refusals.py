@@ -62,8 +62,10 @@ def ddp_config_as_megatron_lm_builds_it(args: argparse.Namespace):
 
 def layer_refusal(args: argparse.Namespace, config: SDP4BitConfig) -> Optional[str]:
     """What the layer would refuse at DDP, model or optimizer construction, or None."""
+    from megatron_sdp4bit.cpu_backend import cpu_training_requested
     from megatron_sdp4bit.megatron import config_refusals
     from megatron_sdp4bit.megatron.adapters import current_adapter
+    from megatron_sdp4bit.megatron.background import runner_flag_refusal
 
     if config.enabled and getattr(args, "use_torch_fsdp2", False):
         # torch's fully_shard replaces DDP and the distributed optimizer: nothing of the
@@ -71,6 +73,11 @@ def layer_refusal(args: argparse.Namespace, config: SDP4BitConfig) -> Optional[s
         return ("SDP4Bit does not support torch FSDP2 (--use-torch-fsdp2): it quantizes the distributed "
                 "optimizer's reduce-scatter and all-gather; drop --use-torch-fsdp2 and use "
                 "--use-distributed-optimizer, or drop the --sdp4bit flags")
+    on_cpu = cpu_training_requested()  # SDP4BIT_CPU=1: gloo on CPU ranks, whatever args say yet
+    runner = runner_flag_refusal(config, "gloo" if on_cpu else getattr(args, "distributed_backend", "nccl"),
+                                 "cpu" if on_cpu else "cuda")
+    if runner is not None:
+        return runner
     adapter = current_adapter()
     ddp_config = ddp_config_as_megatron_lm_builds_it(args)
     rules = [lambda: config_refusals.check_ddp_for(config, adapter, ddp_config)]

@@ -79,6 +79,16 @@ def check_backend_layout(device: str, backend: str, layout: "ParallelLayout") ->
             "--distributed-backend nccl with one GPU per rank for tensor or pipeline parallelism")
 
 
+def check_runner_flag(config, device: str, backend: str) -> None:
+    """``--sdp4bit-runner`` naming a runner that cannot serve ``backend`` on ``device``
+    (``megatron.background.runner_flag_refusal``), refused before the model is built."""
+    from megatron_sdp4bit.megatron.background import runner_flag_refusal
+
+    refusal = runner_flag_refusal(config, backend, device)
+    if refusal is not None:
+        raise ArgumentError(refusal)
+
+
 def init_distributed(backend: Optional[str] = None, timeout_minutes: float = 10.0) -> str:
     """Initialize torch.distributed from torchrun's variables (or as a single rank).
 

@@ -24,8 +24,8 @@ from megatron_sdp4bit.training.agreement import on_every_rank
 from megatron_sdp4bit.training.console import is_rank0, log0
 from megatron_sdp4bit.training.datasets import build_data
 from megatron_sdp4bit.training.distributed import (
-    ParallelLayout, all_reduce_sum, check_backend_layout, describe_placement, init_distributed,
-    init_model_parallel, parallel_layout)
+    ParallelLayout, all_reduce_sum, check_backend_layout, check_runner_flag, describe_placement,
+    init_distributed, init_model_parallel, parallel_layout)
 from megatron_sdp4bit.training.fusions import choose_fusions
 from megatron_sdp4bit.training.metrics import check_run_folders, default_run_dir
 from megatron_sdp4bit.training.model import ModelChunks, build_model, build_optimizer
@@ -89,6 +89,7 @@ def start_processes(args) -> tuple:
     world = torch.distributed.get_world_size()
     layout = parallel_layout(args, world)
     check_backend_layout(device, backend_of(None, device), layout)
+    check_runner_flag(args.sdp4bit_config, device, backend_of(None, device))
     num_microbatches = args.global_batch_size // (args.micro_batch_size * layout.data)
     if args.save:
         checkpoint.check_writable(args.save)

@@ -56,7 +56,8 @@ def test_a_runner_with_its_own_chunk_cap_takes_the_synchronous_reference_too():
     assert "runner" not in device_collectives._on(cpu, cuda, True, deferred)
 
 
-@pytest.mark.parametrize("argv", [["--runner", "stream"], ["--runner", "stream", "--device", "cpu"]])
+@pytest.mark.parametrize("argv", [["--runner", "stream"], ["--runner", "stream", "--device", "cpu"],
+                                  ["--runner", "stream", "--device", "cuda"]])
 def test_the_stream_runner_without_cuda_is_one_line_and_exit_2(argv, capsys, monkeypatch):
     """``--runner stream`` puts the async calls on a CUDA side stream on any backend (gloo on
     one GPU in gpu_check's dp4 step); without CUDA tensors it stops before any process group,

@@ -65,6 +65,9 @@ def _without(args, *flags):
     # Megatron-LM's own check (an AssertionError traceback on every rank before).
     (["--overlap-grad-reduce"], [], "error: Megatron-LM refuses these arguments: Must use "
                                     "--overlap-param-gather with --overlap-grad-reduce (arguments.py:"),
+    # a runner the CPU ranks cannot serve (a traceback after initialization, or unused, before)
+    ([], ["--sdp4bit-runner", "stream"], "error: --sdp4bit-runner stream cannot run here: its side "
+                                         "stream is a CUDA stream, and this job's gradients are on cpu"),
 ])
 def test_what_would_fail_later_is_refused_before_anything_starts(tmp_path, drop, add, message):
     """Before: a RuntimeError traceback on every rank after initialization (no distributed

@@ -284,3 +284,13 @@ def test_reshard_arithmetic_on_stand_ins():
     with pytest.raises(ValueError, match="cannot be resharded"):
         reshard_parameter_state({**state(0, 2), "per_bucket_numel_unpadded": [{key: [999]}]}, 0, 2,
                                 lambda k: saved[k], 4)
+
+
+def test_the_preset_a_checkpoint_names_ignores_where_its_collectives_ran():
+    from megatron_sdp4bit.config import preset
+    from megatron_sdp4bit.training.checkpoint.run_layout import preset_name
+
+    saved = preset("zeropp", runner="inline").to_dict()
+    assert preset_name(saved) == "preset zeropp"
+    assert preset_name({k: v for k, v in saved.items() if k != "runner"}) == "preset zeropp"
+    assert preset_name(dict(saved, rounding="nearest")) == "a custom SDP4Bit config"

@@ -15,6 +15,7 @@ from megatron_sdp4bit.training.distributed import (
     ParallelLayout,
     ProcessPlacement,
     check_backend_layout,
+    check_runner_flag,
     place_process,
 )
 
@@ -56,6 +57,26 @@ def test_gloo_on_gpus_refuses_tensor_and_pipeline_parallelism():
                    ParallelLayout(world=4, pipeline=2, data=2)):
         with pytest.raises(ArgumentError, match="data parallelism only"):
             check_backend_layout("cuda", "gloo", layout)
+
+
+@pytest.mark.parametrize("runner, device, backend, why", [
+    ("thread", "cuda", "nccl", "a worker thread runs gloo's collectives, and this job's run on nccl"),
+    ("stream", "cpu", "gloo", "its side stream is a CUDA stream, and this job's gradients are on cpu"),
+])
+def test_a_runner_that_cannot_serve_the_backend_is_refused_naming_the_flag(runner, device, backend, why):
+    """Before the model is built, with or without megatron's overlap flags (it would only
+    be refused where DDP is built otherwise, or silently unused without them)."""
+    from megatron_sdp4bit.config import preset
+
+    with pytest.raises(ArgumentError) as error:
+        check_runner_flag(preset("sdp4bit", runner=runner), device, backend)
+    assert str(error.value) == (f"--sdp4bit-runner {runner} cannot run here: {why}; leave it at "
+                                "auto (the runner for this backend)")
+    for fine in (("auto", "cpu", "gloo"), ("auto", "cuda", "nccl"), ("inline", "cuda", "nccl"),
+                 ("thread", "cuda", "gloo"), ("stream", "cuda", "gloo"), ("stream", "cuda", "nccl"),
+                 ("deferred", "cpu", "gloo"), ("deferred", "cuda", "nccl")):
+        check_runner_flag(preset("sdp4bit", runner=fine[0]), *fine[1:])
+    check_runner_flag(None, "cpu", "gloo")  # no --sdp4bit: nothing to check
 
 
 def test_the_flag_takes_megatron_lms_choices():

@@ -161,7 +161,7 @@ def _warnings(where: str, saved: dict, current: dict) -> List[str]:
         warnings.append(f"warning: {where} megatron-core {saved['megatron_core']}, this run has "
                         f"{current['megatron_core']}; loading it (the checkpoint's contents are the same "
                         "in the supported releases)")
-    ignored = ("ranks_per_node", "runner")  # where it ran: the same bytes on every runner
+    ignored = ("ranks_per_node", "runner")  # where it ran, not which method
     old, new = saved.get("sdp4bit"), current.get("sdp4bit")
     if old is not None and new is not None:
         changed = [f"{k} {old.get(k)} -> {new.get(k)}" for k in new
