@@ -614,7 +614,8 @@ def step_dp4(report: Report, ctx: dict) -> None:
                                           f"dp4-{name}", 120 if ctx["smoke"] else 150)
         found = REPLICA_CHECKS.search(output)
         rows[name]["replica_checks"] = int(found.group(1)) if found else 0
-        rows[name]["runner_said"] = runner_line in output
+        if name == "sdp4bit":
+            rows[name]["runner_said"] = runner_line in output
     if rows["sdp4bit"].get("passed") and rows["sdp4bit"]["bytes_exact"]:  # the hosts step's reference
         ctx["dense_wire_ratio"] = rows["sdp4bit"]["bytes_sent"] / rows["sdp4bit"]["bytes_exact"]
     print(f"\n    DP=4 on one {'CPU' if ctx['smoke'] else 'GPU'} over gloo, 2 emulated nodes x 2 "

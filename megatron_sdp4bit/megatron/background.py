@@ -36,22 +36,9 @@ from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
 from megatron_sdp4bit.comm.runner_choice import (
     check_same_kind_everywhere, make_runner, requested_kind, runner_refusal)
 from megatron_sdp4bit.comm.topology import build_private_groups, private_group
+from megatron_sdp4bit.megatron.hop_plan import RUNNER_WORDS
 
 logger = logging.getLogger(__name__)
-
-
-# What a runner asked for with --sdp4bit-runner does, for its INFO line.
-ASKED = {
-    "inline": "the quantized collectives run when megatron starts them, not overlapped with "
-              "the backward and forward passes",
-    "thread": "the quantized collectives run on a worker thread",
-    "stream": "the quantized collectives run on a CUDA side stream, issued when megatron "
-              "starts them",
-    "deferred": "each stage of a quantized collective is issued at megatron's next start or "
-                f"wait, on a side stream on CUDA, a bucket of up to "
-                f"{ONE_QUEUE_WHOLE_BUCKET_ELEMENTS >> 20} M elements in one chunk (its buffers "
-                "hold a whole bucket)",
-}
 
 
 def runner_flag_error(requested: str, why: str) -> str:
@@ -107,7 +94,7 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
             kind = _one_queue(kind)
         check_same_kind_everywhere(kind)
         if requested != "auto":
-            logger.info("SDP4Bit: --sdp4bit-runner %s: %s", requested, ASKED[requested])
+            logger.info("SDP4Bit: --sdp4bit-runner %s: %s", requested, RUNNER_WORDS[requested])
             if kind == "inline":
                 return
         elif kind == "inline":

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import List, Sequence
 
 from megatron_sdp4bit.comm.host_layout import host_blocks
+from megatron_sdp4bit.comm.layout import ONE_QUEUE_WHOLE_BUCKET_ELEMENTS
 from megatron_sdp4bit.comm.topology import planned_topology, world_hosts
 
 HOP_PLACES = {"intra": "inside a node", "inter": "across nodes"}
@@ -50,11 +51,16 @@ def describe_gather(topology, config) -> str:
     return f"{bits}, one all-gather over {topology.dp_size} ranks"
 
 
-RUNNER_WORDS = {  # comm/runner.py, comm/deferring_runner.py
+# Where each runner runs the collectives megatron overlaps (comm/runner.py,
+# comm/deferring_runner.py): the plan line, and background.py's INFO line for a runner
+# --sdp4bit-runner names.
+RUNNER_WORDS = {
     "inline": "not overlapped, run when megatron starts them",
     "thread": "on a worker thread",
     "stream": "on a CUDA side stream",
-    "deferred": "each stage issued at megatron's next start or wait (one hardware queue)",
+    "deferred": (f"each stage issued at megatron's next start or wait (one hardware queue; "
+                 f"a bucket of up to {ONE_QUEUE_WHOLE_BUCKET_ELEMENTS >> 20} M elements in "
+                 "one chunk, its buffers a whole bucket)"),
 }
 
 

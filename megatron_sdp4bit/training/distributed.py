@@ -21,6 +21,7 @@ from megatron_sdp4bit.comm import forget_subgroups
 from megatron_sdp4bit.comm.backends import backend_of, host_collective_device
 from megatron_sdp4bit.jobs import free_port
 from megatron_sdp4bit.megatron import patch
+from megatron_sdp4bit.megatron.background import runner_flag_refusal
 
 from megatron_sdp4bit.training.arguments import ArgumentError, check_parallel_sizes
 
@@ -82,8 +83,6 @@ def check_backend_layout(device: str, backend: str, layout: "ParallelLayout") ->
 def check_runner_flag(config, device: str, backend: str) -> None:
     """``--sdp4bit-runner`` naming a runner that cannot serve ``backend`` on ``device``
     (``megatron.background.runner_flag_refusal``), refused before the model is built."""
-    from megatron_sdp4bit.megatron.background import runner_flag_refusal
-
     refusal = runner_flag_refusal(config, backend, device)
     if refusal is not None:
         raise ArgumentError(refusal)
