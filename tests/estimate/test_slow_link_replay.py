@@ -73,10 +73,26 @@ def test_the_overlap_study_shows_the_link_wait_each_preset_leaves_exposed(tmp_pa
     row = next(line for line in table if line.startswith("| 100 Mbit/s | SDP4Bit"))
     fields = [f.strip() for f in row.split("|")[1:-1]]
     # L 1.0, S_R 2.0, O_R 1.3: wait 1.0 s, 0.3 s of it exposed (30%), 0.2 s against L_O
-    assert fields[2:9] == ["1.000", "2.000", "1.300", "1.000", "0.300", "30%", "0.200"]
-    assert fields[9] == "1.54x" and len(fields) == 13  # and the two predicted columns
-    assert fields[10] == "0.050 + 0.150"  # what rank 0's training thread waited on, per direction
-    assert float(fields[12]) < float(fields[11])  # the estimator hides part of the wait too
+    assert fields[2:8] == ["1.000", "2.000", "1.300", "1.000", "0.300", "30%"]
+    assert fields[8] == "30% [30, 30]"  # one round: its own share
+    assert fields[9] == "0.200" and fields[10] == "1.54x"
+    assert len(fields) == 14  # and the two predicted columns
+    assert fields[11] == "0.050 + 0.150"  # what rank 0's training thread waited on, per direction
+    assert float(fields[13]) < float(fields[12])  # the estimator hides part of the wait too
+
+
+def test_each_round_pairs_its_own_runs_and_a_calibration_run_is_left_out():
+    """A round's share uses that round's L, S_R and O_R: a machine that slows down between
+    rounds moves all three, and the pooled medians' share, not the round's."""
+    from megatron_sdp4bit.benchmarks.slow_link.report import round_shares
+
+    cell = lambda *steps: Cell([RunResult([s, s], 0.0, 0.0, 0.0, 1.0) for s in steps])  # noqa: E731
+    # round 1 on a calm machine, round 2 on one 50% slower: 20% exposed in both
+    loop = cell(9.0, 1.0, 1.5)  # the first run is a calibration run (--calibrate)
+    plain, both = cell(2.0, 3.0), cell(1.2, 1.8)
+    assert [round(s, 6) for s in round_shares(loop, plain, both)] == [0.2, 0.2]
+    # a round whose limited run was no slower than the unlimited one has no share
+    assert round_shares(cell(2.0), cell(1.9), cell(2.1)) == []
 
 
 def test_estimating_needs_a_first_preset_without_overlap():

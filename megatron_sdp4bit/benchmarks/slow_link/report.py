@@ -78,11 +78,36 @@ def overlap_rows(args, cells: Dict[tuple, Cell], est: Optional[dict] = None) -> 
                    "wait": s - loop, "exposed": o - loop, "exposed_vs_L_O": o - loop_o,
                    "waited": cells[(rate, both)].waited()}
             row["exposed_share"] = row["exposed"] / row["wait"] if row["wait"] > 0 else None
+            row["round_shares"] = round_shares(cells[(None, preset)], cells[(rate, preset)],
+                                               cells[(rate, both)])
             if predicted:
                 row["predicted_wait"] = predicted[(rate, preset)] - predicted[(None, preset)]
                 row["predicted_exposed"] = predicted[(rate, both)] - predicted[(None, preset)]
             rows.append(row)
     return rows
+
+
+def round_shares(loop: Cell, plain: Cell, both: Cell) -> list:
+    """The exposed share (O_R - L) / (S_R - L) of each round alone: its L, S_R and O_R runs
+    are minutes apart, where the table's medians pool runs up to an hour apart. Their
+    spread is how far one study can be trusted on a shared 2-core machine (L has moved by
+    a tenth between rounds). Rounds pair from the end: a calibration run is the first of
+    its cell. A round whose link wait is not positive has no share."""
+    rounds = min(len(loop.runs), len(plain.runs), len(both.runs))
+    shares = []
+    for k in range(-rounds, 0):
+        loop_s, plain_s, both_s = (statistics.median(cell.runs[k].step_times)
+                                   for cell in (loop, plain, both))
+        if plain_s > loop_s:
+            shares.append((both_s - loop_s) / (plain_s - loop_s))
+    return shares
+
+
+def _shares_text(shares: list) -> str:
+    if not shares:
+        return "-"
+    return (f"{100 * statistics.median(shares):.0f}% [{100 * min(shares):.0f}, "
+            f"{100 * max(shares):.0f}]")
 
 
 def overlap_table(args, cells: Dict[tuple, Cell], est: Optional[dict] = None) -> str:
@@ -91,9 +116,10 @@ def overlap_table(args, cells: Dict[tuple, Cell], est: Optional[dict] = None) ->
     if not rows:
         return ""
     head = ("| link | collectives | L s (no limit) | S_R s | O_R s (overlapped) "
-            "| link wait S_R - L s | exposed O_R - L s | exposed share | O_R - L_O s "
+            "| link wait S_R - L s | exposed O_R - L s | exposed share "
+            "| exposed share per round: median [min, max] | O_R - L_O s "
             "| overlapped vs not | rank 0 waited RS + AG s |")
-    lines = [head, "|---|---|" + "---:|" * 9]
+    lines = [head, "|---|---|" + "---:|" * 10]
     if est is not None:
         lines[0] += " predicted wait s | predicted exposed s |"
         lines[1] += "---:|---:|"
@@ -101,7 +127,7 @@ def overlap_table(args, cells: Dict[tuple, Cell], est: Optional[dict] = None) ->
         share = "-" if r["exposed_share"] is None else f"{100 * r['exposed_share']:.0f}%"
         line = (f"| {rate_label(r['rate'])} | {PRESET_LABELS[r['preset']]} | {r['L']:.3f} "
                 f"| {r['S']:.3f} | {r['O']:.3f} | {r['wait']:.3f} | {r['exposed']:.3f} | {share} "
-                f"| {r['exposed_vs_L_O']:.3f} | {r['S'] / r['O']:.2f}x "
+                f"| {_shares_text(r['round_shares'])} | {r['exposed_vs_L_O']:.3f} | {r['S'] / r['O']:.2f}x "
                 f"| {r['waited'][0]:.3f} + {r['waited'][1]:.3f} |")
         if est is not None:
             line += f" {r['predicted_wait']:.3f} | {r['predicted_exposed']:.3f} |"
