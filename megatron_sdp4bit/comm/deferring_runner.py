@@ -49,6 +49,9 @@ class DeferringRunner:
     """
 
     kind = "deferred"
+    # Every stage is issued at a call of the caller's, in its order, and the weight gathers
+    # one bucket group ahead as megatron issues its own: its groups may be the caller's.
+    private_groups = False
 
     def __init__(self, device: torch.device,
                  whole_bucket_elements: Optional[int] = ONE_QUEUE_WHOLE_BUCKET_ELEMENTS) -> None:
@@ -84,7 +87,10 @@ class DeferringRunner:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def close(self) -> None:
+        """Issue what is left and join the host with it (``StreamRunner.close`` says why)."""
         self.drain()
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def group_for(self, group):
         return group  # the caller issues everything, in its own order

@@ -156,6 +156,7 @@ class InlineRunner:
 
     kind = "inline"
     whole_bucket_elements = None  # the collectives' own chunks (comm/layout.py)
+    private_groups = False  # runs on the caller, in its order: the caller's groups
 
     def submit(self, job: Job, tensors: Sequence[torch.Tensor] = ()) -> Completion:  # noqa: ARG002
         job()
@@ -176,6 +177,12 @@ class StreamRunner:
 
     kind = "stream"
     whole_bucket_elements = None  # the collectives' own chunks (comm/layout.py)
+    # NCCL runs one communicator's collectives in the order they were issued, whatever
+    # stream issued them. On megatron's own data-parallel group, the weight gathers
+    # submitted at the optimizer step would hold up the collective megatron issues right
+    # after it on that group (Megatron-LM's loss all-reduce, on the compute stream): the
+    # next forward pass would wait for every gather. Private twins keep them apart.
+    private_groups = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -192,13 +199,19 @@ class StreamRunner:
         return Completion(device_done=done, device=self.device)
 
     def group_for(self, group):
-        return group
+        """The private twin of ``group`` (``private_groups``; raises when
+        ``topology.build_private_groups`` made none for it)."""
+        return private_group(group)
 
     def drain(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def close(self) -> None:
+        """Join the compute stream with the side stream, and the host with both: the
+        process groups may be destroyed next, which must not happen under hops still
+        in flight (NCCL may then hang or fail at exit)."""
         self.drain()
+        self.stream.synchronize()
 
 
 class ThreadRunner:
@@ -211,6 +224,7 @@ class ThreadRunner:
 
     kind = "thread"
     whole_bucket_elements = None  # the collectives' own chunks (comm/layout.py)
+    private_groups = True  # two threads issuing collectives on one gloo group may pair them wrongly
 
     def __init__(self, device: torch.device, name: str = "sdp4bit-collectives") -> None:
         self.device = torch.device(device)

@@ -9,7 +9,9 @@ is built and kept for the run:
 - gloo: a worker thread (``ThreadRunner``) on private twins of the data-parallel
   groups, made here on every rank in the same order, so its collectives never
   pair with megatron's own on the same group;
-- NCCL on CUDA: a side stream (``StreamRunner``) ordered after the compute stream;
+- NCCL on CUDA: a side stream (``StreamRunner``) ordered after the compute stream,
+  also on private twins, so megatron's own collectives on those groups never queue
+  behind its hops (NCCL runs one communicator's collectives in issue order);
   with ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (megatron asks for it under tensor or context
   parallelism) a side stream whose stages are issued at megatron's later calls
   (``DeferringRunner``), said in one INFO line;
@@ -67,7 +69,8 @@ def _one_queue(kind: str) -> str:
 
 def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
     """Choose ``state.runner`` at the first DDP construction that overlaps, and give a
-    thread runner private twins of ``groups`` (``rank_lists``: every rank's lists of each,
+    runner that asks for them (``private_groups``: the thread and stream runners) private
+    twins of ``groups`` (``rank_lists``: every rank's lists of each,
     a world collective made by the caller). Called by every rank at every DDP
     construction, in the same order."""
     ddp_config = adapter.ddp_config(ddp)
@@ -113,7 +116,7 @@ def set_up_runner(state, adapter, ddp, groups, rank_lists) -> None:
                         "(tensor and context parallel size 1, or Blackwell GPUs) to issue every "
                         "stage at once", ONE_QUEUE_WHOLE_BUCKET_ELEMENTS >> 20)
         state.runner = make_runner(kind, device)
-    if getattr(state.runner, "kind", None) != "thread":
+    if not getattr(state.runner, "private_groups", False):
         return
     for lists in rank_lists:
         build_private_groups(lists)

@@ -240,6 +240,21 @@ def _connect_groups(layer, ddp) -> None:
         connect(topology, adapter.bucket_grad_data(buckets[0]).device, state.connected_groups)
 
 
+def say_if_cuda_runs_reference(state, device) -> None:
+    """One WARNING where the collectives' tensors are on CUDA but the quantization would
+    run the torch reference (``quant.cuda_runs_reference``): it reads a value back to the
+    host in every quantization, so each waits for the GPU, and nothing overlaps."""
+    if (device is None or torch.device(device).type != "cuda" or state.reference_on_cuda_said
+            or not quant.cuda_runs_reference()):
+        return
+    state.reference_on_cuda_said = True
+    logger.warning("SDP4Bit: the quantization runs the torch reference on CUDA (Triton is not "
+                   "importable, or SDP4BIT_QUANT_BACKEND=torch): every quantization waits for "
+                   "the GPU, so the quantized collectives do not overlap the passes and steps "
+                   "are slower; install Triton (torch's CUDA wheels ship it) or unset "
+                   "SDP4BIT_QUANT_BACKEND")
+
+
 def _warm_up_kernels(layer, ddp) -> None:
     """Compile now, not in the first step, the kernels this model chunk's collectives
     will launch (``comm/kernel_specs.py``); nothing to do where the reference serves."""
@@ -273,6 +288,7 @@ def _warm_up_kernels(layer, ddp) -> None:
                 specs += all_gather_specs(params.numel() // size, size, params.dtype, config, rank=rank,
                                           buffer_offset=alignment_offset(params),
                                           whole=whole_bucket(params.numel(), whole))
+    say_if_cuda_runs_reference(state, device)
     new = [spec for spec in dict.fromkeys(specs) if spec not in state.warmed_up]
     if not new:
         return

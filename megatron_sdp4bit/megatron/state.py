@@ -89,6 +89,7 @@ class LayerState:
     warmed_up: set = field(default_factory=set)
     """The ``quant.KernelSpec``s compiled when DDP was built (``layer._warm_up_kernels``)."""
     warm_up_seconds: float = 0.0
+    reference_on_cuda_said: bool = False  # ``layer.say_if_cuda_runs_reference``, once a run
     connected_groups: list = field(default_factory=list)
     """The process groups ``comm.connect`` opened at DDP construction (NCCL's lazy set-up
     done there, not in the first backward pass)."""

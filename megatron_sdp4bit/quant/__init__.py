@@ -30,7 +30,7 @@ __all__ = [
     "dequantize_add_", "hadamard_quantize", "hadamard_quantize_rows",
     "dequantize_sum_requantize", "dequantize_sum", "backend_for",
     "SEGMENT_ALIGN", "segment_layout", "segment_nbytes", "wire_view", "empty_wire",
-    "KernelSpec", "warm_up", "prepare",
+    "KernelSpec", "warm_up", "prepare", "cuda_runs_reference",
 ]
 
 
@@ -43,15 +43,28 @@ def _triton_ops():
     return triton_ops
 
 
+def _triton_unless_forced_off():
+    """The Triton ops, or None where they cannot serve (not importable) or must not
+    (``SDP4BIT_QUANT_BACKEND=torch``)."""
+    if os.environ.get("SDP4BIT_QUANT_BACKEND", "auto") == "torch":
+        return None
+    return _triton_ops()
+
+
 def backend_for(t: torch.Tensor):
     """The module implementing the ops for tensor ``t``'s device: Triton on CUDA, and on
     any device inside ``launch_record.recording()``, where its launches are recorded
     rather than run (what the same call on a GPU would launch); the reference elsewhere."""
-    if os.environ.get("SDP4BIT_QUANT_BACKEND", "auto") != "torch":
-        ops = _triton_ops()
-        if ops is not None and (t.is_cuda or ops.launch_record.active()):
-            return ops
+    ops = _triton_unless_forced_off()
+    if ops is not None and (t.is_cuda or ops.launch_record.active()):
+        return ops
     return reference
+
+
+def cuda_runs_reference() -> bool:
+    """Whether CUDA tensors get the torch reference (``backend_for``): no Triton, or
+    ``SDP4BIT_QUANT_BACKEND=torch``."""
+    return _triton_unless_forced_off() is None
 
 
 def _tensor_of(q_or_t):

@@ -46,6 +46,9 @@ class FakeCuda:
             def wait_event(self, event):
                 cuda.log.append(("wait_event", name, event.name))
 
+            def synchronize(self):  # the host waits for this stream's work
+                cuda.log.append(("synchronize", name))
+
         return S()
 
     def Event(self):  # noqa: N802
@@ -146,10 +149,34 @@ def test_side_streams_outrank_the_compute_stream(cuda, make):
         runner.close()
 
 
-def test_drain_and_close_order_the_caller_after_the_side_stream(cuda):
-    side = StreamRunner(torch.device("cuda", 0))
+@pytest.mark.parametrize("make", [StreamRunner, DeferringRunner])
+def test_close_orders_the_caller_and_the_host_after_the_side_stream(cuda, make):
+    """The process groups may be destroyed right after close: with hops still in flight
+    on the side stream NCCL may hang or fail at exit, so the host waits for them."""
+    side = make(torch.device("cuda", 0))
     side.close()
+    assert cuda.log[-2:] == [("wait_stream", "compute", "side0"), ("synchronize", "side0")]
+
+
+def test_a_side_stream_runs_on_private_twins_of_the_callers_groups(cuda, monkeypatch):
+    """NCCL runs one communicator's collectives in the order they were issued: on
+    megatron's own data-parallel group, its loss all-reduce right after the optimizer step
+    would wait for every weight gather the stream runner prefetched there, and the next
+    forward pass with it. The deferring runner issues in the caller's order: its own."""
+    from megatron_sdp4bit.comm import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "private_group", lambda group: ("twin of", group))
+    side = StreamRunner(torch.device("cuda", 0))
+    assert side.private_groups and side.group_for("dp group") == ("twin of", "dp group")
+    deferring = DeferringRunner(torch.device("cuda", 0))
+    assert not deferring.private_groups and deferring.group_for("dp group") == "dp group"
+
+
+def test_drain_orders_the_caller_after_the_side_stream_and_leaves_the_host_free(cuda):
+    side = StreamRunner(torch.device("cuda", 0))
+    side.drain()
     assert cuda.log[-1] == ("wait_stream", "compute", "side0")
+    assert not any(e[0] == "synchronize" for e in cuda.log)
 
 
 def test_the_runner_kind_follows_the_backend_that_serves_the_device(monkeypatch):

@@ -269,8 +269,13 @@ def _asked(monkeypatch, caplog, requested: str, backend: str, grads_on: str):
     from megatron_sdp4bit.comm import runner_choice
     from megatron_sdp4bit.megatron import background
 
+    from megatron_sdp4bit.comm.deferring_runner import DeferringRunner
+    from megatron_sdp4bit.comm.runner import InlineRunner, StreamRunner, ThreadRunner
+
+    runners = {cls.kind: cls for cls in (InlineRunner, StreamRunner, ThreadRunner, DeferringRunner)}
     monkeypatch.setattr(runner_choice, "backend_of", lambda group, device: backend)
-    monkeypatch.setattr(background, "make_runner", lambda kind, device: types.SimpleNamespace(kind=kind))
+    monkeypatch.setattr(background, "make_runner", lambda kind, device: types.SimpleNamespace(
+        kind=kind, private_groups=runners[kind].private_groups))
     twins = []
     monkeypatch.setattr(background, "build_private_groups", twins.append)
     monkeypatch.setattr(background, "private_group", lambda group: group)
@@ -299,7 +304,11 @@ def test_the_runner_flag_takes_the_runner_it_names_and_says_so(monkeypatch, capl
     assert kind == requested
     assert len(lines) == 1 and lines[0].startswith(f"SDP4Bit: --sdp4bit-runner {requested}: ")
     assert words in lines[0]
-    assert bool(twins) == (requested == "thread")  # only a worker thread needs private groups
+    # the runners whose collectives run beside the caller's get private groups: a worker
+    # thread (gloo pairs two threads' collectives on one group wrongly) and a side stream
+    # (NCCL runs one communicator's collectives in issue order, so megatron's own would
+    # queue behind the prefetched gathers); inline and deferred issue in the caller's order
+    assert bool(twins) == (requested in ("thread", "stream"))
 
 
 @pytest.mark.parametrize("requested, backend, grads_on, why", [
