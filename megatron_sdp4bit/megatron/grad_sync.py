@@ -73,7 +73,8 @@ def start_grad_sync(layer, bucket_group, force_all_reduce: Optional[bool] = Fals
         for grad_data in grads:  # every bucket group's: the sample spans the whole model
             limit = state.sample_limit(quant_metrics.GROUP_SAMPLE, grad_data.numel())
             state.metrics.record_group_shape(
-                quant_metrics.gradient_group_shape(grad_data, state.config, limit))
+                quant_metrics.gradient_group_shape(grad_data, state.config, limit),
+                state.iteration)
     ddp_config = adapter.ddp_config(bucket_group)
     op = torch.distributed.ReduceOp.AVG if ddp_config.average_in_collective else torch.distributed.ReduceOp.SUM
     async_op = bool(ddp_config.overlap_grad_reduce)

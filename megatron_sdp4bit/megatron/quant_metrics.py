@@ -13,7 +13,7 @@ conversion to floats happens when they are read.
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ class QuantErrorMetrics:
         self.interval = 0
         self._latest: Dict[str, torch.Tensor] = {}
         self._group_shapes: List[Dict[str, torch.Tensor]] = []
+        self._group_shapes_at: Optional[int] = None  # the sampled step they are of
 
     def set_interval(self, interval: int) -> None:
         """Sample on the last step of every ``interval`` steps; 0 turns sampling off."""
@@ -56,12 +57,16 @@ class QuantErrorMetrics:
         self._latest.clear()
         return samples
 
-    def record_group_shape(self, sample: Dict[str, torch.Tensor]) -> None:
-        """One buffer's ``gradient_group_shape``; a sampled step's buffers add up."""
+    def record_group_shape(self, sample: Dict[str, torch.Tensor], iteration: int) -> None:
+        """One buffer's ``gradient_group_shape`` at the sampled step ``iteration``; that
+        step's buffers add up. A later sampled step replaces what was not read, so a rank
+        that never reads keeps one step's device tensors, not every sampled step's."""
+        if iteration != self._group_shapes_at:
+            self._group_shapes, self._group_shapes_at = [], iteration
         self._group_shapes.append(sample)
 
     def read_group_shape(self) -> Dict[str, float]:
-        """The 4-bit gradient groups sampled since the last read, all buffers together:
+        """The 4-bit gradient groups of the latest sampled step not yet read, all buffers together:
         ``groups`` (how many), the crest factor's ``crest_median`` / ``crest_p99`` /
         ``crest_max`` and ``crest_share_above_8`` (all-zero groups left out), and the
         4-bit relative errors ``error_tlq`` (no rotation) and ``error_tlq_hs``. Empty

@@ -110,6 +110,24 @@ def checkpoint_refusal(args: argparse.Namespace, formats) -> Optional[str]:
     return None
 
 
+def loop_refusal(args: argparse.Namespace) -> Optional[str]:
+    """A feature of Megatron-LM's training loop that the layer cannot serve, or None."""
+    if getattr(args, "inprocess_restart", False):
+        # megatron tears down its groups and state and trains again in the same process;
+        # the layer's (its process groups, runner, rounding-stream names) would outlive it
+        return ("--inprocess-restart cannot run with SDP4Bit: the restart trains again in the same "
+                "process, where the layer's process groups and state from before it would be "
+                "reused, and its first quantized collective would fail; drop --inprocess-restart "
+                "(a restarted job resumes from the last checkpoint with --load)")
+    if getattr(args, "save_params_interval", None) and getattr(args, "overlap_param_gather", False):
+        # Megatron-LM copies param.data to the host right after the optimizer step, where
+        # the layer's prefetched weight gathers are still writing the weights
+        return ("--save-params-interval saves the weights right after the optimizer step, while "
+                "SDP4Bit's weight gathers (--overlap-param-gather) are still writing them; drop "
+                "--save-params-interval or --overlap-param-gather")
+    return None
+
+
 def refuse_before_training(args: argparse.Namespace, config: Optional[SDP4BitConfig], formats) -> None:
     """Refuse (``refuse``) what the run with ``args`` and ``config`` would die of later;
     ``formats``: the release's checkpoint formats that carry the layer's state
@@ -117,6 +135,8 @@ def refuse_before_training(args: argparse.Namespace, config: Optional[SDP4BitCon
     if config is None:
         return
     message = layer_refusal(args, config)
+    if message is None and config.enabled:
+        message = loop_refusal(args)
     if message is None and config.enabled and formats is not None:
         message = checkpoint_refusal(args, formats)
     if message is not None:

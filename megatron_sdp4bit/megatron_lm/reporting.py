@@ -154,12 +154,15 @@ def _is_last_rank() -> bool:
 
 
 def _start(sites: RouteSites, figures: LayerFigures, model) -> None:
-    """Once, when training starts: the error sampling interval, the counters' origin,
+    """Once, when training starts: the error sampling interval (on the last rank, which
+    alone reads the samples: sampling draws from a private generator, so the ranks'
+    collectives are the same either way), the counters' origin,
     rank 0's install line and its plan (the nodes found, each data-parallel group's
     hops: ``patch.collective_plan``) for ``model``, Megatron-LM's list of DDP chunks."""
     if not patch.is_installed() or figures.start_iteration is not None:
         return
-    patch.set_metrics_interval(int(sites.get_args().log_interval))
+    if _is_last_rank():  # the one rank that reads the samples (its log line, its summary)
+        patch.set_metrics_interval(int(sites.get_args().log_interval))
     figures.start(int(getattr(sites.get_args(), "iteration", 0) or 0))  # 0, or where it resumed
     if torch.distributed.get_rank() == 0:
         print(f"SDP4Bit installed (megatron-core {patch.adapter_minor()} adapter, "

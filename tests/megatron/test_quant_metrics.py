@@ -165,8 +165,8 @@ def test_the_rotation_pays_on_heavy_tailed_groups_only():
     spiky[::128] = 30.0  # about 30 standard deviations: crest about 10.6
     state = torch.get_rng_state()
     metrics = QuantErrorMetrics()
-    for values in (gaussian, spiky):
-        metrics.record_group_shape(gradient_group_shape(values, preset("sdp4bit")))
+    for step, values in enumerate((gaussian, spiky)):
+        metrics.record_group_shape(gradient_group_shape(values, preset("sdp4bit")), step)
         shape = metrics.read_group_shape()
         assert shape["groups"] == values.numel() // 128
         if values is gaussian:
@@ -185,11 +185,26 @@ def test_a_sampled_steps_buffers_add_up():
     a, b = torch.randn(128 * 40, generator=generator), torch.randn(128 * 24, generator=generator) * 5
     config = preset("sdp4bit")
     metrics = QuantErrorMetrics()
-    metrics.record_group_shape(gradient_group_shape(a, config))
-    metrics.record_group_shape(gradient_group_shape(b, config))
+    metrics.record_group_shape(gradient_group_shape(a, config), 9)
+    metrics.record_group_shape(gradient_group_shape(b, config), 9)
     both = metrics.read_group_shape()
     alone = {name: float(v) for name, v in gradient_group_shape(torch.cat([a, b]), config).items()
              if name != "crest"}
     assert both["groups"] == 64
     # the same sums, up to the rounding draws (another generator offset for b)
     assert both["error_tlq"] == pytest.approx((alone["error2_tlq"] / alone["norm2"]) ** 0.5, rel=0.05)
+
+
+def test_a_rank_that_never_reads_keeps_one_sampled_step_not_every_one():
+    """Megatron-LM's route reads the samples on the last rank only: on a rank that never
+    reads, every sampled step used to append its buffers' device tensors for the whole
+    run. A later sampled step now replaces what was not read."""
+    generator = torch.Generator().manual_seed(2)
+    config = preset("sdp4bit")
+    metrics = QuantErrorMetrics()
+    for step in range(9, 1000, 10):  # a hundred sampled steps, two buffers each, unread
+        for numel in (128 * 8, 128 * 4):
+            metrics.record_group_shape(
+                gradient_group_shape(torch.randn(numel, generator=generator), config), step)
+    assert len(metrics._group_shapes) == 2  # the last sampled step's two buffers
+    assert metrics.read_group_shape()["groups"] == 12

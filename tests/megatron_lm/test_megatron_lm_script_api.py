@@ -226,6 +226,27 @@ def test_local_non_persistent_checkpoints_are_refused_before_training(argv, refu
         assert message is None
 
 
+@pytest.mark.parametrize("argv, refused", [
+    (["--inprocess-restart"], "--inprocess-restart cannot run with SDP4Bit: "),
+    (["--save-params-interval", "10", "--overlap-param-gather"],
+     "--save-params-interval saves the weights right after the optimizer step"),
+    (["--save-params-interval", "10"], None),  # the gathers run in the step: nothing in flight
+    (["--overlap-param-gather"], None),
+])
+def test_loop_features_the_layer_cannot_serve_are_refused_before_training(argv, refused):
+    """An in-process restart would reuse the layer's groups and state from before it; a
+    params save right after the step would read weights its gathers are still writing."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--inprocess-restart", action="store_true")
+    parser.add_argument("--overlap-param-gather", action="store_true")
+    parser.add_argument("--save-params-interval", type=int)
+    message = refusals.loop_refusal(parser.parse_args(argv))
+    if refused is None:
+        assert message is None
+    else:
+        assert message.startswith(refused) and "\n" not in message and "drop" in message
+
+
 def _megatron_training_importable() -> bool:
     import importlib.util
 
