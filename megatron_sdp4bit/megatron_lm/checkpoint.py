@@ -9,8 +9,15 @@ shards would be lost (megatron saves the reconstructed weights as its main param
 checkpoint and comes back with it, bit for bit.
 
 Where: each rank writes ``<iteration folder>/sdp4bit/rank_<global rank>.pt`` (the
-folder megatron saved, ``iter_0000010/``), after megatron's own save returned. One
-file per rank, beside megatron's files rather than an entry of its state dict, because
+folder megatron saves, ``iter_0000010/``) before megatron's own save runs: that save
+ends by naming the iteration in its tracker file (``latest_checkpointed_iteration.txt``,
+and with ``--save-retain-interval`` it then deletes the previous one), and a job killed
+between the tracker and a later write of the layer's files would leave a latest
+checkpoint that ``--sdp4bit`` refuses. The layer's state is final there (megatron's
+``force_param_sync`` ran, ``state_dict`` drains the runner). A non-persistent save
+(``--non-persistent-save-interval``, global) writes them after, as megatron keeps only
+the newest ``iter_*`` folder there when a save starts: one of the layer's own would
+make it delete the last complete one. One file per rank, beside megatron's files rather than an entry of its state dict, because
 the state is per rank (each rank's rounding streams, each data-parallel rank's 1/DP
 main shards) while the ``torch`` format writes its state dict on data-parallel rank 0
 only, and ``torch_dist`` saves non-sharded entries from rank 0 only: one file per
@@ -26,6 +33,7 @@ says in one line that it leaves that state unused.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from typing import Optional
 
@@ -36,7 +44,7 @@ from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.megatron.adapters.route_sites import RouteSites
 from megatron_sdp4bit.megatron.args import SDP4BitFlagError, config_from_args
 from megatron_sdp4bit.megatron_lm import resume_state
-from megatron_sdp4bit.megatron_lm.resume_state import rank_file
+from megatron_sdp4bit.megatron_lm.resume_state import FOLDER, rank_file
 from megatron_sdp4bit.patching import Patches
 
 
@@ -67,21 +75,57 @@ def _save_folder(sites: RouteSites, iteration: int, call: dict) -> str:
                                                    return_base_dir=True)
 
 
+def _write_rank_file(sites: RouteSites, optimizer, folder: str) -> None:
+    path = rank_file(folder, torch.distributed.get_rank())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    state = {"layout": _layout(sites, optimizer), "state": patch.state_dict(optimizer)}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a file that exists is complete
+
+
+OVERWRITING = "Overwriting old incomplete / corrupted checkpoint"
+"""megatron-core's warning (``dist_checkpointing.save``, ``torch_dist``) when the folder it
+saves into is not empty."""
+
+
+class _OnlyTheLayersFolder(logging.Filter):
+    """Drops ``OVERWRITING`` while ``folder`` holds nothing but the layer's own files, which
+    were written there first on purpose; any other content keeps the warning."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.getMessage().startswith(OVERWRITING):
+            return True
+        try:
+            return os.listdir(self.folder) != [FOLDER]
+        except OSError:
+            return True
+
+
 def _wrap_save(sites: RouteSites, original):
     signature = inspect.signature(original)
+    megatrons_warning = logging.getLogger("megatron.core.dist_checkpointing.serialization")
 
     def save_checkpoint(*args, **kwargs):
-        result = original(*args, **kwargs)
         call = signature.bind_partial(*args, **kwargs).arguments
         optimizer = call.get("optimizer")
         if not patch.is_installed() or optimizer is None:
+            return original(*args, **kwargs)
+        folder = _save_folder(sites, call["iteration"], call)
+        if call.get("non_persistent_ckpt", False):
+            result = original(*args, **kwargs)
+            _write_rank_file(sites, optimizer, folder)
             return result
-        path = rank_file(_save_folder(sites, call["iteration"], call), torch.distributed.get_rank())
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        state = {"layout": _layout(sites, optimizer), "state": patch.state_dict(optimizer)}
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)  # a file that exists is complete
-        return result
+        _write_rank_file(sites, optimizer, folder)  # before megatron names the iteration
+        quiet = _OnlyTheLayersFolder(folder)
+        megatrons_warning.addFilter(quiet)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            megatrons_warning.removeFilter(quiet)
 
     save_checkpoint.__wrapped__ = original
     return save_checkpoint

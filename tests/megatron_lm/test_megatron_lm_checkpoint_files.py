@@ -186,3 +186,73 @@ def test_the_gradient_group_shape_goes_to_the_iteration_line():
                "grad-groups-error-tlq": 0.2634, "grad-groups-error-tlq-hs": 0.1612}
     assert reporting.iteration_line_fields(figures).endswith(
         " sdp4bit grad groups crest p99: 9.50 (2.13% above 8), 4-bit error TLq/TLq-HS: 0.263/0.161 |")
+
+
+def _save_sites(tmp_path, monkeypatch, seen):
+    """Megatron-LM's ``save_checkpoint`` stood in by one that records, when it runs, whether
+    this rank's layer file already exists, names the iteration in its tracker file, and
+    logs megatron-core's warning about a non-empty folder (as ``torch_dist`` does)."""
+    import logging
+    from types import SimpleNamespace
+
+    from megatron_sdp4bit.megatron import patch
+
+    monkeypatch.setattr(patch, "is_installed", lambda: True)
+    monkeypatch.setattr(patch, "state_dict", lambda optimizer: {"iteration": 5})
+    monkeypatch.setattr(patch, "optimizer_group", lambda optimizer: (0, 1))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    args = SimpleNamespace(save=str(tmp_path), non_persistent_global_ckpt_dir=None)
+
+    def get_checkpoint_name(save_dir, iteration, release=False, return_base_dir=True):
+        return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                        checkpointing_context=None, non_persistent_ckpt=False, **_):
+        save_dir = os.path.join(str(tmp_path), "np") if non_persistent_ckpt else str(tmp_path)
+        folder = get_checkpoint_name(save_dir, iteration)
+        seen.append(os.path.exists(resume_state.rank_file(folder, 0)))
+        os.makedirs(folder, exist_ok=True)
+        logging.getLogger("megatron.core.dist_checkpointing.serialization").warning(
+            checkpoint.OVERWRITING + "...")
+        with open(os.path.join(str(tmp_path), "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(iteration))
+
+    checkpointing = SimpleNamespace(get_checkpoint_name=get_checkpoint_name, _NON_PERSISTENT_CKPT_SUBDIR="np")
+    sites = SimpleNamespace(get_args=lambda: args, checkpointing=checkpointing)
+    return checkpoint._wrap_save(sites, save_checkpoint)
+
+
+def test_the_layers_files_exist_before_megatron_names_the_iteration(tmp_path, monkeypatch, caplog):
+    """Megatron-LM's save ends by writing its tracker file (and may then delete the previous
+    checkpoint): the layer's files are written before it runs, so no kill can leave a latest
+    checkpoint without them. megatron-core's "Overwriting old incomplete" warning, which
+    those files would set off, is dropped while they are all the folder holds."""
+    import logging
+
+    seen = []
+    save = _save_sites(tmp_path, monkeypatch, seen)
+    with caplog.at_level(logging.WARNING, logger="megatron.core.dist_checkpointing.serialization"):
+        save(10, "model", "optimizer", None, 0)
+    assert seen == [True]
+    assert os.path.isfile(resume_state.rank_file(str(tmp_path / "iter_0000010"), 0))
+    assert not [r for r in caplog.records if checkpoint.OVERWRITING in r.getMessage()]
+    # a folder that holds something else really was an incomplete save: the warning stays
+    stale = tmp_path / "iter_0000020"
+    stale.mkdir()
+    (stale / "common.pt").write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="megatron.core.dist_checkpointing.serialization"):
+        save(20, "model", "optimizer", None, 0)
+    assert [r for r in caplog.records if checkpoint.OVERWRITING in r.getMessage()]
+    assert not logging.getLogger("megatron.core.dist_checkpointing.serialization").filters
+
+
+def test_a_non_persistent_save_writes_the_layers_files_after_megatrons(tmp_path, monkeypatch):
+    """megatron keeps only the newest ``iter_*`` folder of the non-persistent directory when
+    such a save starts: a folder of the layer's, made first, would make it delete the last
+    complete checkpoint."""
+    seen = []
+    save = _save_sites(tmp_path, monkeypatch, seen)
+    save(10, "model", "optimizer", None, 0, non_persistent_ckpt=True)
+    assert seen == [False]
+    assert os.path.isfile(resume_state.rank_file(str(tmp_path / "np" / "iter_0000010"), 0))
