@@ -66,7 +66,7 @@ class QuantErrorMetrics:
         self._group_shapes.append(sample)
 
     def read_group_shape(self) -> Dict[str, float]:
-        """The 4-bit gradient groups of the latest sampled step not yet read, all buffers together:
+        """The 4-bit gradient groups of the latest sampled step not yet read, all buffers:
         ``groups`` (how many), the crest factor's ``crest_median`` / ``crest_p99`` /
         ``crest_max`` and ``crest_share_above_8`` (all-zero groups left out), and the
         4-bit relative errors ``error_tlq`` (no rotation) and ``error_tlq_hs``. Empty

@@ -17,11 +17,12 @@ checkpoint that ``--sdp4bit`` refuses. The layer's state is final there (megatro
 ``force_param_sync`` ran, ``state_dict`` drains the runner). A non-persistent save
 (``--non-persistent-save-interval``, global) writes them after, as megatron keeps only
 the newest ``iter_*`` folder there when a save starts: one of the layer's own would
-make it delete the last complete one. One file per rank, beside megatron's files rather than an entry of its state dict, because
-the state is per rank (each rank's rounding streams, each data-parallel rank's 1/DP
-main shards) while the ``torch`` format writes its state dict on data-parallel rank 0
-only, and ``torch_dist`` saves non-sharded entries from rank 0 only: one file per
-rank is the same for both formats (and any other that saves an iteration folder).
+make it delete the last complete one. One file per rank, beside megatron's files rather
+than an entry of its state dict, because the state is per rank (each rank's rounding
+streams, each data-parallel rank's 1/DP main shards) while the ``torch`` format writes
+its state dict on data-parallel rank 0 only, and ``torch_dist`` saves non-sharded
+entries from rank 0 only: one file per rank is the same for both formats (and any other
+that saves an iteration folder).
 
 A load reads the folder megatron read (what ``_load_base_checkpoint`` returned while
 ``load_checkpoint`` ran) and what the checkpoint's saved args asked for; which state
