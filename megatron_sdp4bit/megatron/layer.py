@@ -18,6 +18,7 @@ The swapped methods hold their layer (a closure); which layer is installed is
 from __future__ import annotations
 
 import logging
+from typing import Optional, Tuple
 
 import torch
 
@@ -26,7 +27,7 @@ from megatron_sdp4bit.comm.connect import connect
 from megatron_sdp4bit.comm.kernel_specs import alignment_offset, all_gather_specs, reduce_scatter_specs
 from megatron_sdp4bit.comm.layout import whole_bucket
 from megatron_sdp4bit.config import SDP4BitConfig
-from megatron_sdp4bit.megatron import grad_sync, param_sync
+from megatron_sdp4bit.megatron import grad_sync, main_shards, param_sync
 from megatron_sdp4bit.megatron.background import set_up_runner
 from megatron_sdp4bit.comm.primitives import all_gather_flat, runs_on_host_staged_gloo
 from megatron_sdp4bit.megatron.config_refusals import (
@@ -115,27 +116,51 @@ class SDP4BitLayer:
     def state_dict(self, optimizer) -> dict:
         """What a resume needs beyond megatron's own checkpoint: the step count, this
         rank's quantizer RNG streams and, for fp32 params, the exact main shards
-        (megatron saves the reconstructed weights as its main params there)."""
+        (megatron saves the reconstructed weights as its main params there), keyed by
+        their bucket's place in the optimizer chain (``main_shards.py``)."""
         self.state.runner.drain()  # its collectives advance the streams read below
-        main_shards = {}
-        for opt in self.adapter.sub_optimizers(optimizer):
-            for key, bucket in self.adapter.buffer_buckets(opt):
+        shards = {}
+        for index, opt in enumerate(self.adapter.sub_optimizers(optimizer)):
+            for (buffer, bucket_index), bucket in self.adapter.buffer_buckets(opt):
                 kept = self.state.buckets.get(bucket)
                 if kept is not None and kept.main_shard is not None \
                         and self.adapter.bucket_param_data(bucket).dtype == torch.float32:
-                    main_shards[key] = kept.main_shard.clone()
+                    shards[(index, buffer, bucket_index)] = kept.main_shard.clone()
         return {"iteration": self.state.iteration, "rng": self.state.rounding_streams.states(),
-                "main_shards": main_shards}
+                "main_shards": shards}
+
+    def main_shards_refusal(self, saved: dict, optimizer) -> Optional[str]:
+        """The line refusing ``saved``'s exact main shards for this rank (they do not fit
+        its buckets), or None. Asked by the resume routes on every rank before any loads,
+        so that all act on one outcome; ``load_state_dict`` asks again for callers that
+        did not."""
+        return self._saved_main_shards(saved, optimizer)[2]
+
+    def _saved_main_shards(self, saved: dict, optimizer) -> Tuple[dict, list, Optional[str]]:
+        """(the shards under this rank's keys, the buckets whose shard an older save
+        replaced, the refusal or None): ``main_shards.py``."""
+        sizes = main_shards.fp32_shard_sizes(self.adapter, optimizer)
+        shards, replaced = main_shards.under_current_keys((saved or {}).get("main_shards") or {}, list(sizes))
+        return shards, replaced, main_shards.misfit(shards, sizes)
 
     def load_state_dict(self, saved: dict, optimizer) -> None:
         if not saved:
             return
+        shards, replaced, refusal = self._saved_main_shards(saved, optimizer)
+        if refusal is not None:
+            raise ValueError(f"SDP4Bit state: {refusal}")
+        if replaced:
+            logger.warning("SDP4Bit: this checkpoint was saved by an older release that kept one exact fp32 "
+                           "main shard per (buffer, bucket) for megatron's whole optimizer chain: %d "
+                           "bucket(s) (optimizer, buffer, bucket) %s continue from the reconstructed weights "
+                           "megatron saved, identical on every rank, not from their exact main weights",
+                           len(replaced), replaced)
         self.state.runner.drain()
         self.state.iteration = saved["iteration"]
         self.state.rounding_streams.set_states(saved["rng"])
-        for opt in self.adapter.sub_optimizers(optimizer):
-            for key, bucket in self.adapter.buffer_buckets(opt):
-                main = saved["main_shards"].get(key)
+        for index, opt in enumerate(self.adapter.sub_optimizers(optimizer)):
+            for (buffer, bucket_index), bucket in self.adapter.buffer_buckets(opt):
+                main = shards.get((index, buffer, bucket_index))
                 if main is None:
                     continue
                 # Asked here, not per optimizer: megatron's optimizers that are not
@@ -156,10 +181,7 @@ def _put_exact_weights(own, main, params, group, size: int) -> None:
     weights are the param buffer) and the exact ones beside them: resumed without weight
     quantization, each rank writes its exact shard back and every rank gathers them all,
     so training continues from the exact weights on identical replicas."""
-    if own.numel() != main.numel():
-        raise ValueError(f"the checkpoint's exact main shard has {main.numel()} elements, this "
-                         f"rank's shard {own.numel()}: it was saved with another data-parallel size")
-    own.copy_(main)
+    own.copy_(main)  # of the shard's size: ``main_shards.misfit``
     if size > 1:
         flat = params.view(-1)
         all_gather_flat(flat, own.contiguous().clone(), group, async_op=False)

@@ -32,7 +32,8 @@ from megatron_sdp4bit.megatron.layer import SDP4BitLayer
 __all__ = ["install", "uninstall", "is_installed", "current_config", "adapter_minor", "set_iteration",
            "get_iteration", "set_metrics_interval", "quantization_errors",
            "gradient_group_shape", "wire_stats",
-           "replica_checks_passed", "kernel_warm_up", "memory", "state_dict", "load_state_dict",
+           "replica_checks_passed", "kernel_warm_up", "memory", "state_dict", "main_shards_refusal",
+           "load_state_dict",
            "optimizer_group", "after_optimizer_load", "drain", "collective_plan", "collective_waits"]
 
 
@@ -190,7 +191,17 @@ def state_dict(optimizer) -> dict:
     return {} if layer is None else layer.state_dict(optimizer)
 
 
+def main_shards_refusal(state: dict, optimizer) -> Optional[str]:
+    """The line refusing a saved layer ``state`` whose exact fp32 main shards do not fit
+    this rank's buckets, or None (also without a layer). Not collective: the resume
+    routes agree on it between the ranks before ``load_state_dict``."""
+    layer = INSTALLED.layer
+    return None if layer is None or not state else layer.main_shards_refusal(state, optimizer)
+
+
 def load_state_dict(state: dict, optimizer) -> None:
+    """Restore what ``state_dict`` saved; raises ``ValueError`` with the line of
+    ``main_shards_refusal`` when its main shards do not fit."""
     layer = INSTALLED.layer
     if layer is not None:
         layer.load_state_dict(state, optimizer)

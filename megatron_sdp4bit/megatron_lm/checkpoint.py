@@ -210,6 +210,9 @@ def _restore(sites: RouteSites, optimizer, folder: str, with_layer: Optional[boo
         decision = resume_state.decide(folder, _layout(sites, optimizer), with_layer)
     except resume_state.Refused as refused:
         decision = refused
+    misfit = None if isinstance(decision, resume_state.Refused) else patch.main_shards_refusal(decision, optimizer)
+    if misfit is not None:
+        decision = resume_state.Refused(f"{folder}: {misfit}")
     reports = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(reports, resume_state.report(decision))
     refusal = resume_state.agree(folder, reports)

@@ -267,8 +267,8 @@ def _resume_without_weight_quantization(rank, world_size):
     trainer = TinyGPTTrainer(TinyGPTSpec(dtype="fp32"))
     trainer.train_steps(3)
     saved = patch.state_dict(trainer.optimizer)
-    keyed = [kb for opt in layer.adapter.sub_optimizers(trainer.optimizer)
-             for kb in layer.adapter.buffer_buckets(opt)]
+    keyed = [((index, *key), bucket) for index, opt in enumerate(layer.adapter.sub_optimizers(trainer.optimizer))
+             for key, bucket in layer.adapter.buffer_buckets(opt)]
     before = [layer.adapter.bucket_param_data(b).clone() for _, b in keyed]
     patch.uninstall()
     layer = patch.install(preset("baseline"))

@@ -33,7 +33,7 @@ def _save(folder, world, dp, main_shards=False, model_parallel=(1, 1, 1, 1)):
         path = resume_state.rank_file(str(folder), rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         state = {"iteration": 7, "rng": {("cpu", 1234, rank, "grads"): torch.tensor([rank], dtype=torch.uint8)},
-                 "main_shards": {(0, 0): torch.full((4,), float(rank))} if main_shards else {}}
+                 "main_shards": {(0, 0, 0): torch.full((4,), float(rank))} if main_shards else {}}
         torch.save({"layout": _layout(world, dp, rank, model_parallel), "state": state}, path)
 
 
@@ -42,7 +42,7 @@ def test_same_layout_takes_its_own_file(tmp_path):
     state = decide(str(tmp_path), _layout(4, 4, 2), saved_with_layer=True)
     assert state["iteration"] == 7
     assert list(state["rng"]) == [("cpu", 1234, 2, "grads")]
-    assert torch.equal(state["main_shards"][(0, 0)], torch.full((4,), 2.0))
+    assert torch.equal(state["main_shards"][(0, 0, 0)], torch.full((4,), 2.0))
 
 
 def test_another_data_parallel_size_keeps_the_step_count_and_saved_streams(tmp_path):
@@ -256,3 +256,30 @@ def test_a_non_persistent_save_writes_the_layers_files_after_megatrons(tmp_path,
     save(10, "model", "optimizer", None, 0, non_persistent_ckpt=True)
     assert seen == [False]
     assert os.path.isfile(resume_state.rank_file(str(tmp_path / "np" / "iter_0000010"), 0))
+
+
+def _restore_on_one_rank(tmp_path, monkeypatch, misfit):
+    """``checkpoint._restore`` on a world of one rank, the layer stood in: its refusal
+    of the saved main shards is ``misfit``; returns what it loaded."""
+    from types import SimpleNamespace
+
+    from megatron_sdp4bit.megatron import patch
+
+    loaded = []
+    monkeypatch.setattr(patch, "optimizer_group", lambda optimizer: (0, 1))
+    monkeypatch.setattr(patch, "main_shards_refusal", lambda state, optimizer: misfit)
+    monkeypatch.setattr(patch, "load_state_dict", lambda state, optimizer: loaded.append(state))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, obj, group=None: out.__setitem__(0, obj))
+    _save(tmp_path, world=1, dp=1, main_shards=True)
+    checkpoint._restore(SimpleNamespace(get_args=SimpleNamespace), "optimizer", str(tmp_path), True, 7)
+    return loaded
+
+
+def test_main_shards_that_do_not_fit_are_refused_in_one_line_before_any_rank_loads(
+        tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        _restore_on_one_rank(tmp_path, monkeypatch, "its exact fp32 main shard of bucket 1 ... does not fit")
+    assert f"sdp4bit: {tmp_path}: its exact fp32 main shard of bucket 1 ... does not fit" in capsys.readouterr().err
+    assert len(_restore_on_one_rank(tmp_path, monkeypatch, None)) == 1

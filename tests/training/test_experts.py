@@ -6,11 +6,13 @@ expert-data-parallel group ({0, 2}, {1, 3}) spans both nodes and its buckets tak
 hops on groups of their own, beside the dense DP-4 buckets. Runs: the same model
 dense and with experts, both with Megatron's overlap flags (as users train); the MoE
 run without them, its collectives counted per bucket group; the overlapped MoE run
-split in two by a checkpoint. The tests read: each expert-parallel rank starts from experts of its own, the loss falls, the replicas of each
-expert-parallel rank are bit-identical after every step (the two ranks hold other
-experts), the layer's replica check ran for both optimizers of megatron's chain every
-step, every expert bucket group's collectives were quantized, the MoE run's bytes
-ratio is within 0.05 of the dense run's, and the resume is bit-identical. Bad
+split in two by a checkpoint, and in fp32. The tests read: each expert-parallel rank
+starts from experts of its own, the loss falls, the replicas of each expert-parallel
+rank are bit-identical after every step (the two ranks hold other experts), the
+layer's replica check ran for both optimizers of megatron's chain every step, every
+expert bucket group's collectives were quantized, the MoE run's bytes ratio is within
+0.05 of the dense run's, and the resume is bit-identical, in bf16 and with fp32
+params (whose checkpoint carries both optimizers' exact main shards). Bad
 mixture-of-experts flags are refused in one line naming the flag.
 """
 from __future__ import annotations
@@ -32,6 +34,7 @@ COMMON = [
     "--default-corpus-mb", "1", "--split", "90,10,0", "--no-progress-bar",
     "--sdp4bit", "--sdp4bit-ranks-per-node", "2", "--sdp4bit-check-interval", "1",
 ]
+FP32, FP32_STEPS = [flag for flag in COMMON if flag != "--bf16"], SAVED_AT + 2
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--bucket-size", "20000"]
 EXPERTS = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2"]
 
@@ -50,8 +53,8 @@ def _experts_world(rank, world_size, root):
     from megatron_sdp4bit.training.arguments import parse_args
     from megatron_sdp4bit.training.checkpoint import CheckpointError
 
-    def go(name, extra, iters=STEPS, counts=None):
-        args = parse_args(COMMON + extra + ["--train-iters", str(iters), "--run-dir", os.path.join(root, name)])
+    def go(name, extra, iters=STEPS, counts=None, common=COMMON):
+        args = parse_args(common + extra + ["--train-iters", str(iters), "--run-dir", os.path.join(root, name)])
         counting = count_collectives_per_chunk(counts) if counts is not None else None
         at_start = {}
 
@@ -73,6 +76,10 @@ def _experts_world(rank, world_size, root):
         "moe_sync": go("moe_sync", EXPERTS, counts={}),
         "first_half": go("first_half", OVERLAP + EXPERTS + ["--save", ckpt], SAVED_AT),
         "second_half": go("second_half", OVERLAP + EXPERTS + ["--load", ckpt]),
+        # fp32 params: the checkpoint carries each optimizer's exact main shards
+        "fp32": go("fp32", OVERLAP + EXPERTS, FP32_STEPS, common=FP32),
+        "fp32_first": go("fp32_first", OVERLAP + EXPERTS + ["--save", ckpt + "_fp32"], SAVED_AT, common=FP32),
+        "fp32_second": go("fp32_second", OVERLAP + EXPERTS + ["--load", ckpt + "_fp32"], FP32_STEPS, common=FP32),
     }
     # the checkpoint holds half the experts per rank: another EP is refused
     results["other_ep"] = refusal(lambda: go("other_ep", OVERLAP + ["--num-experts", "4", "--load", ckpt]),
@@ -153,6 +160,19 @@ def test_resume_is_bit_identical(runs):
     for r in results:
         assert r["second_half"]["weights_sha256"] == r["moe"]["weights_sha256"]
         assert r["second_half"]["weights_sha256_per_step"] == r["moe"]["weights_sha256_per_step"][SAVED_AT:]
+
+
+def test_an_fp32_resume_is_bit_identical_from_both_optimizers_exact_main_shards(runs):
+    """fp32 params: megatron saves the reconstructed weights, the layer each bucket's exact
+    main shard, the dense and the expert optimizer's under keys of their own (an older
+    release let the expert buckets' shards replace the dense ones': the losses left the
+    straight run at the second step after the resume)."""
+    root, results = runs
+    straight = train_log(root, "fp32")
+    resumed = {**train_log(root, "fp32_first"), **train_log(root, "fp32_second")}
+    assert [resumed[i] for i in range(1, FP32_STEPS + 1)] == [straight[i] for i in range(1, FP32_STEPS + 1)]
+    for r in results:
+        assert r["fp32_second"]["weights_sha256_per_step"] == r["fp32"]["weights_sha256_per_step"][SAVED_AT:]
 
 
 def test_a_resume_with_another_expert_parallel_size_is_refused_naming_the_flag(runs):

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from megatron_sdp4bit.megatron import patch
 from megatron_sdp4bit.training.checkpoint.common import (
     LATEST, RANK_FILE, CheckpointError, adapter, all_gather, first_line, model_holder, rank_and_world,
     rank_file)
@@ -91,6 +92,9 @@ def _agreed_load(directory: str, saved_layout: dict, layout: dict, reshard: bool
     try:
         with torch.no_grad():  # fp32 params: megatron's main params are views of them
             state = loader(directory, saved_layout, model, optimizer, scheduler, global_batch_size)
+        misfit = patch.main_shards_refusal((state.get("extra") or {}).get("sdp4bit"), optimizer)
+        if misfit is not None:
+            raise CheckpointError(f"{directory}: {misfit}")
     except Exception as exc:  # agreed below, so that no rank goes on alone
         error, failure = exc, f"rank {rank}: {first_line(exc)}"
     failures = [f for f in all_gather(failure) if f]
