@@ -58,21 +58,25 @@ class RoundingStreams:
         with self._lock:
             return {key: gen.get_state() for key, gen in self._generators.items()}
 
-    def set_states(self, states: dict) -> None:
+    def set_states(self, states: dict, seed: Optional[int] = None) -> None:
         """Restore the streams saved by ``states`` (others are forgotten), each on this
         process's device of the type it was saved on: a resume may put a rank on
         another GPU than the one that saved it (another launcher, another GPU count).
         Streams of a device type this process does not have (a GPU run resumed on a
-        CPU) are dropped: they start again from their seed."""
+        CPU) are dropped: they start again from their seed. ``seed``: the seed this
+        process looks the streams up by, when it is not the one that drew them (a run
+        resumed with another ``--sdp4bit-seed`` continues the checkpoint's streams; a
+        stream already saved under ``seed`` is kept over one re-keyed to it)."""
         with self._lock:
             self._generators.clear()
-            for (saved_device, *rest), state in states.items():
+            ordered = sorted(states.items(), key=lambda item: seed is not None and item[0][1] == seed)
+            for (saved_device, saved_seed, *rest), state in ordered:  # under ``seed`` last: it wins
                 device = device_here(saved_device)
                 if device is None:
                     continue
                 gen = torch.Generator(device=device)
                 gen.set_state(state.to("cpu") if hasattr(state, "to") else state)
-                self._generators[(str(device), *rest)] = gen
+                self._generators[(str(device), saved_seed if seed is None else seed, *rest)] = gen
 
 
 def device_here(saved_device: str) -> Optional[torch.device]:

@@ -131,17 +131,17 @@ class SDP4BitLayer:
 
     def main_shards_refusal(self, saved: dict, optimizer) -> Optional[str]:
         """The line refusing ``saved``'s exact main shards for this rank (they do not fit
-        its buckets), or None. Asked by the resume routes on every rank before any loads,
-        so that all act on one outcome; ``load_state_dict`` asks again for callers that
-        did not."""
+        its buckets), or None. The resume routes ask it on every rank and agree on the
+        answer before the layer takes any state, so that all act on one outcome;
+        ``load_state_dict`` asks again for callers that did not."""
         return self._saved_main_shards(saved, optimizer)[2]
 
     def _saved_main_shards(self, saved: dict, optimizer) -> Tuple[dict, list, Optional[str]]:
         """(the shards under this rank's keys, the buckets whose shard an older save
         replaced, the refusal or None): ``main_shards.py``."""
-        sizes = main_shards.fp32_shard_sizes(self.adapter, optimizer)
-        shards, replaced = main_shards.under_current_keys((saved or {}).get("main_shards") or {}, list(sizes))
-        return shards, replaced, main_shards.misfit(shards, sizes)
+        buckets = main_shards.fp32_buckets(self.adapter, optimizer)
+        shards, replaced = main_shards.under_current_keys((saved or {}).get("main_shards") or {}, buckets)
+        return shards, replaced, main_shards.misfit(shards, buckets)
 
     def load_state_dict(self, saved: dict, optimizer) -> None:
         if not saved:
@@ -157,7 +157,8 @@ class SDP4BitLayer:
                            len(replaced), replaced)
         self.state.runner.drain()
         self.state.iteration = saved["iteration"]
-        self.state.rounding_streams.set_states(saved["rng"])
+        # under this run's seed: another --sdp4bit-seed on resume continues the saved streams
+        self.state.rounding_streams.set_states(saved["rng"], seed=self.state.config.seed)
         for index, opt in enumerate(self.adapter.sub_optimizers(optimizer)):
             for (buffer, bucket_index), bucket in self.adapter.buffer_buckets(opt):
                 main = shards.get((index, buffer, bucket_index))

@@ -16,8 +16,9 @@ key; the buckets whose shards it replaced continue from the reconstructed weight
 saved, said in one warning.
 
 A saved shard that does not fit this rank's bucket (another ``--ddp-bucket-size``,
-data-parallel size or model) is refused in one line before anything is loaded: taking it
-would give a rank wrong weights, dropping it would quietly leave the exact run.
+data-parallel size or model) is refused in one line, on every rank alike, before the
+layer takes any state: taking it would give a rank wrong weights, dropping it would
+quietly leave the exact run.
 """
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ Key = Tuple[int, int, int]
 """(sub-optimizer, buffer, bucket): a bucket's place in megatron's optimizer chain."""
 
 
-def fp32_shard_sizes(adapter, optimizer) -> Dict[Key, int]:
-    """This rank's shard size of every bucket of fp32 params, in the chain's order."""
-    sizes = {}
+def fp32_buckets(adapter, optimizer) -> Dict[Key, Tuple[int, int]]:
+    """(this rank's shard size, the data-parallel size) of every bucket of fp32 params, in
+    the chain's order."""
+    buckets = {}
     for index, opt in enumerate(adapter.sub_optimizers(optimizer)):
         # asked only for an optimizer with buckets: a plain one has no data-parallel group
         fp32 = [(key, bucket) for key, bucket in adapter.buffer_buckets(opt)
@@ -40,33 +42,35 @@ def fp32_shard_sizes(adapter, optimizer) -> Dict[Key, int]:
             continue
         rank, size = adapter.optimizer_group(opt)
         for (buffer, bucket_index), bucket in fp32:
-            sizes[(index, buffer, bucket_index)] = adapter.param_shard(bucket, size, rank).numel()
-    return sizes
+            buckets[(index, buffer, bucket_index)] = (adapter.param_shard(bucket, size, rank).numel(), size)
+    return buckets
 
 
-def under_current_keys(saved: dict, keys: List[Key]) -> Tuple[dict, List[Key]]:
-    """(``saved``'s shards keyed as this release keys them, the buckets of ``keys`` whose
-    shard an older save replaced with another sub-optimizer's). ``keys``: this run's
-    fp32 buckets in the chain's order, as the older save iterated them."""
+def under_current_keys(saved: dict, buckets: Dict[Key, Tuple[int, int]]) -> Tuple[dict, List[Key]]:
+    """(``saved``'s shards keyed as this release keys them, the buckets whose shard an older
+    save replaced with another sub-optimizer's). ``buckets``: this run's fp32 buckets
+    (``fp32_buckets``), whose layout the saved run had."""
     old = [key for key in saved if len(key) == 2]
     if not old:
         return dict(saved), []
     owner = {}
-    for key in keys:  # the older save's dict kept the last sub-optimizer's shard
-        owner[key[1:]] = key
+    for key, (_, size) in buckets.items():  # in the chain's order, as the older save iterated
+        if size > 1:  # only a gathered bucket had a main shard to save (and to replace)
+            owner[key[1:]] = key  # its dict kept the last sub-optimizer's shard
     shards = {key: shard for key, shard in saved.items() if len(key) == 3}
     shards.update({owner.get(key, (0, *key)): saved[key] for key in old})
-    replaced = [key for key in keys if key not in shards and key[1:] in owner and key[1:] in saved]
+    replaced = [key for key, (_, size) in buckets.items()
+                if size > 1 and key not in shards and key[1:] in saved]
     return shards, replaced
 
 
-def misfit(shards: dict, sizes: Dict[Key, int]) -> Optional[str]:
-    """The line refusing saved ``shards`` that do not fit this rank's fp32 buckets
-    (``sizes``); None when each has its bucket, of its size. A bucket without a saved
-    shard is fine: its weights were not quantized (a data-parallel size of 1, or a
+def misfit(shards: dict, buckets: Dict[Key, Tuple[int, int]]) -> Optional[str]:
+    """The line refusing saved ``shards`` that do not fit this rank's fp32 ``buckets``
+    (``fp32_buckets``); None when each has its bucket, of its size. A bucket without a
+    saved shard is fine: its weights were not quantized (a data-parallel size of 1, or a
     preset without qWD), so megatron's saved weights are the exact ones."""
     for key, shard in shards.items():
-        size = sizes.get(key)
+        size = buckets[key][0] if key in buckets else None
         if size != shard.numel():
             held = (f"of {size} elements here" if size is not None else
                     "which this run does not have (no such bucket of fp32 params)")

@@ -208,11 +208,16 @@ def _restore(sites: RouteSites, optimizer, folder: str, with_layer: Optional[boo
     """This rank's state from ``folder``, once every rank has decided alike (``resume_state``)."""
     try:
         decision = resume_state.decide(folder, _layout(sites, optimizer), with_layer)
+        misfit = patch.main_shards_refusal(decision, optimizer)
+        if misfit is not None:
+            decision = resume_state.Refused(f"{folder}: {misfit}")
     except resume_state.Refused as refused:
         decision = refused
-    misfit = None if isinstance(decision, resume_state.Refused) else patch.main_shards_refusal(decision, optimizer)
-    if misfit is not None:
-        decision = resume_state.Refused(f"{folder}: {misfit}")
+    except Exception as error:  # raised here alone, it would leave the other ranks in the all-gather
+        decision = resume_state.Refused(
+            f"{folder}: rank {torch.distributed.get_rank()} cannot take its SDP4Bit state ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else 'no message'}); load an earlier iteration "
+            "(--ckpt-step), or resume this one without --sdp4bit")
     reports = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(reports, resume_state.report(decision))
     refusal = resume_state.agree(folder, reports)

@@ -44,3 +44,24 @@ def test_restored_streams_continue_where_they_were_saved():
     again = restored.generator_for(torch.device("cpu"), 7, 2, "grads")
     assert torch.equal(torch.rand(8, generator=again), expected)
     assert rounding_streams.stream_seed(7, 2, "grads") != rounding_streams.stream_seed(7, 3, "grads")
+
+
+def test_streams_restored_under_another_seed_continue_the_saved_ones():
+    """A run resumed with another ``--sdp4bit-seed`` looks its streams up by that seed:
+    they continue the checkpoint's (as the resume's warning says), not start afresh; a
+    stream saved under that seed already is kept over one re-keyed to it."""
+    streams = RoundingStreams()
+    gen = streams.generator_for(torch.device("cpu"), 1, 0, "grads")
+    torch.rand(5, generator=gen)
+    saved = streams.states()
+    expected = torch.rand(8, generator=gen)
+    restored = RoundingStreams()
+    restored.set_states(saved, seed=5)
+    assert list(restored.states()) == [("cpu", 5, 0, "grads")]
+    assert torch.equal(torch.rand(8, generator=restored.generator_for(torch.device("cpu"), 5, 0, "grads")),
+                       expected)
+    in_use = torch.Generator().manual_seed(99)
+    both = {("cpu", 5, 0, "grads"): in_use.get_state(), **saved}
+    restored.set_states(both, seed=5)
+    assert torch.equal(torch.rand(8, generator=restored.generator_for(torch.device("cpu"), 5, 0, "grads")),
+                       torch.rand(8, generator=in_use))

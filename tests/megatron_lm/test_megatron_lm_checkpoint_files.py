@@ -260,14 +260,20 @@ def test_a_non_persistent_save_writes_the_layers_files_after_megatrons(tmp_path,
 
 def _restore_on_one_rank(tmp_path, monkeypatch, misfit):
     """``checkpoint._restore`` on a world of one rank, the layer stood in: its refusal
-    of the saved main shards is ``misfit``; returns what it loaded."""
+    of the saved main shards is ``misfit`` (or it raises ``misfit``); returns what it
+    loaded."""
     from types import SimpleNamespace
 
     from megatron_sdp4bit.megatron import patch
 
     loaded = []
     monkeypatch.setattr(patch, "optimizer_group", lambda optimizer: (0, 1))
-    monkeypatch.setattr(patch, "main_shards_refusal", lambda state, optimizer: misfit)
+    def refusal(state, optimizer):
+        if isinstance(misfit, Exception):
+            raise misfit
+        return misfit
+
+    monkeypatch.setattr(patch, "main_shards_refusal", refusal)
     monkeypatch.setattr(patch, "load_state_dict", lambda state, optimizer: loaded.append(state))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 1)
@@ -277,9 +283,19 @@ def _restore_on_one_rank(tmp_path, monkeypatch, misfit):
     return loaded
 
 
-def test_main_shards_that_do_not_fit_are_refused_in_one_line_before_any_rank_loads(
+def test_main_shards_that_do_not_fit_are_refused_in_one_line_on_every_rank(
         tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         _restore_on_one_rank(tmp_path, monkeypatch, "its exact fp32 main shard of bucket 1 ... does not fit")
     assert f"sdp4bit: {tmp_path}: its exact fp32 main shard of bucket 1 ... does not fit" in capsys.readouterr().err
     assert len(_restore_on_one_rank(tmp_path, monkeypatch, None)) == 1
+
+
+def test_a_state_this_rank_cannot_take_is_refused_in_one_line_not_raised_alone(tmp_path, monkeypatch, capsys):
+    """Raised on one rank before the ranks compare their decisions, an error would leave
+    the others waiting in the all-gather: it becomes this rank's refusal."""
+    with pytest.raises(SystemExit):
+        _restore_on_one_rank(tmp_path, monkeypatch, TypeError("object of type 'int' has no len()"))
+    err = capsys.readouterr().err
+    assert f"sdp4bit: {tmp_path}: rank 0 cannot take its SDP4Bit state (TypeError: object of type 'int' has " \
+           "no len()); load an earlier iteration (--ckpt-step)" in err

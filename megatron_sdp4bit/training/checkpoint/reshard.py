@@ -11,11 +11,11 @@ continues its own, a new rank starts its streams from the seed.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_sdp4bit.megatron.main_shards import Key, fp32_shard_sizes, under_current_keys
+from megatron_sdp4bit.megatron.main_shards import Key, fp32_buckets, under_current_keys
 from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter, first_line, rank_and_world, rank_file
 from megatron_sdp4bit.training.checkpoint.model_record import load_model
 from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
@@ -117,15 +117,15 @@ def _cut_entry(entry: dict, shard_start: int, saved_local: int, saved_size: int,
     return out
 
 
-def _main_shard(saved: SavedRanks, key: Key, keys: List[Key], shard: torch.Tensor, dp_rank: int,
-                saved_size: int, saved_local: int) -> torch.Tensor:
+def _main_shard(saved: SavedRanks, key: Key, buckets: Dict[Key, Tuple[int, int]], shard: torch.Tensor,
+                dp_rank: int, saved_size: int, saved_local: int) -> torch.Tensor:
     """This rank's 1/DP slice of a bucket's exact main weights, cut from the saved
     ranks' slices it overlaps (``shard`` holds the current weights, kept where the
-    saved run had only padding). ``keys``: this run's fp32 buckets, which read a
+    saved run had only padding). ``buckets``: this run's fp32 buckets, which read a
     file an older release keyed otherwise (``main_shards.under_current_keys``)."""
     start, end = dp_rank * shard.numel(), (dp_rank + 1) * shard.numel()
     for k in range(start // saved_local, min(saved_size, -(-end // saved_local))):
-        old, _ = under_current_keys(saved(k)["extra"]["sdp4bit"]["main_shards"], keys)
+        old, _ = under_current_keys(saved(k)["extra"]["sdp4bit"]["main_shards"], buckets)
         lo, hi = max(start, k * saved_local), min(end, (k + 1) * saved_local)
         shard[lo - start:hi - start] = old[key][lo - k * saved_local:hi - k * saved_local]
     return shard
@@ -138,8 +138,8 @@ def reshard_layer_state(saved: SavedRanks, base: dict, own: bool, optimizer, sav
     fp32 bucket) cut from the saved ranks' shards."""
     main_shards = {}
     if base.get("main_shards"):
-        keys = list(fp32_shard_sizes(adapter(), optimizer))
-        first, _ = under_current_keys(base["main_shards"], keys)
+        buckets = fp32_buckets(adapter(), optimizer)
+        first, _ = under_current_keys(base["main_shards"], buckets)
         for index, opt in enumerate(adapter().sub_optimizers(optimizer)):
             dp_rank, size = adapter().optimizer_group(opt)
             for (buffer, bucket_index), bucket in adapter().buffer_buckets(opt):
@@ -147,7 +147,8 @@ def reshard_layer_state(saved: SavedRanks, base: dict, own: bool, optimizer, sav
                 if key not in first:
                     continue
                 shard = adapter().param_shard(bucket, size, dp_rank).detach().float().clone().cpu()
-                main_shards[key] = _main_shard(saved, key, keys, shard, dp_rank, saved_size, first[key].numel())
+                main_shards[key] = _main_shard(saved, key, buckets, shard, dp_rank, saved_size,
+                                               first[key].numel())
     return {"iteration": base["iteration"], "rng": base["rng"] if own else {}, "main_shards": main_shards}
 
 
