@@ -46,7 +46,24 @@ def _statuses(stdout: str) -> dict:
     return {name: status for status, name in LINE.findall(stdout)}
 
 
+def _carried_megatron_core() -> str:
+    """The megatron-core release the GPU check carries to the GPU machine (which has none):
+    ``scripts/gpu_check_prepare.sh``'s pin."""
+    with open(os.path.join(ROOT, "scripts", "gpu_check_prepare.sh")) as f:
+        return re.search(r'^mcore="megatron-core==([0-9.]+)"', f.read(), re.M).group(1)
+
+
+def _megatron_core_here() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-core")
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(_megatron_core_here() != _carried_megatron_core(),
+                    reason="the GPU check runs on the megatron-core it carries "
+                           f"({_carried_megatron_core()}, scripts/gpu_check_prepare.sh): its CPU self-test "
+                           "runs against that release, in `make test`")
 def test_cpu_smoke_runs_every_step_and_writes_the_results(tmp_path):
     result = subprocess.run(["bash", SCRIPT, "--cpu-smoke", "--work", str(tmp_path / "work")],
                             cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True,
