@@ -120,12 +120,11 @@ class SDP4BitLayer:
         their bucket's place in the optimizer chain (``main_shards.py``)."""
         self.state.runner.drain()  # its collectives advance the streams read below
         shards = {}
-        for index, opt in enumerate(self.adapter.sub_optimizers(optimizer)):
-            for (buffer, bucket_index), bucket in self.adapter.buffer_buckets(opt):
-                kept = self.state.buckets.get(bucket)
-                if kept is not None and kept.main_shard is not None \
-                        and self.adapter.bucket_param_data(bucket).dtype == torch.float32:
-                    shards[(index, buffer, bucket_index)] = kept.main_shard.clone()
+        for key, _, bucket in main_shards.chain_buckets(self.adapter, optimizer):
+            kept = self.state.buckets.get(bucket)
+            if kept is not None and kept.main_shard is not None \
+                    and self.adapter.bucket_param_data(bucket).dtype == torch.float32:
+                shards[key] = kept.main_shard.clone()
         return {"iteration": self.state.iteration, "rng": self.state.rounding_streams.states(),
                 "main_shards": shards}
 
@@ -159,22 +158,21 @@ class SDP4BitLayer:
         self.state.iteration = saved["iteration"]
         # under this run's seed: another --sdp4bit-seed on resume continues the saved streams
         self.state.rounding_streams.set_states(saved["rng"], seed=self.state.config.seed)
-        for index, opt in enumerate(self.adapter.sub_optimizers(optimizer)):
-            for (buffer, bucket_index), bucket in self.adapter.buffer_buckets(opt):
-                main = shards.get((index, buffer, bucket_index))
-                if main is None:
-                    continue
-                # Asked here, not per optimizer: megatron's optimizers that are not
-                # distributed (a plain run) have no data-parallel group, and no shards.
-                rank, size = self.adapter.optimizer_group(opt)
-                group = self.adapter.optimizer_process_group(opt)
-                params = self.adapter.bucket_param_data(bucket)
-                main = main.to(params.device)
-                if self.state.config.quantize_weights and size > 1:
-                    self.state.bucket(bucket).main_shard = main  # qWD's next difference
-                else:  # nothing will gather differences: the weights are the exact ones
-                    _put_exact_weights(self.adapter.param_shard(bucket, size, rank), main,
-                                       params, group, size)
+        for key, opt, bucket in main_shards.chain_buckets(self.adapter, optimizer):
+            main = shards.get(key)
+            if main is None:
+                continue
+            # Asked here, not per optimizer: megatron's optimizers that are not
+            # distributed (a plain run) have no data-parallel group, and no shards.
+            rank, size = self.adapter.optimizer_group(opt)
+            group = self.adapter.optimizer_process_group(opt)
+            params = self.adapter.bucket_param_data(bucket)
+            main = main.to(params.device)
+            if self.state.config.quantize_weights and size > 1:
+                self.state.bucket(bucket).main_shard = main  # qWD's next difference
+            else:  # nothing will gather differences: the weights are the exact ones
+                _put_exact_weights(self.adapter.param_shard(bucket, size, rank), main,
+                                   params, group, size)
 
 
 def _put_exact_weights(own, main, params, group, size: int) -> None:

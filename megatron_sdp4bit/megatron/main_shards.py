@@ -22,7 +22,7 @@ quietly leave the exact run.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -30,19 +30,22 @@ Key = Tuple[int, int, int]
 """(sub-optimizer, buffer, bucket): a bucket's place in megatron's optimizer chain."""
 
 
+def chain_buckets(adapter, optimizer) -> Iterator[Tuple[Key, Any, Any]]:
+    """(key, sub-optimizer, bucket) of every bucket of megatron's optimizer chain, in order."""
+    for index, opt in enumerate(adapter.sub_optimizers(optimizer)):
+        for (buffer, bucket_index), bucket in adapter.buffer_buckets(opt):
+            yield (index, buffer, bucket_index), opt, bucket
+
+
 def fp32_buckets(adapter, optimizer) -> Dict[Key, Tuple[int, int]]:
     """(this rank's shard size, the data-parallel size) of every bucket of fp32 params, in
     the chain's order."""
     buckets = {}
-    for index, opt in enumerate(adapter.sub_optimizers(optimizer)):
-        # asked only for an optimizer with buckets: a plain one has no data-parallel group
-        fp32 = [(key, bucket) for key, bucket in adapter.buffer_buckets(opt)
-                if adapter.bucket_param_data(bucket).dtype == torch.float32]
-        if not fp32:
-            continue
-        rank, size = adapter.optimizer_group(opt)
-        for (buffer, bucket_index), bucket in fp32:
-            buckets[(index, buffer, bucket_index)] = (adapter.param_shard(bucket, size, rank).numel(), size)
+    for key, opt, bucket in chain_buckets(adapter, optimizer):
+        if adapter.bucket_param_data(bucket).dtype == torch.float32:
+            # asked only for an optimizer with buckets: a plain one has no data-parallel group
+            rank, size = adapter.optimizer_group(opt)
+            buckets[key] = (adapter.param_shard(bucket, size, rank).numel(), size)
     return buckets
 
 

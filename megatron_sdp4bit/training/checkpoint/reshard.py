@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from megatron_sdp4bit.megatron.main_shards import Key, fp32_buckets, under_current_keys
+from megatron_sdp4bit.megatron.main_shards import Key, chain_buckets, fp32_buckets, under_current_keys
 from megatron_sdp4bit.training.checkpoint.common import CheckpointError, adapter, first_line, rank_and_world, rank_file
 from megatron_sdp4bit.training.checkpoint.model_record import load_model
 from megatron_sdp4bit.training.checkpoint.overrides import align_saved_groups, group_settings, settle_schedule
@@ -140,15 +140,12 @@ def reshard_layer_state(saved: SavedRanks, base: dict, own: bool, optimizer, sav
     if base.get("main_shards"):
         buckets = fp32_buckets(adapter(), optimizer)
         first, _ = under_current_keys(base["main_shards"], buckets)
-        for index, opt in enumerate(adapter().sub_optimizers(optimizer)):
+        for key, opt, bucket in chain_buckets(adapter(), optimizer):
+            if key not in first:
+                continue
             dp_rank, size = adapter().optimizer_group(opt)
-            for (buffer, bucket_index), bucket in adapter().buffer_buckets(opt):
-                key = (index, buffer, bucket_index)
-                if key not in first:
-                    continue
-                shard = adapter().param_shard(bucket, size, dp_rank).detach().float().clone().cpu()
-                main_shards[key] = _main_shard(saved, key, buckets, shard, dp_rank, saved_size,
-                                               first[key].numel())
+            shard = adapter().param_shard(bucket, size, dp_rank).detach().float().clone().cpu()
+            main_shards[key] = _main_shard(saved, key, buckets, shard, dp_rank, saved_size, first[key].numel())
     return {"iteration": base["iteration"], "rng": base["rng"] if own else {}, "main_shards": main_shards}
 
 
